@@ -1,0 +1,29 @@
+"""Multi-LoRA math: the torch reference path and (on CUDA) the fused Triton path.
+
+Dimension letters used throughout `ops` (and the rest of the package):
+
+- ``T``: tokens in one packed microbatch, grouped adapter-major.
+- ``H``: hidden size, the linear layer's in-features.
+- ``N``: the linear layer's out-features.
+- ``R``: LoRA rank; packed tensors use ``R`` = the largest rank of the layer.
+- ``A``: adapters in the run (dense ids ``0..A-1``).
+- ``M``: microbatches.
+"""
+
+from megatron_lorafusion.ops.layout import AdapterLayout
+from megatron_lorafusion.ops.lora_linear import (
+    dropout_keep_mask,
+    lora_down_ref,
+    lora_linear,
+    lora_linear_ref,
+    lora_up_ref,
+)
+
+__all__ = [
+    "AdapterLayout",
+    "dropout_keep_mask",
+    "lora_down_ref",
+    "lora_linear",
+    "lora_linear_ref",
+    "lora_up_ref",
+]

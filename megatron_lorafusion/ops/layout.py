@@ -1,0 +1,109 @@
+"""`AdapterLayout`: how the tokens of one packed microbatch are grouped by adapter.
+
+Built once per microbatch (by `data`) and shared by every LoRA layer of the model; the
+autograd functions save the layout they ran with, so backward never reads global state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class AdapterLayout:
+    """Adapter-major grouping of a packed microbatch of ``T`` tokens.
+
+    Adapter ``a`` owns token rows ``seg_offsets[a]:seg_offsets[a + 1]``; an adapter with no
+    tokens in this microbatch has an empty segment. Each segment is a run of whole samples
+    (sequences), whose boundaries ``cu_seqlens`` give to varlen attention.
+
+    Attributes:
+        seg_offsets: (A + 1,) int64 on CPU, token offset of each adapter's segment.
+        cu_seqlens: (S + 1,) int32 on the compute device, token offset of each sample.
+        max_seqlen: longest sample, in tokens.
+        dropout_seed: seed of this microbatch's dropout masks; layers mix in their own id.
+    """
+
+    seg_offsets: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    dropout_seed: int = 0
+    _device_cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_samples(
+        cls,
+        sample_adapters: Sequence[int],
+        sample_lengths: Sequence[int],
+        num_adapters: int,
+        device: torch.device | str = "cpu",
+        dropout_seed: int = 0,
+    ) -> AdapterLayout:
+        """Build the layout of samples already ordered adapter-major.
+
+        Args:
+            sample_adapters: adapter id of each sample, non-decreasing.
+            sample_lengths: token count of each sample (> 0).
+            num_adapters: ``A``, the number of adapters in the run.
+            device: where ``cu_seqlens`` lives (the model's device).
+            dropout_seed: seed of this microbatch's dropout masks.
+
+        Raises:
+            ValueError: on unordered adapters, ids outside ``[0, A)`` or empty samples.
+        """
+        if len(sample_adapters) != len(sample_lengths):
+            raise ValueError(
+                f"sample_adapters has {len(sample_adapters)} entries, "
+                f"sample_lengths has {len(sample_lengths)}"
+            )
+        if any(b < a for a, b in zip(sample_adapters, sample_adapters[1:], strict=False)):
+            raise ValueError(f"samples must be ordered adapter-major, got {list(sample_adapters)}")
+        if any(not 0 <= a < num_adapters for a in sample_adapters):
+            raise ValueError(f"adapter ids must lie in [0, {num_adapters}), got {sample_adapters}")
+        if any(n <= 0 for n in sample_lengths):
+            raise ValueError(f"sample lengths must be positive, got {list(sample_lengths)}")
+        counts = [0] * num_adapters
+        for a, n in zip(sample_adapters, sample_lengths, strict=True):
+            counts[a] += n
+        seg_offsets = torch.zeros(num_adapters + 1, dtype=torch.int64)
+        seg_offsets[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
+        cu_seqlens = torch.zeros(len(sample_lengths) + 1, dtype=torch.int32)
+        cu_seqlens[1:] = torch.cumsum(torch.tensor(list(sample_lengths), dtype=torch.int32), 0)
+        return cls(
+            seg_offsets=seg_offsets,
+            cu_seqlens=cu_seqlens.to(device),
+            max_seqlen=max(sample_lengths, default=0),
+            dropout_seed=dropout_seed,
+        )
+
+    @property
+    def num_adapters(self) -> int:
+        """``A``, adapters in the run (including those with no tokens here)."""
+        return self.seg_offsets.numel() - 1
+
+    @property
+    def num_tokens(self) -> int:
+        """``T``, tokens in the microbatch."""
+        return int(self.seg_offsets[-1])
+
+    def token_counts(self) -> list[int]:
+        """Tokens of each adapter in this microbatch, a list of ``A`` ints."""
+        return torch.diff(self.seg_offsets).tolist()
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """``(adapter, start, end)`` for each adapter with at least one token."""
+        offsets = self.seg_offsets.tolist()
+        return [(a, offsets[a], offsets[a + 1]) for a in range(self.num_adapters)
+                if offsets[a + 1] > offsets[a]]
+
+    def row_adapter(self, device: torch.device | str) -> torch.Tensor:
+        """(T,) int64 adapter id of each token row, cached per device."""
+        key = ("row_adapter", str(device))
+        if key not in self._device_cache:
+            counts = torch.diff(self.seg_offsets)
+            rows = torch.repeat_interleave(torch.arange(self.num_adapters), counts)
+            self._device_cache[key] = rows.to(device)
+        return self._device_cache[key]

@@ -1,0 +1,188 @@
+"""Multi-adapter LoRA linear: ``Y = X·Wᵀ + b + s_a·(drop_a(X)·A_aᵀ)·B_aᵀ`` per adapter segment.
+
+This file holds the public functional `lora_linear` and its readable torch reference,
+split at the small tensor ``S = drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206,
+Sec. 4): `lora_down_ref` makes ``S``, `lora_up_ref` maps it back to the output width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lorafusion.ops.layout import AdapterLayout
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (microbatch, layer) seeds apart
+
+
+def dropout_keep_mask(
+    layout: AdapterLayout,
+    dropouts: Sequence[float],
+    hidden: int,
+    layer_seed: int,
+    device: torch.device | str,
+) -> torch.Tensor | None:
+    """Draw the LoRA-input dropout mask of one layer for one microbatch.
+
+    The mask depends only on ``(layout.dropout_seed, layer_seed)``, so activation
+    recompute regenerates it exactly.
+
+    Args:
+        layout: the microbatch's adapter layout.
+        dropouts: (A,) dropout probability of each adapter, in [0, 1).
+        hidden: ``H``, the layer's in-features.
+        layer_seed: a number unique to the layer (its index in the model).
+        device: device of the mask.
+
+    Returns:
+        (T, H) bool keep-mask (True keeps the element), or None when no adapter with
+        tokens in this microbatch uses dropout.
+    """
+    counts = layout.token_counts()
+    if not any(dropouts[a] > 0 and counts[a] > 0 for a in range(layout.num_adapters)):
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed((layout.dropout_seed * _SEED_MIX + layer_seed) % (2**63))
+    p_rows = torch.tensor(list(dropouts), dtype=torch.float32)[layout.row_adapter("cpu")]
+    draws = torch.rand(layout.num_tokens, hidden, generator=generator, device=device)
+    return draws >= p_rows.to(device)[:, None]
+
+
+def lora_down_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    dropouts: Sequence[float],
+    layout: AdapterLayout,
+    keep_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Down-projection with inverted dropout: ``S[seg_a] = drop_a(X[seg_a])·A_aᵀ``.
+
+    Args:
+        x: (T, H) activations, rows grouped by adapter.
+        lora_a: (A, R, H) down-projections, zero-padded beyond each adapter's rank.
+        dropouts: (A,) dropout probability per adapter.
+        layout: the microbatch's adapter layout.
+        keep_mask: (T, H) bool, True keeps; None applies no dropout.
+
+    Returns:
+        (T, R) tensor ``S`` in ``x``'s dtype.
+    """
+    parts = []
+    for adapter, start, end in layout.segments():
+        x_seg = x[start:end]
+        if keep_mask is not None and dropouts[adapter] > 0:
+            x_seg = x_seg * keep_mask[start:end] / (1.0 - dropouts[adapter])
+        parts.append(x_seg @ lora_a[adapter].t())  # (T_a, R)
+    if not parts:
+        return x.new_zeros(0, lora_a.shape[1])
+    return torch.cat(parts)
+
+
+def lora_up_ref(
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    scalings: Sequence[float],
+    layout: AdapterLayout,
+) -> torch.Tensor:
+    """Up-projection: ``Δ[seg_a] = s_a·S[seg_a]·B_aᵀ``.
+
+    Args:
+        s: (T, R) output of `lora_down_ref`.
+        lora_b: (A, N, R) up-projections, zero-padded beyond each adapter's rank.
+        scalings: (A,) LoRA scale per adapter (alpha / r, or alpha / sqrt(r) for rsLoRA).
+        layout: the microbatch's adapter layout.
+
+    Returns:
+        (T, N) LoRA delta.
+    """
+    parts = [scalings[a] * (s[start:end] @ lora_b[a].t()) for a, start, end in layout.segments()]
+    if not parts:
+        return s.new_zeros(0, lora_b.shape[1])
+    return torch.cat(parts)
+
+
+def lora_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scalings: Sequence[float],
+    dropouts: Sequence[float],
+    layout: AdapterLayout,
+    keep_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference multi-LoRA linear, any device and dtype; the oracle for the fused path.
+
+    Args:
+        x: (T, H) activations, rows grouped by adapter.
+        weight: (N, H) frozen base weight.
+        bias: (N,) base bias or None.
+        lora_a: (A, R, H) down-projections.
+        lora_b: (A, N, R) up-projections.
+        scalings: (A,) LoRA scale per adapter.
+        dropouts: (A,) dropout probability per adapter.
+        layout: the microbatch's adapter layout.
+        keep_mask: (T, H) bool dropout keep-mask, or None for no dropout.
+
+    Returns:
+        (T, N) output ``X·Wᵀ + b + LoRA delta``.
+    """
+    s = lora_down_ref(x, lora_a, dropouts, layout, keep_mask)
+    return F.linear(x, weight, bias) + lora_up_ref(s, lora_b, scalings, layout)
+
+
+def _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if weight.dim() != 2 or weight.shape[1] != hidden:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected (N, H={hidden})")
+    out = weight.shape[0]
+    if lora_a.dim() != 3 or lora_a.shape[2] != hidden:
+        raise ValueError(f"lora_a has shape {tuple(lora_a.shape)}, expected (A, R, H={hidden})")
+    adapters, rank = lora_a.shape[:2]
+    if tuple(lora_b.shape) != (adapters, out, rank):
+        raise ValueError(
+            f"lora_b has shape {tuple(lora_b.shape)}, expected (A, N, R)=({adapters}, {out}, {rank})"
+        )
+    if layout.num_adapters != adapters or len(scalings) != adapters or len(dropouts) != adapters:
+        raise ValueError(
+            f"layout has {layout.num_adapters} adapters, lora_a {adapters}, "
+            f"scalings {len(scalings)}, dropouts {len(dropouts)}; they must agree"
+        )
+    if layout.num_tokens != tokens:
+        raise ValueError(f"layout covers {layout.num_tokens} tokens, x has T={tokens}")
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scalings: Sequence[float],
+    dropouts: Sequence[float],
+    layout: AdapterLayout,
+    *,
+    layer_seed: int = 0,
+    training: bool = True,
+) -> torch.Tensor:
+    """Multi-LoRA linear over adapter-major packed tokens (see `lora_linear_ref`).
+
+    Dropout is active only when ``training``; its mask comes from
+    ``(layout.dropout_seed, layer_seed)``.
+
+    Returns:
+        (T, N) output in ``x``'s dtype.
+
+    Raises:
+        ValueError: when shapes disagree; the message names the offending tensor.
+    """
+    _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout)
+    keep_mask = (
+        dropout_keep_mask(layout, dropouts, x.shape[1], layer_seed, x.device) if training else None
+    )
+    return lora_linear_ref(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep_mask)
