@@ -1,0 +1,427 @@
+"""The job file: typed dataclass configs, YAML loading with dotted overrides, validation.
+
+A YAML job maps one-to-one onto `JobConfig` (sections ``model``, ``adapters``, ``data``,
+``planner``, ``parallel``, ``train``, ``logging``). Every problem found is collected and raised
+together as one `ConfigError` whose lines read ``<section>.<field> must be <rule>, got <value>``.
+Loading touches no torch, CUDA or file outside the datasets it checks for existence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                 num_query_groups=2, vocab_size=260, max_position_embeddings=1024),
+    "small": dict(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
+                  num_query_groups=4, vocab_size=260, max_position_embeddings=2048),
+    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                        num_attention_heads=32, num_query_groups=8, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0),
+    "llama3.1-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                        num_attention_heads=32, num_query_groups=8, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0),
+}
+
+
+class ConfigError(ValueError):
+    """Every problem found in a job config, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid job config:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention), randomly initialised."""
+
+    preset: str | None = None
+    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b); explicit keys override it."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width H."""
+    ffn_hidden_size: int = 176
+    """SwiGLU inner width (each of gate and up)."""
+    num_attention_heads: int = 4
+    """Query heads; must divide hidden_size."""
+    num_query_groups: int = 2
+    """Key/value heads (grouped-query attention); must divide num_attention_heads."""
+    vocab_size: int = 260
+    """Vocabulary size; must cover the tokenizer (byte tokenizer: 259)."""
+    max_position_embeddings: int = 1024
+    """Longest sequence the rotary embedding is built for, in tokens."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    init_seed: int = 0
+    """Seed of the random base weights (the same seed gives the same frozen model)."""
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """A JSONL file of prompt/response rows for one adapter."""
+
+    path: str = ""
+    """JSONL file, one object per line; relative paths are taken from the working directory."""
+    prompt_field: str = "prompt"
+    """Key of the prompt text in each row."""
+    response_field: str = "response"
+    """Key of the response text in each row; the loss covers only these tokens by default."""
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """One LoRA adapter: its shape, its optimizer and its data."""
+
+    name: str = ""
+    """Unique name; also the export folder's name."""
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    """Where this adapter's training samples come from."""
+    rank: int = 8
+    """LoRA rank r (1..256)."""
+    alpha: float = 16.0
+    """LoRA alpha; scale = alpha / r (alpha / sqrt(r) with use_rslora)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input, in [0, 1)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+    target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
+    """Megatron linears to adapt: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    lr: float = 1e-3
+    """Peak learning rate of this adapter's AdamW."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
+    """Decay after warm-up (to min_lr_ratio × lr at the last step)."""
+    warmup_steps: int = 0
+    """Linear warm-up, in optimizer steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr for cosine/linear schedules."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    global_batch_size: int = 8
+    """Samples per optimizer step."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Tokenisation and truncation, shared by all adapters."""
+
+    tokenizer: Literal["byte"] = "byte"
+    """Tokenizer; ``byte`` needs no download (256 bytes + pad, bos, eos)."""
+    max_seq_length: int = 256
+    """Longest sample after the truncation policy, in tokens."""
+    truncation: Literal["truncate", "reject"] = "truncate"
+    """Longer samples are cut to max_seq_length, or rejected with an error naming them."""
+    train_on_prompt: bool = False
+    """Also put loss on prompt tokens (default: response tokens only)."""
+    shuffle: bool = True
+    """Shuffle each adapter's samples per epoch (seeded by train.seed)."""
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How samples of all adapters are packed into microbatches."""
+
+    solver: Literal["greedy", "milp"] = "greedy"
+    """Packing algorithm; milp falls back to greedy on timeout."""
+    token_capacity: int = 1024
+    """Tokens per microbatch (tile padding included); higher = fewer bubbles, more memory."""
+    tile_height: int = 1
+    """Kernel tile height in tokens; each adapter's segment is padded to a multiple of it."""
+    time_limit_s: float = 5.0
+    """Time limit of one MILP solve, in seconds."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallel sizes; data parallel size is world size / (tp × pp)."""
+
+    tp: int = 1
+    """Tensor parallel size."""
+    pp: int = 1
+    """Pipeline parallel size (stages)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training run."""
+
+    steps: int | None = None
+    """Optimizer steps per adapter (exactly one of steps and epochs)."""
+    epochs: int | None = None
+    """Passes over each adapter's dataset (exactly one of steps and epochs)."""
+    seed: int = 1234
+    """Seed of adapter init, shuffling and dropout."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Dtype of the frozen base and activations; adapters and optimizer states stay fp32."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available."""
+    output_dir: str = "runs/default"
+    """Checkpoints and exported adapters go here; created only after validation."""
+    save_every: int = 0
+    """Save adapter checkpoints every this many optimizer steps (0: only at the end)."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Progress and metrics."""
+
+    log_every: int = 1
+    """Log one line every this many optimizer steps of the slowest adapter."""
+    progress_bar: bool = True
+    """Show a tqdm bar on rank 0."""
+    level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"
+    """Python logging level."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A whole job: one YAML file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    adapters: list[AdapterConfig] = field(default_factory=list)
+    data: DataConfig = field(default_factory=DataConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    """Check ``value`` against the annotation ``tp``; nested dataclasses are built."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        (inner,) = [t for t in options if t is not type(None)]
+        return _convert(value, inner, where, problems)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            problems.append(f"{where} must be {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            problems.append(f"{where} must be a list, got {value!r}")
+            return value
+        (inner,) = typing.get_args(tp)
+        return [_convert(v, inner, f"{where}.{i}", problems) for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where, problems)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        problems.append(f"{where} must be a {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
+    """Build dataclass ``cls`` from a mapping, recording unknown keys and type errors."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        problems.append(f"{where} must be a mapping, got {raw!r}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1)
+            suffix = f"; did you mean {hint[0]!r}?" if hint else ""
+            problems.append(f"{where}.{key} is not a known key{suffix}")
+            continue
+        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", problems)
+    return cls(**kwargs)
+
+
+def _apply_preset(raw: dict, problems: list[str]) -> dict:
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("preset") is None:
+        return raw
+    preset = model["preset"]
+    if preset not in MODEL_PRESETS:
+        hint = difflib.get_close_matches(str(preset), MODEL_PRESETS, n=1)
+        suffix = f"; did you mean {hint[0]!r}?" if hint else ""
+        problems.append(f"model.preset must be one of {sorted(MODEL_PRESETS)}, "
+                        f"got {preset!r}{suffix}")
+        return raw
+    return {**raw, "model": {**MODEL_PRESETS[preset], **model}}
+
+
+def _set_dotted(raw: dict, dotted: str, problems: list[str]) -> None:
+    """Apply one ``a.b.c=value`` override (list items by index: ``adapters.0.lr=1e-4``)."""
+    key, sep, text = dotted.partition("=")
+    if not sep or not key:
+        problems.append(f"override {dotted!r} must look like section.key=value")
+        return
+    node: Any = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            problems.append(f"override {dotted!r}: {part!r} does not name a section or list item")
+            return
+    last = parts[-1]
+    value = yaml.safe_load(text)
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        problems.append(f"override {dotted!r}: {last!r} does not name a key")
+
+
+def validate(cfg: JobConfig) -> list[str]:
+    """Every cross-field rule of a job, checked once; returns the problems found."""
+    p: list[str] = []
+    m = cfg.model
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "vocab_size", "max_position_embeddings"):
+        if getattr(m, name) <= 0:
+            p.append(f"model.{name} must be > 0, got {getattr(m, name)}")
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        p.append(f"model.hidden_size must be divisible by model.num_attention_heads "
+                 f"({m.num_attention_heads}), got {m.hidden_size}")
+    if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
+        p.append(f"model.num_query_groups must divide model.num_attention_heads "
+                 f"({m.num_attention_heads}), got {m.num_query_groups}")
+    if cfg.data.tokenizer == "byte" and m.vocab_size < 259:
+        p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
+    if not cfg.adapters:
+        p.append("adapters must list at least one adapter, got none")
+    seen: set[str] = set()
+    for i, a in enumerate(cfg.adapters):
+        p.extend(_validate_adapter(a, f"adapters.{i}", seen))
+    if cfg.data.max_seq_length <= 0:
+        p.append(f"data.max_seq_length must be > 0, got {cfg.data.max_seq_length}")
+    if cfg.data.max_seq_length > m.max_position_embeddings:
+        p.append(f"data.max_seq_length must be <= model.max_position_embeddings "
+                 f"({m.max_position_embeddings}), got {cfg.data.max_seq_length}")
+    pl = cfg.planner
+    if pl.tile_height <= 0:
+        p.append(f"planner.tile_height must be > 0, got {pl.tile_height}")
+    elif cfg.data.max_seq_length > 0:
+        longest = -(-cfg.data.max_seq_length // pl.tile_height) * pl.tile_height
+        if pl.token_capacity < longest:
+            p.append(f"planner.token_capacity must hold one sample of data.max_seq_length "
+                     f"({cfg.data.max_seq_length} tokens, {longest} with tile padding), "
+                     f"got {pl.token_capacity}")
+    if pl.time_limit_s <= 0:
+        p.append(f"planner.time_limit_s must be > 0, got {pl.time_limit_s}")
+    for name in ("tp", "pp"):
+        if getattr(cfg.parallel, name) < 1:
+            p.append(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    t = cfg.train
+    if (t.steps is None) == (t.epochs is None):
+        p.append(f"train.steps or train.epochs must be set (exactly one), "
+                 f"got steps={t.steps}, epochs={t.epochs}")
+    for name in ("steps", "epochs"):
+        if getattr(t, name) is not None and getattr(t, name) <= 0:
+            p.append(f"train.{name} must be > 0, got {getattr(t, name)}")
+    if t.save_every < 0:
+        p.append(f"train.save_every must be >= 0, got {t.save_every}")
+    if not t.output_dir:
+        p.append("train.output_dir must be a path, got ''")
+    if cfg.logging.log_every <= 0:
+        p.append(f"logging.log_every must be > 0, got {cfg.logging.log_every}")
+    return p
+
+
+def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]:
+    p: list[str] = []
+    if not a.name:
+        p.append(f"{where}.name must be a non-empty string, got {a.name!r}")
+    elif a.name in seen:
+        p.append(f"{where}.name must be unique, got duplicate {a.name!r}")
+    seen.add(a.name)
+    if not 1 <= a.rank <= 256:
+        p.append(f"{where}.rank must be in [1, 256], got {a.rank}")
+    if a.alpha <= 0:
+        p.append(f"{where}.alpha must be > 0, got {a.alpha}")
+    if not 0.0 <= a.dropout < 1.0:
+        p.append(f"{where}.dropout must be in [0, 1), got {a.dropout}")
+    unknown = [t for t in a.target_modules if t not in TARGET_MODULES]
+    if unknown or not a.target_modules:
+        p.append(f"{where}.target_modules must be a non-empty subset of {list(TARGET_MODULES)}, "
+                 f"got {a.target_modules}")
+    if a.lr <= 0:
+        p.append(f"{where}.lr must be > 0, got {a.lr}")
+    if a.warmup_steps < 0:
+        p.append(f"{where}.warmup_steps must be >= 0, got {a.warmup_steps}")
+    if not 0.0 <= a.min_lr_ratio <= 1.0:
+        p.append(f"{where}.min_lr_ratio must be in [0, 1], got {a.min_lr_ratio}")
+    if a.weight_decay < 0:
+        p.append(f"{where}.weight_decay must be >= 0, got {a.weight_decay}")
+    if a.global_batch_size <= 0:
+        p.append(f"{where}.global_batch_size must be > 0, got {a.global_batch_size}")
+    if not a.dataset.path:
+        p.append(f"{where}.dataset.path must name a JSONL file, got ''")
+    elif not Path(a.dataset.path).is_file():
+        p.append(f"{where}.dataset.path must be an existing file, got {a.dataset.path!r} "
+                 f"(not found from {Path.cwd()})")
+    return p
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """Read, override and validate a YAML job file.
+
+    Args:
+        path: the YAML file.
+        overrides: dotted ``section.key=value`` strings applied after reading.
+
+    Returns:
+        The validated `JobConfig`.
+
+    Raises:
+        ConfigError: listing every problem (unknown keys, wrong types, broken rules).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"job file {str(path)!r} does not exist"])
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError([f"job file {str(path)!r} is not valid YAML: {err}"]) from err
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"job file {str(path)!r} must hold a mapping of sections"])
+    problems: list[str] = []
+    for dotted in overrides or []:
+        _set_dotted(raw, dotted, problems)
+    raw = _apply_preset(raw, problems)
+    cfg = _build(JobConfig, raw, "job", problems)
+    # Section names read better without the "job." prefix.
+    problems = [q.removeprefix("job.") for q in problems]
+    if not problems:
+        problems = validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def adapter_scaling(adapter: AdapterConfig) -> float:
+    """LoRA scale of ``adapter``: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return adapter.alpha / (adapter.rank**0.5 if adapter.use_rslora else adapter.rank)

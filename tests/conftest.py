@@ -1,0 +1,41 @@
+"""Shared fixtures: seeding, the `gpu`/`multigpu` markers, and Megatron process groups on CPU."""
+
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def pytest_collection_modifyitems(config, items):
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device; run on the GPU machine")
+    no_torchrun = pytest.mark.skip(reason="needs torchrun with several GPUs (WORLD_SIZE unset)")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if "multigpu" in item.keywords and "WORLD_SIZE" not in os.environ:
+            item.add_marker(no_torchrun)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    random.seed(0)
+    torch.manual_seed(0)
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def megatron_single_process():
+    """A one-process gloo world with Megatron's model-parallel groups (TP = PP = 1)."""
+    from megatron.core import parallel_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield parallel_state
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
