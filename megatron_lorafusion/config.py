@@ -229,7 +229,7 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
-        problems.append(f"{where} must be a {_type_name(tp)}, got {value!r}")
+        problems.append(f"{where} must be of type {_type_name(tp)}, got {value!r}")
     return value
 
 

@@ -1,0 +1,110 @@
+"""The single-stage training loop: run a plan's microbatches, step each adapter on its own.
+
+Each adapter's loss is the per-token mean over its own global batch: every microbatch adds
+``sum(token losses of adapter a) / (trained tokens in a's current global batch)`` to the
+objective, and adapter ``a`` steps its optimizer right after the backward of the microbatch
+that finishes its global batch (`Microbatch.finishes`), whatever the other adapters do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from megatron_lorafusion.data import PackedBatch
+from megatron_lorafusion.planner import Plan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterRun:
+    """One adapter's training state inside the loop.
+
+    Attributes:
+        name: adapter name (for logs).
+        optimizer: its AdamW.
+        scheduler: its learning-rate schedule, stepped with the optimizer.
+        batch_tokens: trained tokens of each of its global batches (the loss denominators).
+        losses: mean loss of each finished global batch, appended by the loop.
+    """
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batch_tokens: list[int]
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return len(self.losses)
+
+
+def run_plan(
+    plan: Plan,
+    forward: Callable[[PackedBatch], torch.Tensor],
+    make_batch: Callable[[int], PackedBatch],
+    adapters: Sequence[AdapterRun],
+    *,
+    on_step: Callable[[int, AdapterRun], None] | None = None,
+    progress_bar: bool = True,
+    log_every: int = 1,
+) -> None:
+    """Train through every microbatch of ``plan``.
+
+    Args:
+        plan: the microbatch stream (already checked).
+        forward: runs the model on a batch and returns per-token loss [1, T] (fp32).
+        make_batch: packs microbatch ``i`` of the plan into tensors.
+        adapters: per adapter id, its optimizer state; updated in place.
+        on_step: called after adapter ``a`` steps, with ``(a, run)`` (checkpointing).
+        progress_bar: show a tqdm bar.
+        log_every: log a line every this many steps of the slowest adapter.
+    """
+    num_adapters = len(adapters)
+    loss_sums = [0.0] * num_adapters
+    tokens_seen = 0
+    start = time.perf_counter()
+    last_logged = 0
+    bar = tqdm(plan.microbatches, desc="train", unit="mb", disable=not progress_bar)
+    for index, microbatch in enumerate(bar):
+        if not microbatch.samples:
+            continue
+        batch = make_batch(index)
+        token_loss = forward(batch) * batch.loss_mask  # (1, T)
+        rows = batch.layout.row_adapter(token_loss.device)
+        per_adapter = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
+        per_adapter.index_add_(0, rows, token_loss[0].float())
+        denominators = torch.tensor(
+            [max(run.batch_tokens[min(run.step, len(run.batch_tokens) - 1)], 1) for run in adapters],
+            dtype=torch.float32, device=token_loss.device,
+        )
+        (per_adapter / denominators).sum().backward()
+        for a, value in enumerate((per_adapter / denominators).tolist()):
+            loss_sums[a] += value
+        tokens_seen += batch.layout.num_tokens
+        for a in microbatch.finishes:
+            run = adapters[a]
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.scheduler.step()
+            run.losses.append(loss_sums[a])
+            loss_sums[a] = 0.0
+            if on_step is not None:
+                on_step(a, run)
+        bar.set_postfix({run.name: f"{run.losses[-1]:.3f}" for run in adapters if run.losses})
+        slowest = min(run.step for run in adapters)
+        if slowest >= last_logged + log_every:
+            last_logged = slowest
+            elapsed = time.perf_counter() - start
+            losses = " ".join(f"{r.name} {r.losses[-1]:.4f}" for r in adapters)
+            logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
+                        " ".join(f"{r.scheduler.get_last_lr()[0]:.1e}" for r in adapters),
+                        tokens_seen / max(elapsed, 1e-9) / 1e3)
+    bar.close()

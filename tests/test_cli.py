@@ -1,0 +1,51 @@
+"""The `lorafusion` command: exit status 2 and nothing written on bad input."""
+
+import json
+
+import yaml
+
+from megatron_lorafusion.cli import main
+
+
+def _job(tmp_path, **adapter):
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"prompt": "p", "response": "r"}\n')
+    job = {"adapters": [{"name": "a", "dataset": {"path": str(data)}, **adapter}],
+           "train": {"steps": 1, "output_dir": str(tmp_path / "out")}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_cli_validate_accepts_good_job(tmp_path, capsys):
+    assert main(["validate", str(_job(tmp_path))]) == 0
+    assert "valid (1 adapters)" in capsys.readouterr().out
+
+
+def test_cli_bad_config_exits_2_without_output_dir(tmp_path, capsys):
+    status = main(["train", str(_job(tmp_path, rank=0))])
+    assert status == 2
+    assert "adapters.0.rank must be in [1, 256], got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists(), "a failed validation must create nothing"
+
+
+def test_cli_bad_data_row_exits_2_without_output_dir(tmp_path, capsys):
+    path = _job(tmp_path)
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n{"prompt": 3}\n')
+    assert main(["train", str(path)]) == 2
+    assert "a.jsonl:2: a row must be an object with string fields" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists(), "a data error must create nothing"
+
+
+def test_cli_synth_data_writes_jsonl(tmp_path):
+    assert main(["synth-data", "--out-dir", str(tmp_path), "--tasks", "add", "--num", "5"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "add.jsonl").read_text().splitlines()]
+    assert len(rows) == 5
+    for row in rows:
+        a, b = row["prompt"].removeprefix("add: ").strip().split("+")
+        assert int(row["response"]) == int(a) + int(b), f"wrong sum in {row}"
+
+
+def test_cli_synth_data_unknown_task_exits_2(tmp_path, capsys):
+    assert main(["synth-data", "--out-dir", str(tmp_path), "--tasks", "fly"]) == 2
+    assert "task must be one of" in capsys.readouterr().err

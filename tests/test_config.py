@@ -1,0 +1,114 @@
+"""Job config loading: every shipped YAML validates; each bad input gets a named error."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_lorafusion.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job(tmp_path, **sections):
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"prompt": "p", "response": "r"}\n')
+    job = {
+        "model": {"preset": "tiny"},
+        "adapters": [{"name": "a", "dataset": {"path": str(data)}}],
+        "train": {"steps": 2, "output_dir": str(tmp_path / "out")},
+    }
+    job.update(sections)
+    return job
+
+
+def _write(tmp_path, job):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _errors(tmp_path, job, overrides=None):
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, job), overrides)
+    return "\n".join(info.value.problems)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_config_shipped_yaml_parses(path, tmp_path, monkeypatch):
+    """Shipped jobs parse; their dataset files are made by `synth-data`, so stub them here."""
+    raw = yaml.safe_load(path.read_text())
+    monkeypatch.chdir(tmp_path)
+    for adapter in raw["adapters"]:
+        Path(adapter["dataset"]["path"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(adapter["dataset"]["path"]).write_text('{"prompt": "p", "response": "r"}\n')
+    cfg = load_config(path)
+    assert [a.name for a in cfg.adapters] == [a["name"] for a in raw["adapters"]]
+
+
+def test_config_valid_job_loads_with_preset_and_override(tmp_path):
+    cfg = load_config(_write(tmp_path, _job(tmp_path)), ["adapters.0.rank=4", "train.steps=7"])
+    assert cfg.model.hidden_size == 64, "preset tiny sets hidden_size"
+    assert cfg.adapters[0].rank == 4 and cfg.train.steps == 7, "overrides apply"
+
+
+def test_config_unknown_key_suggests_the_right_one(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0]["rnak"] = 4
+    assert "adapters.0.rnak is not a known key; did you mean 'rank'?" in _errors(tmp_path, job)
+
+
+def test_config_wrong_type_is_named(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0]["rank"] = "eight"
+    assert "adapters.0.rank must be of type int, got 'eight'" in _errors(tmp_path, job)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("rank", 0, "adapters.0.rank must be in [1, 256], got 0"),
+    ("rank", -3, "adapters.0.rank must be in [1, 256], got -3"),
+    ("dropout", 1.0, "adapters.0.dropout must be in [0, 1), got 1.0"),
+    ("dropout", -0.1, "adapters.0.dropout must be in [0, 1), got -0.1"),
+])
+def test_config_bad_adapter_value_is_named(tmp_path, key, value, message):
+    job = _job(tmp_path)
+    job["adapters"][0][key] = value
+    assert message in _errors(tmp_path, job)
+
+
+def test_config_duplicate_adapter_names_rejected(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"].append(dict(job["adapters"][0]))
+    assert "adapters.1.name must be unique, got duplicate 'a'" in _errors(tmp_path, job)
+
+
+def test_config_missing_dataset_file_is_named(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0]["dataset"]["path"] = "nowhere.jsonl"
+    assert "adapters.0.dataset.path must be an existing file, got 'nowhere.jsonl'" in _errors(
+        tmp_path, job)
+
+
+def test_config_capacity_below_one_sample_rejected(tmp_path):
+    job = _job(tmp_path, data={"max_seq_length": 300}, planner={"token_capacity": 256})
+    assert "planner.token_capacity must hold one sample of data.max_seq_length" in _errors(
+        tmp_path, job)
+
+
+def test_config_capacity_counts_tile_padding(tmp_path):
+    job = _job(tmp_path, data={"max_seq_length": 200},
+               planner={"token_capacity": 200, "tile_height": 64})
+    assert "(200 tokens, 256 with tile padding), got 200" in _errors(tmp_path, job)
+
+
+def test_config_reports_every_problem_at_once(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0].update(rank=0, dropout=2.0)
+    job["train"]["steps"] = -1
+    problems = _errors(tmp_path, job).splitlines()
+    assert len(problems) == 3, f"expected three problems, got {problems}"
+
+
+def test_config_bad_override_is_named(tmp_path):
+    assert "override 'train.steps' must look like section.key=value" in _errors(
+        tmp_path, _job(tmp_path), ["train.steps"])
