@@ -5,7 +5,7 @@ Pure Python, no torch and no Megatron: `data` turns a `Plan` into tensors, `pipe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,16 @@ class Microbatch:
 
     samples: tuple[Sample, ...]
     finishes: tuple[int, ...] = ()
+
+    @property
+    def is_idle(self) -> bool:
+        """True for a no-op microbatch (no samples) kept only to honour the bubble lemma."""
+        return not self.samples
+
+    @property
+    def adapters(self) -> tuple[int, ...]:
+        """Adapters with samples in this microbatch, ascending."""
+        return tuple(sorted({s.adapter for s in self.samples}))
 
     @property
     def tokens(self) -> int:
@@ -71,6 +81,20 @@ class PlanProblem:
     tile_height: int = 1
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # Accept lists from callers; store tuples so the problem is hashable and picklable.
+        object.__setattr__(self, "lengths", tuple(tuple(int(t) for t in a) for a in self.lengths))
+        gbs = tuple(int(g) for g in self.global_batch_sizes)
+        object.__setattr__(self, "global_batch_sizes", gbs)
+        errors = _problem_errors(self)
+        if errors:
+            raise ValueError("invalid PlanProblem: " + "; ".join(errors))
+
+    @property
+    def max_sample_tokens(self) -> int:
+        """Longest sample that fits a microbatch on its own once padded to the tile height."""
+        return self.capacity // self.tile_height * self.tile_height
+
     @property
     def num_adapters(self) -> int:
         """``A``, adapters in the run."""
@@ -88,6 +112,74 @@ class PlanProblem:
         return [Sample(adapter, i, self.lengths[adapter][i]) for i in range(step * gbs, stop)]
 
 
+def _problem_errors(p: PlanProblem) -> list[str]:
+    """Every rule a `PlanProblem` breaks, as ``"<field> must be <rule>, got <value>"``."""
+    errors: list[str] = []
+    if p.tile_height < 1:
+        errors.append(f"tile_height must be >= 1, got {p.tile_height}")
+    if p.capacity < max(p.tile_height, 1):
+        errors.append(f"capacity must be >= tile_height ({p.tile_height}) tokens, got {p.capacity}")
+    if p.num_stages < 1:
+        errors.append(f"num_stages must be >= 1, got {p.num_stages}")
+    if not p.lengths:
+        errors.append("lengths must list at least one adapter, got none")
+    if len(p.global_batch_sizes) != len(p.lengths):
+        errors.append(
+            f"global_batch_sizes must have one entry per adapter ({len(p.lengths)}), "
+            f"got {len(p.global_batch_sizes)}"
+        )
+    for a, gbs in enumerate(p.global_batch_sizes):
+        if gbs < 1:
+            errors.append(f"global_batch_sizes[{a}] must be >= 1, got {gbs}")
+    limit = p.max_sample_tokens if p.tile_height >= 1 and p.capacity >= p.tile_height else None
+    for a, lengths in enumerate(p.lengths):
+        if not lengths:
+            errors.append(f"adapter {a} must have at least one sample, got none")
+        for i, t in enumerate(lengths):
+            if t < 1:
+                errors.append(f"adapter {a} sample {i} must have >= 1 token, got {t}")
+                break
+            if limit is not None and t > limit:
+                errors.append(
+                    f"adapter {a} sample {i} must fit one microbatch ({limit} tokens once "
+                    f"padded to tile height {p.tile_height}), got {t} tokens; truncate or "
+                    "drop it first (see planner.apply_length_policy)"
+                )
+                break
+    return errors
+
+
+@dataclass(frozen=True)
+class SolveReport:
+    """How a plan was found, for logs and benchmarks.
+
+    Attributes:
+        solver: ``"milp"`` or ``"greedy"``, as asked.
+        chosen: which whole-stream result was kept (``"milp"`` or the ``"greedy"`` floor).
+        segments: packed segments (one group's global batches of one round).
+        milp_solves: PuLP solves run (segments where greedy missed the lower bound).
+        milp_improved: segments where the MILP beat first-fit-decreasing.
+        time_limit_hits: solves stopped by the time limit (their result may vary run to run).
+        bins_over_bound: microbatches above the per-segment lower bound, summed (0 = optimal).
+        microbatches: microbatches in the plan, idle ones included.
+        greedy_microbatches: microbatches of the greedy stream on the same problem.
+        idle_microbatches: no-op microbatches inserted for the bubble lemma.
+        wall_s: planning wall-clock time in seconds.
+    """
+
+    solver: str
+    chosen: str
+    segments: int
+    milp_solves: int
+    milp_improved: int
+    time_limit_hits: int
+    bins_over_bound: int
+    microbatches: int
+    greedy_microbatches: int
+    idle_microbatches: int
+    wall_s: float
+
+
 @dataclass(frozen=True)
 class Plan:
     """An ordered stream of microbatches for all adapters of a run.
@@ -97,9 +189,11 @@ class Plan:
         capacity: the token capacity the plan was made for.
         tile_height: the tile height padding was counted with.
         num_adapters: ``A``.
+        report: how the plan was found (ignored by ``==``: it holds timings).
     """
 
     microbatches: tuple[Microbatch, ...]
     capacity: int
     tile_height: int
     num_adapters: int
+    report: SolveReport | None = field(default=None, compare=False)

@@ -1,0 +1,145 @@
+"""Plans made ahead of training in a worker process, chunk by chunk, through a bounded queue.
+
+The worker runs `iter_plan_chunks` (same chunks, same order, so the result is deterministic
+for a problem and seed) and blocks when ``max_chunks_ahead`` chunks wait unread, so it
+stays a few steps ahead of the GPU without unbounded memory. A worker that raises or dies
+surfaces in the training process as `PlannerWorkerError` on the next read.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import pickle
+import queue
+import traceback
+from collections.abc import Iterator
+from typing import Literal
+
+from megatron_lorafusion.planner.plan import DEFAULT_TIME_LIMIT_S, iter_plan_chunks
+from megatron_lorafusion.planner.types import Plan, PlanProblem
+
+__all__ = ["BackgroundPlanner", "PlannerWorkerError"]
+
+logger = logging.getLogger(__name__)
+
+_DONE = "done"
+_ERROR = "error"
+_CHUNK = "chunk"
+
+
+class PlannerWorkerError(RuntimeError):
+    """The background planner's worker process raised or died; the message says how."""
+
+
+def _produce(
+    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float, out: mp.Queue
+) -> None:
+    """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks."""
+    try:
+        for chunk in iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s):
+            out.put((_CHUNK, chunk))
+        out.put((_DONE, None))
+    except BaseException:  # the parent must see every failure, then we exit
+        out.put((_ERROR, traceback.format_exc()))
+
+
+class BackgroundPlanner:
+    """Iterate over plan chunks computed by a worker process.
+
+    Use as a context manager (or call `close`), and iterate: each item is a `Plan` holding
+    the next microbatches of the stream; their concatenation is a verified plan of
+    ``problem`` identical to ``list(iter_plan_chunks(problem, rounds_per_chunk, ...))``.
+
+    Args:
+        problem: the whole problem.
+        rounds_per_chunk: rounds (one global batch per active adapter) per chunk.
+        solver: ``"milp"`` or ``"greedy"``.
+        time_limit_s: seconds per PuLP solve.
+        max_chunks_ahead: queue bound: chunks the worker may compute before they are read.
+        start_method: multiprocessing start method; ``"spawn"`` is safe after CUDA and NCCL
+            are initialised in the parent.
+        poll_s: seconds between liveness checks of the worker while waiting for a chunk.
+
+    Raises:
+        PlannerWorkerError: from iteration, if the worker raised (its traceback is in the
+            message) or exited without finishing.
+    """
+
+    def __init__(
+        self,
+        problem: PlanProblem,
+        rounds_per_chunk: int = 4,
+        solver: Literal["milp", "greedy"] = "milp",
+        time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+        max_chunks_ahead: int = 2,
+        start_method: str = "spawn",
+        poll_s: float = 1.0,
+    ) -> None:
+        if max_chunks_ahead < 1:
+            raise ValueError(f"max_chunks_ahead must be >= 1, got {max_chunks_ahead}")
+        if rounds_per_chunk < 1:
+            raise ValueError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
+        if solver not in ("milp", "greedy"):
+            raise ValueError(f"solver must be 'milp' or 'greedy', got {solver!r}")
+        ctx = mp.get_context(start_method)
+        self._queue = ctx.Queue(maxsize=max_chunks_ahead)
+        self._poll_s = poll_s
+        self._done = False
+        self._process = ctx.Process(
+            target=_produce,
+            args=(problem, rounds_per_chunk, solver, time_limit_s, self._queue),
+            name="lorafusion-planner",
+            daemon=True,
+        )
+        self._process.start()
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the worker."""
+        return self._process.pid
+
+    def __iter__(self) -> Iterator[Plan]:
+        return self
+
+    def __next__(self) -> Plan:
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                kind, payload = self._queue.get(timeout=self._poll_s)
+                break
+            except queue.Empty:
+                if not self._process.is_alive():
+                    self._done = True
+                    raise PlannerWorkerError(
+                        f"planner worker (pid {self._process.pid}) exited with code "
+                        f"{self._process.exitcode} before finishing the plan"
+                    ) from None
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                # A worker killed in the middle of a write leaves a truncated message.
+                self._done = True
+                raise PlannerWorkerError(
+                    f"planner worker (pid {self._process.pid}) sent a broken message ({e!r}); "
+                    f"exit code {self._process.exitcode}"
+                ) from e
+        if kind == _CHUNK:
+            return payload
+        self._done = True
+        self.close()
+        if kind == _ERROR:
+            raise PlannerWorkerError(f"planner worker failed:\n{payload}")
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop the worker (if still running) and release the queue."""
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join(timeout=10)
+        self._queue.close()
+
+    def __enter__(self) -> BackgroundPlanner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,168 @@
+"""The three strategies the simulator compares on the same samples (LoRAFusion §6).
+
+(a) ``megatron``: one adapter at a time, each global batch packed into microbatches by
+    first-fit-decreasing and run as its own pipeline (a flush per optimizer step).
+(b) ``mlora``: adapters take turns microbatch by microbatch (round-robin), each microbatch a
+    fixed number of one adapter's samples padded to the longest (no packing); idle
+    microbatches are added only where fewer than ``S`` adapters are left to separate batches.
+(c) ``ours``: the plan of `plan_microbatches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_lorafusion.planner._segment import Segment
+from megatron_lorafusion.planner.cost import CostModel
+from megatron_lorafusion.planner.greedy import pack_ffd
+from megatron_lorafusion.planner.simulator import Job, SimResult, simulate, simulate_flushed
+from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample
+
+__all__ = [
+    "StrategyResult",
+    "compare_strategies",
+    "megatron_jobs",
+    "mlora_jobs",
+    "plan_jobs",
+]
+
+
+@dataclass(frozen=True)
+class StrategyResult:
+    """One strategy's simulation and token accounting.
+
+    Attributes:
+        name: ``"megatron"``, ``"mlora"`` or ``"ours"``.
+        sim: the simulation.
+        microbatches: microbatches run (idle ones included).
+        useful_tokens: real sample tokens.
+        computed_tokens: tokens the GPU computes (tile or sequence padding included).
+        capacity: tokens per microbatch.
+    """
+
+    name: str
+    sim: SimResult
+    microbatches: int
+    useful_tokens: int
+    computed_tokens: int
+    capacity: int
+
+    @property
+    def fill(self) -> float:
+        """Computed tokens / (microbatches x capacity): how full microbatches are."""
+        return self.computed_tokens / max(1, self.microbatches * self.capacity)
+
+    @property
+    def useful_fill(self) -> float:
+        """Useful tokens / (microbatches x capacity)."""
+        return self.useful_tokens / max(1, self.microbatches * self.capacity)
+
+
+def _job(
+    samples: Sequence[Sample], finishes: Sequence[int], cost: CostModel, tile_height: int
+) -> Job:
+    mb = Microbatch(tuple(samples), tuple(finishes))
+    fwd = cost.forward_ms(mb.padded_tokens(tile_height), sum(s.tokens**2 for s in samples))
+    label = samples[0].adapter if samples else -1
+    return Job(fwd, fwd * cost.backward_ratio, mb.adapters, tuple(finishes), label)
+
+
+def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
+    """Jobs of a plan: padded tokens for the linear term, each sample's square for attention."""
+    return [_job(mb.samples, mb.finishes, cost, plan.tile_height) for mb in plan.microbatches]
+
+
+def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
+    """Strategy (a): per adapter and global batch, FFD-packed microbatches; one group each."""
+    groups = []
+    for a in range(problem.num_adapters):
+        for j in range(problem.num_global_batches(a)):
+            segment = Segment(
+                tuple(problem.global_batch(a, j)), (), {}, problem.capacity, problem.tile_height
+            )
+            bins = pack_ffd(segment)
+            groups.append(
+                [
+                    _job(b, (a,) if k == len(bins) - 1 else (), cost, problem.tile_height)
+                    for k, b in enumerate(bins)
+                ]
+            )
+    return groups
+
+
+def mlora_jobs(
+    problem: PlanProblem, cost: CostModel, samples_per_microbatch: int
+) -> tuple[list[Job], int]:
+    """Strategy (b): round-robin microbatches of ``samples_per_microbatch`` samples, padded.
+
+    Returns:
+        The jobs (idle ones included) and the computed (padded) tokens.
+    """
+    k = samples_per_microbatch
+    queues: list[list[tuple[list[Sample], bool]]] = []
+    for a in range(problem.num_adapters):
+        chunks = []
+        for j in range(problem.num_global_batches(a)):
+            batch = problem.global_batch(a, j)
+            for i in range(0, len(batch), k):
+                chunks.append((batch[i : i + k], i + k >= len(batch)))
+        queues.append(chunks)
+    jobs, computed, last_step, heads = [], 0, {}, [0] * problem.num_adapters
+    while any(h < len(q) for h, q in zip(heads, queues, strict=True)):
+        for a in range(problem.num_adapters):
+            if heads[a] == len(queues[a]):
+                continue
+            samples, ends = queues[a][heads[a]]
+            first_of_batch = heads[a] == 0 or queues[a][heads[a] - 1][1]
+            gap = len(jobs) - last_step.get(a, -problem.num_stages)
+            for _ in range(problem.num_stages - gap if first_of_batch else 0):
+                jobs.append(Job(0.0, 0.0))  # idle: too few adapters left to separate steps
+            longest = max(s.tokens for s in samples)
+            tokens = longest * len(samples)
+            fwd = cost.forward_ms(tokens, longest * longest * len(samples))
+            jobs.append(Job(fwd, fwd * cost.backward_ratio, (a,), (a,) if ends else (), a))
+            computed += tokens
+            if ends:
+                last_step[a] = len(jobs) - 1
+            heads[a] += 1
+    return jobs, computed
+
+
+def compare_strategies(
+    problem: PlanProblem, plan: Plan, cost: CostModel, samples_per_microbatch: int | None = None
+) -> list[StrategyResult]:
+    """Simulate (a) Megatron-style, (b) mLoRA-style and (c) ``plan`` on ``problem``'s samples.
+
+    Args:
+        problem: the samples and pipeline.
+        plan: our plan of ``problem``.
+        cost: the cost model.
+        samples_per_microbatch: (b)'s fixed microbatch size; default: capacity / mean
+            sample length (so an average microbatch holds about ``capacity`` real tokens).
+
+    Returns:
+        Results in the order megatron, mlora, ours.
+    """
+    useful = sum(sum(x) for x in problem.lengths)
+    n_samples = sum(len(x) for x in problem.lengths)
+    if samples_per_microbatch is None:
+        samples_per_microbatch = max(1, round(problem.capacity * n_samples / useful))
+    tile = problem.tile_height
+    groups = megatron_jobs(problem, cost)
+    mega_tokens = 0
+    for a in range(problem.num_adapters):
+        for j in range(problem.num_global_batches(a)):
+            segment = Segment(tuple(problem.global_batch(a, j)), (), {}, problem.capacity, tile)
+            mega_tokens += sum(Microbatch(tuple(b)).padded_tokens(tile) for b in pack_ffd(segment))
+    mega = simulate_flushed(groups, problem.num_stages, cost)
+    ml_jobs, ml_tokens = mlora_jobs(problem, cost, samples_per_microbatch)
+    ml = simulate(ml_jobs, problem.num_stages, cost)
+    ours = simulate(plan_jobs(plan, cost), problem.num_stages, cost)
+    ours_tokens = sum(mb.padded_tokens(tile) for mb in plan.microbatches)
+    cap = problem.capacity
+    return [
+        StrategyResult("megatron", mega, sum(len(g) for g in groups), useful, mega_tokens, cap),
+        StrategyResult("mlora", ml, len(ml_jobs), useful, ml_tokens, cap),
+        StrategyResult("ours", ours, len(plan.microbatches), useful, ours_tokens, cap),
+    ]

@@ -1,0 +1,70 @@
+import os
+import signal
+
+import pytest
+
+from megatron_lorafusion.planner import (
+    BackgroundPlanner,
+    Plan,
+    PlannerWorkerError,
+    PlanProblem,
+    check_plan,
+    iter_plan_chunks,
+)
+from megatron_lorafusion.planner import background as background_module
+from megatron_lorafusion.planner.distributions import adapter_lengths
+from megatron_lorafusion.planner.policy import apply_length_policy
+
+
+def _problem(samples=48):
+    lengths = apply_length_policy(adapter_lengths("mix", 3, samples, seed=1), 2048, 16).lengths
+    return PlanProblem(lengths, (8, 8, 8), 2048, 3, 16, seed=1)
+
+
+def test_background_planner_matches_synchronous_chunks():
+    problem = _problem()
+    expected = list(iter_plan_chunks(problem, 2, "milp", 2.0))
+    with BackgroundPlanner(
+        problem, rounds_per_chunk=2, solver="milp", time_limit_s=2.0, max_chunks_ahead=1
+    ) as planner:
+        got = list(planner)
+    assert got == expected
+    merged = Plan(
+        tuple(mb for c in got for mb in c.microbatches),
+        problem.capacity,
+        problem.tile_height,
+        problem.num_adapters,
+    )
+    check_plan(merged, problem)
+
+
+def test_background_planner_surfaces_worker_death():
+    problem = _problem(samples=4000)
+    planner = BackgroundPlanner(
+        problem, rounds_per_chunk=1, solver="greedy", max_chunks_ahead=1, poll_s=0.05
+    )
+    try:
+        next(planner)  # the worker is alive and blocked on the full queue
+        os.kill(planner.pid, signal.SIGKILL)
+        with pytest.raises(PlannerWorkerError, match="exited with code -9"):
+            for _ in planner:
+                pass
+    finally:
+        planner.close()
+
+
+def _explode(*args, **kwargs):
+    raise RuntimeError("solver exploded")
+
+
+def test_background_planner_surfaces_worker_exception(monkeypatch):
+    # fork start method so the monkeypatched function is what the worker runs.
+    monkeypatch.setattr(background_module, "iter_plan_chunks", _explode)
+    with BackgroundPlanner(_problem(), start_method="fork", poll_s=0.05) as planner:
+        with pytest.raises(PlannerWorkerError, match="solver exploded"):
+            next(planner)
+
+
+def test_background_planner_rejects_bad_queue_bound():
+    with pytest.raises(ValueError, match="max_chunks_ahead must be >= 1"):
+        BackgroundPlanner(_problem(), max_chunks_ahead=0)

@@ -1,0 +1,37 @@
+from megatron_lorafusion.planner import (
+    CostModel,
+    PlanProblem,
+    compare_strategies,
+    plan_microbatches,
+)
+from megatron_lorafusion.planner.baselines import megatron_jobs, mlora_jobs
+from megatron_lorafusion.planner.distributions import adapter_lengths
+from megatron_lorafusion.planner.policy import apply_length_policy
+
+
+def _problem(adapters=4, stages=4):
+    lengths = apply_length_policy(adapter_lengths("mix", adapters, 64, 0), 4096, 64).lengths
+    return PlanProblem(lengths, (16,) * adapters, 4096, stages, 64)
+
+
+def test_megatron_flushes_once_per_global_batch():
+    problem = _problem()
+    groups = megatron_jobs(problem, CostModel())
+    assert len(groups) == 4 * 4
+    assert all(g[-1].steps and not any(j.steps for j in g[:-1]) for g in groups)
+
+
+def test_mlora_adds_idles_only_when_adapters_are_too_few():
+    jobs4, _ = mlora_jobs(_problem(4, 4), CostModel(), 4)
+    assert not any(j.label == -1 for j in jobs4)
+    jobs2, _ = mlora_jobs(_problem(2, 4), CostModel(), 4)
+    assert any(j.label == -1 for j in jobs2)
+
+
+def test_ours_has_the_smallest_bubble():
+    problem = _problem()
+    results = compare_strategies(problem, plan_microbatches(problem, "greedy"), CostModel())
+    bubbles = {r.name: r.sim.bubble_ratio for r in results}
+    assert bubbles["ours"] < bubbles["mlora"]
+    assert bubbles["ours"] < bubbles["megatron"]
+    assert all(r.useful_tokens == sum(map(sum, problem.lengths)) for r in results)
