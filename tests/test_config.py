@@ -49,7 +49,8 @@ def test_config_shipped_yaml_parses(path, tmp_path, monkeypatch):
 def test_config_valid_job_loads_with_preset_and_override(tmp_path):
     cfg = load_config(_write(tmp_path, _job(tmp_path)), ["adapters.0.rank=4", "train.steps=7"])
     assert cfg.model.hidden_size == 64, "preset tiny sets hidden_size"
-    assert cfg.adapters[0].rank == 4 and cfg.train.steps == 7, "overrides apply"
+    assert cfg.adapters[0].rank == 4, "override of a list item applies"
+    assert cfg.train.steps == 7, "override of a section key applies"
 
 
 def test_config_unknown_key_suggests_the_right_one(tmp_path):
@@ -107,6 +108,11 @@ def test_config_reports_every_problem_at_once(tmp_path):
     job["train"]["steps"] = -1
     problems = _errors(tmp_path, job).splitlines()
     assert len(problems) == 3, f"expected three problems, got {problems}"
+
+
+def test_config_float_without_dot_is_read_as_float(tmp_path):
+    cfg = load_config(_write(tmp_path, _job(tmp_path)), ["adapters.0.lr=1e-2"])
+    assert cfg.adapters[0].lr == 0.01
 
 
 def test_config_bad_override_is_named(tmp_path):

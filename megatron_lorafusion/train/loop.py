@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from megatron_lorafusion.data import PackedBatch
-from megatron_lorafusion.planner import Plan
+from megatron_lorafusion.planner import Microbatch
 
 logger = logging.getLogger(__name__)
 
@@ -47,21 +47,21 @@ class AdapterRun:
 
 
 def run_plan(
-    plan: Plan,
+    microbatches: Iterable[Microbatch],
     forward: Callable[[PackedBatch], torch.Tensor],
-    make_batch: Callable[[int], PackedBatch],
+    make_batch: Callable[[Microbatch, int], PackedBatch],
     adapters: Sequence[AdapterRun],
     *,
     on_step: Callable[[int, AdapterRun], None] | None = None,
     progress_bar: bool = True,
     log_every: int = 1,
 ) -> None:
-    """Train through every microbatch of ``plan``.
+    """Train through a stream of planned microbatches.
 
     Args:
-        plan: the microbatch stream (already checked).
+        microbatches: the plan's microbatches in order (already checked).
         forward: runs the model on a batch and returns per-token loss [1, T] (fp32).
-        make_batch: packs microbatch ``i`` of the plan into tensors.
+        make_batch: packs a microbatch (and its position in the stream) into tensors.
         adapters: per adapter id, its optimizer state; updated in place.
         on_step: called after adapter ``a`` steps, with ``(a, run)`` (checkpointing).
         progress_bar: show a tqdm bar.
@@ -72,21 +72,22 @@ def run_plan(
     tokens_seen = 0
     start = time.perf_counter()
     last_logged = 0
-    bar = tqdm(plan.microbatches, desc="train", unit="mb", disable=not progress_bar)
-    for index, microbatch in enumerate(bar):
+    total_steps = sum(len(run.batch_tokens) for run in adapters)
+    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress_bar)
+    for index, microbatch in enumerate(microbatches):
         if not microbatch.samples:
             continue
-        batch = make_batch(index)
+        batch = make_batch(microbatch, index)
         token_loss = forward(batch) * batch.loss_mask  # (1, T)
         rows = batch.layout.row_adapter(token_loss.device)
         per_adapter = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
         per_adapter.index_add_(0, rows, token_loss[0].float())
-        denominators = torch.tensor(
-            [max(run.batch_tokens[min(run.step, len(run.batch_tokens) - 1)], 1) for run in adapters],
-            dtype=torch.float32, device=token_loss.device,
-        )
-        (per_adapter / denominators).sum().backward()
-        for a, value in enumerate((per_adapter / denominators).tolist()):
+        current = [run.batch_tokens[min(run.step, len(run.batch_tokens) - 1)] for run in adapters]
+        denominators = torch.tensor([max(n, 1) for n in current], dtype=torch.float32,
+                                    device=token_loss.device)
+        adapter_losses = per_adapter / denominators  # (A,) share of each adapter's batch loss
+        adapter_losses.sum().backward()
+        for a, value in enumerate(adapter_losses.tolist()):
             loss_sums[a] += value
         tokens_seen += batch.layout.num_tokens
         for a in microbatch.finishes:
@@ -98,6 +99,7 @@ def run_plan(
             loss_sums[a] = 0.0
             if on_step is not None:
                 on_step(a, run)
+            bar.update(1)
         bar.set_postfix({run.name: f"{run.losses[-1]:.3f}" for run in adapters if run.losses})
         slowest = min(run.step for run in adapters)
         if slowest >= last_logged + log_every:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from megatron_lorafusion.data import (
     pack_microbatch,
     training_order,
 )
-from megatron_lorafusion.planner import Plan, PlanProblem, plan_greedy
+from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
 from megatron_lorafusion.train.checkpoint import save_adapter_checkpoint
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
@@ -46,13 +47,13 @@ def _samples_per_adapter(cfg: JobConfig, dataset_sizes: list[int]) -> list[int]:
     return [cfg.train.epochs * n for n in dataset_sizes]
 
 
-def prepare_plan(
+def prepare_problem(
     cfg: JobConfig, datasets: list[list[TokenizedSample]]
-) -> tuple[Plan, list[list[int]], list[list[int]]]:
-    """Training orders, the microbatch plan and each global batch's trained-token count.
+) -> tuple[PlanProblem, list[list[int]], list[list[int]]]:
+    """Training orders, the planning problem and each global batch's trained-token count.
 
     Returns:
-        ``(plan, orders, batch_tokens)``: ``orders[a][i]`` is the dataset row at training
+        ``(problem, orders, batch_tokens)``: ``orders[a][i]`` is the dataset row at training
         position ``i``; ``batch_tokens[a][j]`` the loss denominator of global batch ``j``.
     """
     totals = _samples_per_adapter(cfg, [len(d) for d in datasets])
@@ -66,13 +67,25 @@ def prepare_plan(
     problem = PlanProblem(lengths, gbs, cfg.planner.token_capacity,
                           num_stages=cfg.parallel.pp, tile_height=cfg.planner.tile_height,
                           seed=cfg.train.seed)
-    plan = plan_greedy(problem)
     batch_tokens = [
         [sum(sum(d[order[i]].loss_mask) for i in range(j * g, min((j + 1) * g, len(order))))
          for j in range(problem.num_global_batches(a))]
         for a, (d, order, g) in enumerate(zip(datasets, orders, gbs, strict=True))
     ]
-    return plan, orders, batch_tokens
+    return problem, orders, batch_tokens
+
+
+def checked_stream(planner: BackgroundPlanner, problem: PlanProblem) -> Iterator[Microbatch]:
+    """The planner's microbatches, each chunk verified before any of it runs.
+
+    Raises:
+        PlanError: when a chunk breaks capacity, coverage or the bubble lemma.
+    """
+    verifier = PlanVerifier(problem)
+    for chunk in planner:
+        verifier.feed(chunk.microbatches)
+        yield from chunk.microbatches
+    verifier.finish()
 
 
 def main(cfg: JobConfig) -> dict[str, list[float]]:
@@ -87,9 +100,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     """
     tokenizer = ByteTokenizer()
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
-    plan, orders, batch_tokens = prepare_plan(cfg, datasets)
-    logger.info("plan: %d microbatches for %d adapters, capacity %d tokens",
-                len(plan.microbatches), len(cfg.adapters), plan.capacity)
+    problem, orders, batch_tokens = prepare_problem(cfg, datasets)
 
     from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.parallel import (
@@ -121,9 +132,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
         is_writer = sizes["rank"] == 0
 
-        def make_batch(index: int):
-            return pack_microbatch(plan.microbatches[index], datasets, orders, len(cfg.adapters),
-                                   device, dropout_seed=cfg.train.seed * 1_000_003 + index)
+        def make_batch(microbatch: Microbatch, index: int):
+            return pack_microbatch(microbatch, datasets, orders, len(cfg.adapters), device,
+                                   dropout_seed=cfg.train.seed * 1_000_003 + index)
 
         def forward(batch) -> torch.Tensor:
             lora.layout = batch.layout
@@ -139,9 +150,11 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                         run.scheduler, run.losses)
 
         model.train()
-        run_plan(plan, forward, make_batch, runs, on_step=on_step,
-                 progress_bar=cfg.logging.progress_bar and is_writer,
-                 log_every=cfg.logging.log_every)
+        with BackgroundPlanner(problem, solver=cfg.planner.solver,
+                               time_limit_s=cfg.planner.time_limit_s) as planner:
+            run_plan(checked_stream(planner, problem), forward, make_batch, runs,
+                     on_step=on_step, progress_bar=cfg.logging.progress_bar and is_writer,
+                     log_every=cfg.logging.log_every)
         if is_writer:
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):
                 save_adapter_checkpoint(out / "checkpoints" / adapter.name, run.step,

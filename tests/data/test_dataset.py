@@ -62,7 +62,8 @@ def test_dataset_malformed_json_names_line(tmp_path):
 def test_training_order_is_seeded_and_covers_epochs():
     order = training_order(5, 12, seed=1, adapter_id=0, shuffle=True)
     assert order == training_order(5, 12, seed=1, adapter_id=0, shuffle=True)
-    assert sorted(order[:5]) == list(range(5)) and sorted(order[5:10]) == list(range(5))
+    assert sorted(order[:5]) == list(range(5))
+    assert sorted(order[5:10]) == list(range(5))
     assert order != training_order(5, 12, seed=1, adapter_id=1, shuffle=True)
 
 

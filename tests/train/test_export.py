@@ -60,7 +60,8 @@ def test_export_folder_is_loadable_by_peft(tmp_path):
     adapter = AdapterConfig(name="x", rank=4, alpha=8, dropout=0.1)
     folder = write_peft_folder(tmp_path / "x", adapter, _megatron_state(4), MODEL)
     config = json.loads((folder / "adapter_config.json").read_text())
-    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["r"] == 4
+    assert config["lora_alpha"] == 8
     base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=MODEL.vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2))
