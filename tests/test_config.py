@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_lorafusion.config import ConfigError, load_config
+from megatron_lorafusion.config import MODEL_PRESETS, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_config_shipped_yaml_parses(path, tmp_path, monkeypatch):
 
 def test_config_valid_job_loads_with_preset_and_override(tmp_path):
     cfg = load_config(_write(tmp_path, _job(tmp_path)), ["adapters.0.rank=4", "train.steps=7"])
-    assert cfg.model.hidden_size == 64, "preset tiny sets hidden_size"
+    assert cfg.model.hidden_size == MODEL_PRESETS["tiny"]["hidden_size"], "preset sets sizes"
     assert cfg.adapters[0].rank == 4, "override of a list item applies"
     assert cfg.train.steps == 7, "override of a section key applies"
 

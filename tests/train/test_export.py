@@ -6,10 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, ModelConfig
+from megatron_lorafusion.config import AdapterConfig, ModelConfig
 from megatron_lorafusion.train import peft_state_dict, write_peft_folder
 
-MODEL = ModelConfig(**MODEL_PRESETS["tiny"])  # H 64, 4 heads of 16 in 2 groups, ffn 176
+MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                    num_query_groups=2)  # 4 heads of 16 in 2 groups
 HEAD = MODEL.hidden_size // MODEL.num_attention_heads
 QKV_OUT = (MODEL.num_attention_heads + 2 * MODEL.num_query_groups) * HEAD
 

@@ -1,0 +1,305 @@
+"""LoRA wrappers and `apply_lora` at TP = 1: exact base at B = 0, merged weights, gradients."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
+
+from megatron_lorafusion.config import adapter_scaling
+from megatron_lorafusion.mcore import (
+    LoRAColumnParallelLinear,
+    LoRARowParallelLinear,
+    apply_lora,
+    build_gpt_model,
+)
+from megatron_lorafusion.ops import AdapterLayout, lora_linear_ref
+
+# dtype -> tolerances; W·x + s·(x·Aᵀ)·Bᵀ and (W + s·B·A)·x round differently in fp32.
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
+# CUDA vs CPU: the fused Triton kernels' tl.dot runs fp32 inputs in TF32 (10-bit mantissa).
+# bf16: the whole model runs in bf16 against an fp32 CPU run (per-token loss ~5.5).
+GPU_TOL = {
+    torch.float32: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+}
+
+TARGETS = (
+    "self_attention.linear_qkv",
+    "self_attention.linear_proj",
+    "mlp.linear_fc1",
+    "mlp.linear_fc2",
+)
+
+
+def test_apply_lora_wraps_targets_and_inits_like_peft(tiny_model):
+    context = apply_lora(tiny_model, ADAPTERS, seed=7)
+    layer = tiny_model.decoder.layers[1]
+    assert isinstance(layer.self_attention.linear_qkv, LoRAColumnParallelLinear)
+    assert isinstance(layer.self_attention.linear_proj, LoRARowParallelLinear)
+    assert isinstance(layer.mlp.linear_fc1, LoRAColumnParallelLinear)
+    assert isinstance(layer.mlp.linear_fc2, LoRARowParallelLinear)
+    names = [n for n, _ in context.adapter_parameters(1)]
+    assert names == [
+        f"decoder.layers.{i}.{t}.lora_{f}"
+        for i in range(2)
+        for t in ("self_attention.linear_qkv", "mlp.linear_fc2")
+        for f in "AB"
+    ]
+    for a, adapter in enumerate(ADAPTERS):
+        for name, param in context.adapter_parameters(a):
+            assert param.requires_grad, name
+            assert param.dtype == torch.float32, name
+            if name.endswith("lora_B"):
+                assert param.shape[1] == adapter.rank, name
+                assert not param.any(), f"{name} must start at 0"
+            else:
+                bound = 1 / math.sqrt(param.shape[1])  # kaiming_uniform(a=sqrt(5))
+                assert param.shape[0] == adapter.rank, name
+                assert param.abs().max() <= bound, name
+    trainable = {id(p) for p in tiny_model.parameters() if p.requires_grad}
+    assert trainable == {id(p) for p in context.parameters()}, "only adapters are trainable"
+
+    again = apply_lora(build_gpt_model(TINY), ADAPTERS, seed=7)
+    other = apply_lora(build_gpt_model(TINY), ADAPTERS, seed=8)
+    sd, sd_again, sd_other = (c.adapter_state_dict(0) for c in (context, again, other))
+    key = "decoder.layers.0.self_attention.linear_qkv.lora_A"
+    torch.testing.assert_close(
+        sd_again[key], sd[key], atol=0, rtol=0, msg="same seed must give the same init"
+    )
+    assert not torch.equal(sd_other[key], sd[key])
+    assert not torch.equal(sd[key], sd["decoder.layers.1.self_attention.linear_qkv.lora_A"])
+
+
+def test_lora_with_zero_b_equals_base_model(tiny_model):
+    batch = make_packed_batch([0, 0, 1, 2], [5, 8, 6, 3], 3, seed=4)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    with torch.no_grad():
+        base_logits = run_model(tiny_model, None, batch)
+        base_loss = run_model(tiny_model, None, batch, labels=labels)
+        context = apply_lora(tiny_model, ADAPTERS, seed=1)
+        lora_logits = run_model(tiny_model, context, batch)
+        lora_loss = run_model(tiny_model, context, batch, labels=labels)
+    torch.testing.assert_close(
+        lora_logits, base_logits, **TOL[torch.float32], msg="B = 0 must leave the logits unchanged"
+    )
+    torch.testing.assert_close(
+        lora_loss,
+        base_loss,
+        **TOL[torch.float32],
+        msg="B = 0 must leave the per-token loss unchanged",
+    )
+
+
+def test_merged_weights_reproduce_lora_output(tiny_model):
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3)
+    batch = make_packed_batch([0, 1, 1, 2], [7, 4, 6, 5], 3, seed=5)
+    with torch.no_grad():
+        logits = run_model(tiny_model, context, batch)[0]
+        for a in range(len(ADAPTERS)):
+            merged = build_gpt_model(TINY).eval()  # same init_seed: same base
+            for name, weight in context.merged_weights(a).items():
+                merged.get_submodule(name.removesuffix(".weight")).weight.copy_(weight)
+            merged_logits = run_model(merged, None, batch)[0]
+            for i in (i for i, ad in enumerate(batch.adapters) if ad == a):
+                torch.testing.assert_close(
+                    logits[batch.sample(i)],
+                    merged_logits[batch.sample(i)],
+                    **TOL[torch.float32],
+                    msg=f"sample {i}: LoRA output differs from W + s·B·A of adapter {a}",
+                )
+            assert not torch.allclose(
+                merged_logits, run_model(build_gpt_model(TINY).eval(), None, batch)[0]
+            )
+
+
+@pytest.mark.parametrize("wrapped", TARGETS)
+def test_wrapper_matches_reference_op_on_unpacked_batch(tiny_model, wrapped):
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=4)
+    wrapper = tiny_model.decoder.layers[0].get_submodule(wrapped)
+    seq, batch = 5, 2
+    in_features = wrapper.weight.shape[1]
+    x = torch.randn(seq, batch, in_features)  # [s, b, h]: sample b is x[:, b]
+    context.layout = AdapterLayout.from_samples([0, 2], [seq, seq], 3)
+    with torch.no_grad():
+        out, bias = wrapper(x)
+        lora_a, lora_b = (
+            torch.zeros(3, 8, in_features),
+            torch.zeros(3, wrapper.weight.shape[0], 8),
+        )
+        for a, adapter in enumerate(ADAPTERS):
+            key = str(a)
+            if key in wrapper.lora_A:
+                lora_a[a, : adapter.rank] = wrapper.lora_A[key]
+                lora_b[a, :, : adapter.rank] = wrapper.lora_B[key]
+        expected = (
+            lora_linear_ref(
+                x.transpose(0, 1).reshape(-1, in_features),
+                wrapper.weight,
+                None,
+                lora_a,
+                lora_b,
+                [adapter_scaling(ad) for ad in ADAPTERS],
+                [0.0] * 3,
+                context.layout,
+            )
+            .reshape(batch, seq, -1)
+            .transpose(0, 1)
+        )
+    assert bias is None
+    torch.testing.assert_close(
+        out, expected, **TOL[torch.float32], msg=f"{wrapped} differs from lora_linear_ref"
+    )
+
+
+def test_gradients_reach_only_adapters_in_the_microbatch(tiny_model):
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3)  # non-zero B so that A gets gradients too
+    batch = make_packed_batch([0, 0, 2], [5, 7, 6], 3, seed=6)  # adapter 1 absent
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    run_model(tiny_model, context, batch, labels=labels).sum().backward()
+
+    assert all(p.grad is None for n, p in tiny_model.named_parameters() if ".lora_" not in n), (
+        "frozen base parameters got gradients"
+    )
+    assert all(p.grad is None for _, p in context.adapter_parameters(1)), (
+        "adapter 1 has no tokens in this microbatch and must get no gradient"
+    )
+    packed_grads = {
+        a: {n: p.grad.clone() for n, p in context.adapter_parameters(a)} for a in (0, 2)
+    }
+    for a, grads in packed_grads.items():
+        assert all(g.abs().sum() > 0 for g in grads.values()), f"adapter {a} lacks gradients"
+    # Samples are independent: each adapter's gradient equals that of its samples run alone.
+    for a, samples in ((0, [0, 1]), (2, [2])):
+        for p in context.parameters():
+            p.grad = None
+        ids = torch.cat([batch.input_ids[:, batch.sample(i)] for i in samples], dim=1)
+        alone = make_packed_batch(
+            [a] * len(samples), [batch.lengths[i] for i in samples], 3, input_ids=ids
+        )
+        alone_labels = torch.cat([labels[:, batch.sample(i)] for i in samples], dim=1)
+        run_model(tiny_model, context, alone, labels=alone_labels).sum().backward()
+        for name, param in context.adapter_parameters(a):
+            torch.testing.assert_close(
+                packed_grads[a][name],
+                param.grad,
+                **TOL[torch.float32],
+                msg=f"{name}: packed gradient != gradient run alone",
+            )
+
+
+def test_forward_without_layout_raises(tiny_model):
+    apply_lora(tiny_model, ADAPTERS, seed=1)
+    batch = make_packed_batch([0], [4], 3)
+    with pytest.raises(RuntimeError, match="no AdapterLayout set"):
+        run_model(tiny_model, None, batch)
+    context = apply_lora(build_gpt_model(TINY), ADAPTERS, seed=1)
+    context.layout = AdapterLayout.from_samples([0], [5], 3)
+    with pytest.raises(ValueError, match="covers 5 tokens, the input has 4"):
+        context.wrappers["decoder.layers.0.self_attention.linear_qkv"](torch.zeros(4, 1, 64))
+    with pytest.raises(RuntimeError, match="already applied"):
+        apply_lora(tiny_model, ADAPTERS, seed=1)
+
+
+def test_lora_dropout_is_seeded_and_training_only(tiny_model):
+    adapters = [
+        dataclasses.replace(ADAPTERS[0], dropout=0.3),
+        ADAPTERS[1],
+        dataclasses.replace(ADAPTERS[2], dropout=0.1),
+    ]
+    context = apply_lora(tiny_model, adapters, seed=2)
+    randomize_lora_b(context, seed=3, std=0.5)
+    batch = make_packed_batch([0, 1, 2], [6, 5, 4], 3, seed=7, dropout_seed=11)
+    reseeded = make_packed_batch(
+        [0, 1, 2], [6, 5, 4], 3, input_ids=batch.input_ids, dropout_seed=12
+    )
+    with torch.no_grad():
+        eval_logits = run_model(tiny_model, context, batch)[0]
+        tiny_model.train()
+        train_logits = run_model(tiny_model, context, batch)[0]
+        train_again = run_model(tiny_model, context, batch)[0]
+        train_reseeded = run_model(tiny_model, context, reseeded)[0]
+    torch.testing.assert_close(
+        train_again,
+        train_logits,
+        atol=0,
+        rtol=0,
+        msg="the same dropout_seed must give the same masks (recompute)",
+    )
+    torch.testing.assert_close(
+        train_logits[batch.sample(1)],
+        eval_logits[batch.sample(1)],
+        **TOL[torch.float32],
+        msg="adapter 1 has no dropout",
+    )
+    for i in (0, 2):
+        assert not torch.allclose(train_logits[batch.sample(i)], eval_logits[batch.sample(i)])
+        assert not torch.allclose(train_logits[batch.sample(i)], train_reseeded[batch.sample(i)])
+
+
+def test_adapter_state_dict_roundtrip_and_strict_load(tiny_model):
+    context = apply_lora(tiny_model, ADAPTERS, seed=1)
+    source = apply_lora(build_gpt_model(TINY), ADAPTERS, seed=9)
+    randomize_lora_b(source, seed=10)
+    state = source.adapter_state_dict(2)
+    context.load_adapter_state_dict(2, state)
+    for name, value in context.adapter_state_dict(2).items():
+        torch.testing.assert_close(value, state[name], atol=0, rtol=0, msg=f"{name} not loaded")
+    assert not torch.equal(
+        context.adapter_state_dict(0)["decoder.layers.0.mlp.linear_fc1.lora_A"],
+        source.adapter_state_dict(0)["decoder.layers.0.mlp.linear_fc1.lora_A"],
+    )
+
+    before = context.adapter_state_dict(2)
+    broken = dict(state)
+    del broken["decoder.layers.1.mlp.linear_fc2.lora_B"]
+    broken["decoder.layers.0.mlp.linear_fc1.lora_A"] = torch.zeros(3, 64)
+    broken["decoder.layers.0.mlp.lora_C"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="cannot load adapter 2") as info:
+        context.load_adapter_state_dict(2, broken)
+    message = str(info.value)
+    assert "missing key 'decoder.layers.1.mlp.linear_fc2.lora_B'" in message
+    assert "unexpected key 'decoder.layers.0.mlp.lora_C'" in message
+    assert "decoder.layers.0.mlp.linear_fc1.lora_A has shape (3, 64), expected (8, 64)" in message
+    for name, value in context.adapter_state_dict(2).items():
+        torch.testing.assert_close(
+            value, before[name], atol=0, rtol=0, msg=f"{name} changed by a failed load"
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_on_cuda_matches_cpu(megatron_single_process, dtype):
+    """CUDA runs the fused `lora_linear` (TP = 1) and, in bf16, varlen_attn; CPU the references."""
+    batch = make_packed_batch([0, 0, 2], [40, 23, 31], 3, seed=9)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    results = {}
+    for device, params_dtype in (("cpu", torch.float32), ("cuda", dtype)):
+        model = build_gpt_model(TINY, device=device, params_dtype=params_dtype).eval()
+        context = apply_lora(model, ADAPTERS, seed=2)
+        randomize_lora_b(context, seed=3)
+        on_device = make_packed_batch(
+            batch.adapters,
+            batch.lengths,
+            3,
+            input_ids=batch.input_ids.to(device),
+            device=device,
+        )
+        loss = run_model(model, context, on_device, labels=labels.to(device))
+        loss.sum().backward()
+        grads = {n: p.grad.cpu() for a in (0, 2) for n, p in context.adapter_parameters(a)}
+        results[device] = (loss.detach().float().cpu(), grads)
+    tol = GPU_TOL[dtype]
+    torch.testing.assert_close(
+        results["cuda"][0], results["cpu"][0], **tol, msg=f"{dtype} loss on CUDA != fp32 CPU"
+    )
+    if dtype != torch.float32:
+        return  # bf16 activations: gradients are checked in fp32 only
+    for name, grad in results["cpu"][1].items():
+        torch.testing.assert_close(
+            results["cuda"][1][name], grad, **tol, msg=f"{name}: gradient on CUDA != CPU"
+        )

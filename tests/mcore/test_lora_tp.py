@@ -1,0 +1,119 @@
+"""TP = 2 LoRA (2 gloo processes) against TP = 1: same loss, same adapter init and gradients.
+
+Column wrappers shard B on N (with the base's partition stride) and replicate A; row
+wrappers shard A on H and replicate B; dropout masks are the TP = 1 masks, sliced.
+"""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
+
+# dtype -> tolerances; TP splits sums over H (row) and vocab (loss) into per-rank partials.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+TP = 2
+SAMPLES = ([0, 0, 2], [6, 9, 5])  # adapter 1 absent
+ADAPTERS_WITH_DROPOUT = [
+    dataclasses.replace(ADAPTERS[0], dropout=0.2),
+    ADAPTERS[1],
+    dataclasses.replace(ADAPTERS[2], dropout=0.1),
+]
+
+
+def _shard(name: str, full: torch.Tensor, rank: int, strides: dict[str, int]) -> torch.Tensor:
+    """This TP rank's part of a TP = 1 adapter tensor."""
+    linear, factor = name.rsplit(".", 1)
+    column = linear.endswith(("linear_qkv", "linear_fc1"))
+    if column and factor == "lora_B":  # rows of the base weight, with its partition stride
+        chunks = full.chunk(TP * strides[linear], dim=0)
+        return torch.cat(chunks[rank::TP], dim=0)
+    if not column and factor == "lora_A":
+        return full.chunk(TP, dim=1)[rank]
+    return full
+
+
+def _batch():
+    batch = make_packed_batch(*SAMPLES, 3, seed=8, dropout_seed=3)
+    return batch, torch.roll(batch.input_ids, -1, dims=1)
+
+
+def _tp2_worker(rank: int, workdir: str) -> None:
+    from megatron.core import parallel_state
+
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(workdir, "store"), TP)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP)
+    try:
+        parallel_state.initialize_model_parallel(TP, 1)
+        ref = torch.load(os.path.join(workdir, "tp1.pt"))
+        model = build_gpt_model(TINY).train()
+        context = apply_lora(model, ADAPTERS_WITH_DROPOUT, seed=4)
+        strides = {
+            name: getattr(w.base.weight, "partition_stride", 1)
+            for name, w in context.wrappers.items()
+        }
+        for a in range(context.num_adapters):
+            for name, value in context.adapter_state_dict(a).items():
+                torch.testing.assert_close(
+                    value,
+                    _shard(name, ref["init"][a][name], rank, strides),
+                    atol=0,
+                    rtol=0,
+                    msg=f"rank {rank}: init of adapter {a} {name} is not the TP = 1 shard",
+                )
+            context.load_adapter_state_dict(
+                a, {n: _shard(n, v, rank, strides) for n, v in ref["trained"][a].items()}
+            )
+        batch, labels = _batch()
+        loss = run_model(model, context, batch, labels=labels)
+        loss.sum().backward()
+        torch.testing.assert_close(
+            loss.detach(),
+            ref["loss"],
+            **TOL[torch.float32],
+            msg=f"rank {rank}: TP = 2 per-token loss != TP = 1",
+        )
+        for a in range(context.num_adapters):
+            for name, param in context.adapter_parameters(a):
+                expected = ref["grads"][a][name]
+                if expected is None:
+                    assert param.grad is None, f"rank {rank}: {name} of absent adapter {a}"
+                    continue
+                torch.testing.assert_close(
+                    param.grad,
+                    _shard(name, expected, rank, strides),
+                    **TOL[torch.float32],
+                    msg=f"rank {rank}: gradient of adapter {a} {name} != TP = 1 shard",
+                )
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_lora_matches_tp1(megatron_single_process, tmp_path):
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+
+    model = build_gpt_model(TINY).train()  # training mode: LoRA dropout on
+    context = apply_lora(model, ADAPTERS_WITH_DROPOUT, seed=4)
+    init = [context.adapter_state_dict(a) for a in range(3)]
+    randomize_lora_b(context, seed=5)  # non-zero B: every factor matters and gets gradients
+    trained = [context.adapter_state_dict(a) for a in range(3)]
+    batch, labels = _batch()
+    loss = run_model(model, context, batch, labels=labels)
+    loss.sum().backward()
+    grads = [
+        {n: None if p.grad is None else p.grad.clone() for n, p in context.adapter_parameters(a)}
+        for a in range(3)
+    ]
+    torch.save(
+        dict(init=init, trained=trained, loss=loss.detach(), grads=grads), tmp_path / "tp1.pt"
+    )
+    # Errors inside a worker are raised here, with the worker's traceback.
+    mp.spawn(_tp2_worker, args=(str(tmp_path),), nprocs=TP, join=True)

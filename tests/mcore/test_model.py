@@ -1,0 +1,79 @@
+"""`build_gpt_model`: a deterministic, frozen Llama-like GPTModel running packed batches."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mcore_testing import TINY, make_packed_batch, run_model
+
+from megatron_lorafusion.mcore import VarlenCoreAttention, build_gpt_model
+
+# dtype -> tolerances of fp32 recomputations of the same function.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def test_build_gpt_model_is_deterministic_and_frozen(megatron_single_process):
+    torch.manual_seed(123)
+    model = build_gpt_model(TINY)
+    rng_after = torch.rand(1)
+    torch.manual_seed(123)
+    torch.rand(1)
+    again = build_gpt_model(TINY)
+    other = build_gpt_model(dataclasses.replace(TINY, init_seed=TINY.init_seed + 1))
+
+    state, state_again, state_other = (
+        {k: v for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+        for m in (model, again, other)
+    )
+    for key, value in state.items():
+        torch.testing.assert_close(
+            state_again[key], value, atol=0, rtol=0, msg=f"{key} differs for the same init_seed"
+        )
+    assert not torch.equal(
+        state["decoder.layers.0.mlp.linear_fc1.weight"],
+        state_other["decoder.layers.0.mlp.linear_fc1.weight"],
+    )
+    assert all(not p.requires_grad for p in model.parameters()), "base parameters must be frozen"
+    # Building draws from a private RNG: the caller's global stream is untouched.
+    torch.manual_seed(123)
+    torch.testing.assert_close(
+        torch.rand(1), rng_after, atol=0, rtol=0, msg="build_gpt_model consumed the global RNG"
+    )
+
+    layer = model.decoder.layers[0]
+    assert isinstance(layer.self_attention.core_attention, VarlenCoreAttention)
+    assert type(layer.input_layernorm).__name__ == "RMSNorm"
+    assert all(
+        getattr(m, "bias", None) is None
+        for m in model.modules()
+        if type(m).__name__.endswith("ParallelLinear")
+    ), "Llama linears have no bias"
+    assert model.output_layer.weight is not model.embedding.word_embeddings.weight
+    assert tuple(layer.self_attention.linear_qkv.weight.shape) == (
+        TINY.hidden_size + 2 * TINY.num_query_groups * TINY.hidden_size // TINY.num_attention_heads,
+        TINY.hidden_size,
+    ), "GQA: qkv rows = H + 2 · groups · head_dim"
+    assert tuple(layer.mlp.linear_fc1.weight.shape) == (2 * TINY.ffn_hidden_size, TINY.hidden_size)
+
+
+def test_build_gpt_model_needs_parallel_state():
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        build_gpt_model(TINY)
+
+
+def test_packed_forward_returns_per_token_loss(tiny_model):
+    batch = make_packed_batch([0, 0, 1], [5, 9, 4], 2, seed=1)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    with torch.no_grad():
+        loss = run_model(tiny_model, None, batch, labels=labels)
+        logits = run_model(tiny_model, None, batch)
+    assert loss.shape == (1, 18), f"per-token loss must be [1, T], got {tuple(loss.shape)}"
+    assert logits.shape == (1, 18, TINY.vocab_size)
+    expected = F.cross_entropy(logits[0], labels[0], reduction="none")[None]
+    torch.testing.assert_close(
+        loss,
+        expected,
+        **TOL[torch.float32],
+        msg="loss is not the per-token cross-entropy of the logits",
+    )
