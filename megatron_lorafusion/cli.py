@@ -3,6 +3,8 @@
     lorafusion validate JOB.yaml [section.key=value ...]
     lorafusion train JOB.yaml [section.key=value ...]
     lorafusion synth-data --out-dir DIR [--tasks reverse sort add upper] [--num N]
+    lorafusion plan --lengths xsum --adapters 4 ...     (write and summarise a plan)
+    lorafusion simulate --lengths mix --stages 4 ...    (bubble ratios of three schedules, PNG)
 
 Bad input (config, data) prints every problem and exits with status 2.
 """
@@ -31,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--tasks", nargs="+", default=["reverse", "sort", "add", "upper"])
     synth.add_argument("--num", type=int, default=2000, help="rows per task")
     synth.add_argument("--seed", type=int, default=0)
+    from megatron_lorafusion.planner.commands import add_plan_arguments, add_simulate_arguments
+
+    add_plan_arguments(sub.add_parser("plan", help="pack samples into a microbatch plan"))
+    add_simulate_arguments(sub.add_parser(
+        "simulate", help="simulate Megatron-style, mLoRA-style and our pipeline schedules"))
     return parser
 
 
@@ -55,6 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "synth-data":
             return _synth(args)
+        if args.command in ("plan", "simulate"):
+            from megatron_lorafusion.planner.commands import run_plan, run_simulate
+
+            try:
+                return (run_plan if args.command == "plan" else run_simulate)(args)
+            except ValueError as err:  # bad lengths file, capacity below a sample, ...
+                print(f"error: {err}", file=sys.stderr)
+                return 2
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":
             print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
