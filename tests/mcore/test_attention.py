@@ -115,7 +115,11 @@ def test_varlen_attention_cuda_path_matches_reference(dtype):
     from megatron_lorafusion.mcore import VarlenCoreAttention
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=256, num_attention_heads=8, num_query_groups=2
+        num_layers=1,
+        hidden_size=256,
+        num_attention_heads=8,
+        num_query_groups=2,
+        attention_dropout=0.0,  # Megatron's default 0.1 would select the SDPA loop
     )
     attention = VarlenCoreAttention(config, 1, AttnMaskType.causal, "self")
     lengths = [300, 17, 1, 129, 64]

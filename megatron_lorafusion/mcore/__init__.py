@@ -1,0 +1,24 @@
+"""Megatron-Core glue: a Llama-like `GPTModel`, varlen core attention and LoRA wrappers.
+
+The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical use::
+
+    model = build_gpt_model(model_cfg)          # parallel state initialised by the caller
+    lora = apply_lora(model, adapters, seed=1)  # before any DDP wrapping
+    lora.layout = layout                        # before every forward
+"""
+
+from megatron_lorafusion.mcore.attention import VarlenCoreAttention, varlen_causal_attention_ref
+from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
+from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
+
+__all__ = [
+    "LoRAColumnParallelLinear",
+    "LoRAContext",
+    "LoRARowParallelLinear",
+    "VarlenCoreAttention",
+    "apply_lora",
+    "build_gpt_model",
+    "get_gpt_lora_layer_spec",
+    "varlen_causal_attention_ref",
+]

@@ -1,0 +1,413 @@
+"""Multi-adapter LoRA wrappers for Megatron's tensor-parallel linears (TP-aware).
+
+Each wrapper keeps the built base linear and adds, per adapter, ``Y += s_a·drop_a(X)·A_aᵀ·B_aᵀ``
+on that adapter's token segment (LoRAFusion, arXiv 2510.00206, Eq. 1). Sharding follows the
+base (DESIGN.md "LoRA wrapper"): a column-parallel base shards B on N and replicates A, and
+``dS`` is all-reduced over the TP group in backward; a row-parallel base shards A on H and
+all-reduces the partial ``S`` in forward, with B replicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from torch import nn
+
+from megatron_lorafusion.config import AdapterConfig, adapter_scaling
+from megatron_lorafusion.ops import (
+    AdapterLayout,
+    dropout_keep_mask,
+    lora_down_ref,
+    lora_linear,
+    lora_up_ref,
+)
+
+
+class LayoutSource(Protocol):
+    """Anything holding the current microbatch's layout (a `LoRAContext`)."""
+
+    layout: AdapterLayout | None
+
+
+def _init_seed(seed: int, adapter_id: int, layer_seed: int) -> int:
+    """Generator seed of one adapter's factors in one layer: a stable hash of the triple."""
+    digest = hashlib.sha256(f"{seed}/{adapter_id}/{layer_seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def _kaiming_uniform(rank: int, fan_in: int, generator: torch.Generator) -> torch.Tensor:
+    """(rank, fan_in) fp32 like PEFT's ``kaiming_uniform_(a=sqrt(5))``: U(±1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=generator) * 2.0 - 1.0) * bound
+
+
+def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, h] -> (b·s, h) with each sequence's rows contiguous (a view when b == 1)."""
+    if x.dim() != 3:
+        raise ValueError(f"Megatron linears take [s, b, h] inputs, got shape {tuple(x.shape)}")
+    seq, batch, hidden = x.shape
+    return x.reshape(seq, hidden) if batch == 1 else x.transpose(0, 1).reshape(-1, hidden)
+
+
+def _sequence_major(y: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
+    """(b·s, n) -> [s, b, n], the inverse of `_tokens_major`."""
+    return y.reshape(seq, 1, -1) if batch == 1 else y.reshape(batch, seq, -1).transpose(0, 1)
+
+
+def _init_factors(
+    wrapper: nn.Module,
+    adapters: Sequence[AdapterConfig],
+    targeted: Sequence[int],
+    *,
+    in_features: int,
+    in_shard: slice,
+    out_local: int,
+    seed: int,
+    layer_seed: int,
+    device: torch.device,
+) -> None:
+    """Give ``wrapper`` its per-adapter factors and the per-adapter constants of the op.
+
+    Adapter ``a``'s factors are ``wrapper.lora_A[str(a)]`` (r_a, H_local) and
+    ``wrapper.lora_B[str(a)]`` (N_local, r_a), fp32; adapters not targeting this linear have
+    none (scale and dropout 0).
+    """
+    if not targeted:
+        raise ValueError(f"{type(wrapper).__name__} needs at least one targeting adapter")
+    wrapper.lora_A = nn.ParameterDict()
+    wrapper.lora_B = nn.ParameterDict()
+    for a in targeted:
+        rank = adapters[a].rank
+        generator = torch.Generator().manual_seed(_init_seed(seed, a, layer_seed))
+        # Drawn at full width then sliced, so a TP shard equals the TP = 1 slice.
+        full_a = _kaiming_uniform(rank, in_features, generator)
+        wrapper.lora_A[str(a)] = nn.Parameter(full_a[:, in_shard].contiguous().to(device))
+        wrapper.lora_B[str(a)] = nn.Parameter(torch.zeros(out_local, rank, device=device))
+    wrapper.num_adapters = len(adapters)
+    wrapper.max_rank = max(adapters[a].rank for a in targeted)
+    on = set(targeted)
+    wrapper.scalings = [adapter_scaling(ad) if i in on else 0.0 for i, ad in enumerate(adapters)]
+    wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
+
+
+def _packed_factors(
+    wrapper: nn.Module, layout: AdapterLayout, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-padded ``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R) in ``dtype``.
+
+    Stacked from the parameters on every call so gradients flow back to each adapter's own
+    parameters. Adapters without factors here, or without tokens in this microbatch,
+    contribute constant zeros, so their parameters get no gradient at all (``grad`` stays
+    None rather than a zero tensor that AdamW would still step on).
+    """
+    some_a = next(iter(wrapper.lora_A.values()))
+    some_b = next(iter(wrapper.lora_B.values()))
+    zeros_a = torch.zeros(wrapper.max_rank, some_a.shape[1], dtype=dtype, device=some_a.device)
+    zeros_b = torch.zeros(some_b.shape[0], wrapper.max_rank, dtype=dtype, device=some_b.device)
+    counts = layout.token_counts()
+    rows_a, rows_b = [], []
+    for a in range(wrapper.num_adapters):
+        key = str(a)
+        if key not in wrapper.lora_A or counts[a] == 0:
+            rows_a.append(zeros_a)
+            rows_b.append(zeros_b)
+            continue
+        pad = wrapper.max_rank - wrapper.lora_A[key].shape[0]
+        rows_a.append(F.pad(wrapper.lora_A[key].to(dtype), (0, 0, 0, pad)))  # (R, H_local)
+        rows_b.append(F.pad(wrapper.lora_B[key].to(dtype), (0, pad)))  # (N_local, R)
+    return torch.stack(rows_a), torch.stack(rows_b)
+
+
+def _merged_weight(wrapper: nn.Module, adapter_id: int) -> torch.Tensor:
+    """This rank's shard of ``W + s·B·A`` in the base weight's dtype (fp32 arithmetic)."""
+    if not 0 <= adapter_id < wrapper.num_adapters:
+        raise ValueError(f"adapter_id must lie in [0, {wrapper.num_adapters}), got {adapter_id}")
+    weight = wrapper.base.weight.detach()
+    key = str(adapter_id)
+    if key not in wrapper.lora_A:
+        return weight.clone()
+    delta = wrapper.scalings[adapter_id] * (wrapper.lora_B[key] @ wrapper.lora_A[key])
+    return (weight.float() + delta.detach()).to(weight.dtype)
+
+
+def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
+    """The layout set for this microbatch, checked against the wrapper and the input."""
+    name = type(wrapper).__name__
+    layout = wrapper.context.layout
+    if layout is None:
+        raise RuntimeError(
+            f"{name}: no AdapterLayout set; assign lora_context.layout for this microbatch "
+            "before calling the model"
+        )
+    if layout.num_adapters != wrapper.num_adapters:
+        raise ValueError(
+            f"{name}: the AdapterLayout has {layout.num_adapters} adapters, LoRA was applied "
+            f"with {wrapper.num_adapters}"
+        )
+    if layout.num_tokens != tokens:
+        raise ValueError(
+            f"{name}: the AdapterLayout covers {layout.num_tokens} tokens, the input has "
+            f"{tokens} (s·b)"
+        )
+    return layout
+
+
+def _check_base(base: nn.Module, name: str) -> None:
+    if getattr(base, "sequence_parallel", False):
+        raise NotImplementedError(
+            f"{name}: LoRA with sequence parallelism is not implemented yet; "
+            "build the model with sequence_parallel=False"
+        )
+    if getattr(base, "is_expert", False):
+        raise NotImplementedError(f"{name}: LoRA on MoE expert linears is not supported")
+
+
+def _lora_forward(
+    wrapper: nn.Module,
+    input_: torch.Tensor,
+    args: tuple,
+    kwargs: dict,
+    *,
+    in_features: int,
+    in_shard: slice,
+    reduce_s,
+    gather_out: bool,
+):
+    """Base output plus the LoRA delta, shared by both wrappers.
+
+    ``reduce_s`` is the TP collective applied to ``S`` (T, R): copy-forward/all-reduce-backward
+    for column, all-reduce-forward/copy-backward for row. ``in_shard`` picks this rank's columns
+    of the full-width dropout mask, so TP ranks together apply exactly the TP = 1 mask.
+    """
+    base = wrapper.base
+    seq, batch = input_.shape[0], input_.shape[1]
+    x = _tokens_major(input_)  # (T, H_local)
+    layout = _current_layout(wrapper, x.shape[0])
+    lora_a, lora_b = _packed_factors(wrapper, layout, input_.dtype)  # (A,R,H_l), (A,N_l,R)
+    if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs:
+        # One fused multi-LoRA linear (the Triton path behind `lora_linear`).
+        bias = None if base.skip_bias_add else base.bias
+        out = lora_linear(
+            x,
+            base.weight,
+            bias,
+            lora_a,
+            lora_b,
+            wrapper.scalings,
+            wrapper.dropouts,
+            layout,
+            layer_seed=wrapper.layer_seed,
+            training=wrapper.training,
+        )
+        return _sequence_major(out, seq, batch), (base.bias if base.skip_bias_add else None)
+    out, out_bias = base(input_, *args, **kwargs)
+    keep = None
+    if wrapper.training:
+        keep = dropout_keep_mask(
+            layout, wrapper.dropouts, in_features, wrapper.layer_seed, x.device
+        )
+        keep = None if keep is None else keep[:, in_shard]  # (T, H_local)
+    s = lora_down_ref(x, lora_a, wrapper.dropouts, layout, keep)  # (T, R)
+    s = reduce_s(s, group=wrapper.tp_group)
+    delta = lora_up_ref(s, lora_b, wrapper.scalings, layout)  # (T, N_local)
+    if gather_out:
+        delta = gather_from_tensor_model_parallel_region(delta, group=wrapper.tp_group)
+    return out + _sequence_major(delta, seq, batch), out_bias
+
+
+class LoRAColumnParallelLinear(nn.Module):
+    """Multi-adapter LoRA on a `ColumnParallelLinear`; under TP, **B is sharded** on N.
+
+    ``A`` (r, H) is replicated on every TP rank, ``B`` (N / tp, r) holds this rank's output
+    rows (the same rows, and partition stride, as the base weight). ``S = drop(X)·Aᵀ`` is
+    identical on all ranks; its gradient is all-reduced over the TP group in backward, so every
+    rank gets the same ``dA``. Sequence parallelism is not supported yet.
+
+    Args:
+        base: the built linear; its forward returns ``(out, bias)``.
+        adapters: every adapter of the run (ids are list positions).
+        targeted: ids of the adapters that adapt this linear (at least one).
+        context: holds the microbatch's `AdapterLayout` (``.layout``), read at each forward.
+        seed: run seed; factors are drawn from ``(seed, adapter id, layer_seed)``.
+        layer_seed: a number unique to this linear in the model (also keys its dropout masks).
+        tp_group: tensor-parallel group; defaults to ``base.tp_group``.
+
+    Raises:
+        NotImplementedError: for a sequence-parallel or MoE-expert base.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        adapters: Sequence[AdapterConfig],
+        targeted: Sequence[int],
+        context: LayoutSource,
+        *,
+        seed: int,
+        layer_seed: int,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        _check_base(base, type(self).__name__)
+        self.base = base
+        self.train(base.training)  # a new module defaults to training mode; follow the model
+        self.context = context
+        self.layer_seed = layer_seed
+        self.tp_group = tp_group if tp_group is not None else base.tp_group
+        self.tp_size = self.tp_group.size()
+        out_local, in_features = base.weight.shape
+        _init_factors(
+            self,
+            adapters,
+            targeted,
+            in_features=in_features,
+            in_shard=slice(None),
+            out_local=out_local,
+            seed=seed,
+            layer_seed=layer_seed,
+            device=base.weight.device,
+        )
+        stride = getattr(base.weight, "partition_stride", 1)
+        for param in self.lora_B.values():
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=stride)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight (N / tp, H)."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base bias, if any."""
+        return self.base.bias
+
+    def backward_dw(self) -> None:
+        """Delegate Megatron's delayed weight-gradient hook to the base."""
+        self.base.backward_dw()
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        """``(out, bias)`` like the base: input ``[s, b, H]``, out ``[s, b, N / tp]``.
+
+        Raises:
+            RuntimeError: when the context holds no layout.
+            ValueError: when the layout's token count is not ``s·b``.
+        """
+        in_features = self.base.weight.shape[1]
+        return _lora_forward(
+            self,
+            input_,
+            args,
+            kwargs,
+            in_features=in_features,
+            in_shard=slice(None),
+            reduce_s=copy_to_tensor_model_parallel_region,
+            gather_out=self.base.gather_output and self.tp_size > 1,
+        )
+
+    def merged_weight(self, adapter_id: int) -> torch.Tensor:
+        """This rank's shard of ``W + s·B·A`` (N / tp, H) in the base weight's dtype."""
+        return _merged_weight(self, adapter_id)
+
+
+class LoRARowParallelLinear(nn.Module):
+    """Multi-adapter LoRA on a `RowParallelLinear`; under TP, **A is sharded** on H.
+
+    ``A`` (r, H / tp) holds this rank's input columns, ``B`` (N, r) is replicated. The partial
+    ``S`` of each rank is all-reduced in forward (its backward is a copy) and the LoRA output
+    is added to the base output, which the base has already all-reduced. The base must take
+    parallel input (``input_is_parallel``), as in every Megatron block. Sequence parallelism
+    is not supported yet.
+
+    Args: as `LoRAColumnParallelLinear`.
+
+    Raises:
+        NotImplementedError: for a sequence-parallel, MoE-expert or non-parallel-input base.
+    """
+
+    def __init__(
+        self,
+        base: nn.Module,
+        adapters: Sequence[AdapterConfig],
+        targeted: Sequence[int],
+        context: LayoutSource,
+        *,
+        seed: int,
+        layer_seed: int,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+    ):
+        super().__init__()
+        _check_base(base, type(self).__name__)
+        if not base.input_is_parallel:
+            raise NotImplementedError(
+                "LoRARowParallelLinear needs a base with input_is_parallel=True"
+            )
+        self.base = base
+        self.train(base.training)  # a new module defaults to training mode; follow the model
+        self.context = context
+        self.layer_seed = layer_seed
+        self.tp_group = tp_group if tp_group is not None else base.tp_group
+        self.tp_size = self.tp_group.size()
+        out_features, in_local = base.weight.shape
+        self.in_features = in_local * self.tp_size
+        rank = self.tp_group.rank()
+        self.in_shard = slice(rank * in_local, (rank + 1) * in_local)
+        _init_factors(
+            self,
+            adapters,
+            targeted,
+            in_features=self.in_features,
+            in_shard=self.in_shard,
+            out_local=out_features,
+            seed=seed,
+            layer_seed=layer_seed,
+            device=base.weight.device,
+        )
+        for param in self.lora_A.values():
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1, stride=1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight (N, H / tp)."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base bias, if any."""
+        return self.base.bias
+
+    def backward_dw(self) -> None:
+        """Delegate Megatron's delayed weight-gradient hook to the base."""
+        self.base.backward_dw()
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        """``(out, bias)`` like the base: input ``[s, b, H / tp]``, out ``[s, b, N]``.
+
+        Raises:
+            RuntimeError: when the context holds no layout.
+            ValueError: when the layout's token count is not ``s·b``.
+        """
+        return _lora_forward(
+            self,
+            input_,
+            args,
+            kwargs,
+            in_features=self.in_features,
+            in_shard=self.in_shard,
+            reduce_s=reduce_from_tensor_model_parallel_region,
+            gather_out=False,
+        )
+
+    def merged_weight(self, adapter_id: int) -> torch.Tensor:
+        """This rank's shard of ``W + s·B·A`` (N, H / tp) in the base weight's dtype."""
+        return _merged_weight(self, adapter_id)

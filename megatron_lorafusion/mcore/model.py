@@ -1,0 +1,218 @@
+"""Build a Llama-like Megatron-Core `GPTModel` (RMSNorm, SwiGLU, RoPE, GQA) on the local spec.
+
+The local spec's core attention is swapped for `VarlenCoreAttention`, so packed (THD)
+microbatches never attend across sample boundaries. Base weights are random from a seed and
+frozen; adapters are added afterwards with `apply_lora`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lorafusion.config import ModelConfig
+from megatron_lorafusion.mcore.attention import VarlenCoreAttention
+
+
+class _PortableRotaryEmbedding(RotaryEmbedding):
+    """Megatron's RoPE with ``inv_freq`` as a (non-persistent) buffer that follows ``.to()``.
+
+    The stock module keeps ``inv_freq`` as a plain attribute and moves it to
+    ``torch.cuda.current_device()`` on first use, which fails on a CPU-only machine; its
+    ``forward`` is also ``lru_cache``d, which would keep embeddings on a stale device after
+    ``model.to(...)``. This subclass recomputes the (tiny) table on every call instead.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.rotary_interleaved or self.seq_len_interpolation_factor is not None:
+            raise NotImplementedError("interleaved or interpolated RoPE is not supported")
+        inv_freq = self.__dict__.pop("inv_freq")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        """(max_seq_len, 1, 1, head_dim) rotation angles of positions ``offset..``."""
+        freqs = self.get_freqs_non_repeated(max_seq_len, offset)  # (s, head_dim / 2)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    def forward(
+        self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None
+    ) -> torch.Tensor:
+        """Rotation angles for ``max_seq_len`` positions (no context-parallel slicing)."""
+        cp_group = cp_group if cp_group is not None else self.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            raise NotImplementedError("context parallelism is not supported")
+        return self.get_emb(max_seq_len, offset)
+
+
+def _transformer_config(
+    model_cfg: ModelConfig, tp_size: int, pp_size: int, params_dtype: torch.dtype
+) -> TransformerConfig:
+    """Megatron config of a Llama-like decoder whose code paths all run on CPU.
+
+    ``use_cpu_initialization`` allocates on the CPU (the GPU path needs the CUDA RNG tracker)
+    and ``perform_initialization=False`` leaves the weights to `_init_base_weights`. Every
+    fusion is off because the fused kernels (bias+SwiGLU, RoPE, masked softmax, gradient
+    accumulation) are CUDA-only.
+    """
+    return TransformerConfig(
+        num_layers=model_cfg.num_layers,
+        hidden_size=model_cfg.hidden_size,
+        ffn_hidden_size=model_cfg.ffn_hidden_size,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.num_query_groups,
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _name_seed(init_seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{init_seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp_size: int):
+    """Draw every matrix from a generator keyed by ``(init_seed, global parameter name)``.
+
+    Megatron's own CPU init draws all weights from one stream in build order, so a pipeline
+    stage would get different weights than the same layers in a one-stage model. Here each
+    weight is drawn whole (normal, std 0.02; ``linear_proj``/``linear_fc2`` scaled by
+    1/sqrt(2·layers) as Megatron does) and this rank keeps its TP shard, split like
+    Megatron's ``_initialize_affine_weight_cpu`` (chunks of ``partition_stride``). The model
+    is therefore the same for every TP and PP size. Norm weights keep their ones.
+    """
+    to_global = {
+        str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
+    }
+    scaled_std = model_cfg.init_method_std / math.sqrt(2.0 * model_cfg.num_layers)
+    for name, param in model.named_parameters():
+        if param.dim() != 2:
+            continue
+        global_name = re.sub(
+            r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{to_global[m[1]]}.", name
+        )
+        std = (
+            scaled_std
+            if global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            else model_cfg.init_method_std
+        )
+        shape = list(param.shape)
+        parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        if parallel:
+            shape[param.partition_dim] *= tp_size
+        generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
+        full = torch.randn(shape, generator=generator) * std
+        if parallel:
+            chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
+            full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
+        with torch.no_grad():
+            param.copy_(full)
+
+
+def get_gpt_lora_layer_spec() -> ModuleSpec:
+    """The local GPT layer spec (RMSNorm) with `VarlenCoreAttention` as core attention.
+
+    LoRA is not part of the spec: `apply_lora` wraps the built linears instead, so base
+    weights can be loaded first.
+    """
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
+    return spec
+
+
+def build_gpt_model(
+    model_cfg: ModelConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> GPTModel:
+    """Build a frozen, randomly initialised Llama-like `GPTModel` on this rank.
+
+    Megatron's parallel state must be initialised by the caller
+    (``parallel_state.initialize_model_parallel``); TP and PP sizes and this rank's layers are
+    taken from it at build time. Base weights are drawn on the CPU from generators keyed by
+    ``(model_cfg.init_seed, global parameter name)`` (the global RNG is left untouched): every
+    rank keeps its shard of the same full weights, so the model is identical for any TP and PP
+    size. Untied embeddings, no biases, no dropout, RoPE with ``model_cfg.rope_theta``.
+
+    Args:
+        model_cfg: sizes and seed of the model.
+        pre_process: build the embedding (first pipeline stage).
+        post_process: build the final norm and output layer (last pipeline stage).
+        params_dtype: dtype of the frozen base weights.
+        device: where the model is moved after building.
+
+    Returns:
+        The model, in train mode, with every parameter's ``requires_grad`` False.
+
+    Raises:
+        RuntimeError: when Megatron's model-parallel state is not initialised.
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_gpt_model needs Megatron's parallel state: call "
+            "parallel_state.initialize_model_parallel(tp, pp) first"
+        )
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    config = _transformer_config(
+        model_cfg,
+        tp_size=pg_collection.tp.size(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype,
+    )
+    with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_lora_layer_spec(),
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=int(model_cfg.rope_theta),
+            pg_collection=pg_collection,
+        )
+        model.rotary_pos_emb = _PortableRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=int(model_cfg.rope_theta),
+            use_cpu_initialization=True,
+            cp_group=pg_collection.cp,
+        )
+    _init_base_weights(model, model_cfg, pg_collection.tp.rank(), pg_collection.tp.size())
+    model.requires_grad_(False)
+    return model.to(device)
