@@ -10,7 +10,10 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
+from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
+from megatron_lorafusion.ops.lora_dropout import fused_dropout_keep_mask
+from megatron_lorafusion.ops.lora_expand import lora_expand, lora_expand_ref
 from megatron_lorafusion.ops.lora_linear import (
     dropout_keep_mask,
     lora_down_ref,
@@ -18,12 +21,23 @@ from megatron_lorafusion.ops.lora_linear import (
     lora_linear_ref,
     lora_up_ref,
 )
+from megatron_lorafusion.ops.lora_shrink import lora_shrink, lora_shrink_ref
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 
 __all__ = [
     "AdapterLayout",
+    "LoRALinearFunction",
     "dropout_keep_mask",
+    "fused_dropout_keep_mask",
+    "fused_lora_linear",
     "lora_down_ref",
+    "lora_expand",
+    "lora_expand_ref",
     "lora_linear",
     "lora_linear_ref",
+    "lora_shrink",
+    "lora_shrink_ref",
     "lora_up_ref",
+    "lora_wgrad",
+    "lora_wgrad_ref",
 ]

@@ -107,3 +107,36 @@ class AdapterLayout:
             rows = torch.repeat_interleave(torch.arange(self.num_adapters), counts)
             self._device_cache[key] = rows.to(device)
         return self._device_cache[key]
+
+    def tiles(self, block: int, device: torch.device | str) -> torch.Tensor:
+        """(n_tiles, 3) int32 ``(adapter, row_start, row_end)`` tiles of at most ``block`` rows.
+
+        Each adapter's segment is cut into ``ceil(T_a / block)`` tiles, so every tile belongs
+        to one adapter (the kernels read that adapter's A, B, scale and dropout); empty
+        adapters get no tile. There are at most ``T / block + A`` tiles. Cached per
+        ``(block, device)``.
+
+        Raises:
+            ValueError: when ``block`` is not positive.
+        """
+        if block <= 0:
+            raise ValueError(f"tile height must be positive, got block={block}")
+        key = ("tiles", block, str(device))
+        if key not in self._device_cache:
+            rows = []
+            for adapter, start, end in self.segments():
+                for row in range(start, end, block):
+                    rows.append((adapter, row, min(row + block, end)))
+            table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+            self._device_cache[key] = table.to(device)
+        return self._device_cache[key]
+
+    def tile_ranges(self, block: int, device: torch.device | str) -> torch.Tensor:
+        """(A + 1,) int32 offsets of each adapter's tiles in `tiles` (``block`` rows), cached."""
+        key = ("tile_ranges", block, str(device))
+        if key not in self._device_cache:
+            counts = (torch.diff(self.seg_offsets) + block - 1) // block
+            offsets = torch.zeros(self.num_adapters + 1, dtype=torch.int32)
+            offsets[1:] = torch.cumsum(counts, 0)
+            self._device_cache[key] = offsets.to(device)
+        return self._device_cache[key]

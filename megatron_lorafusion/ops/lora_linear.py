@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (microbatch, layer) seeds apart
@@ -146,7 +147,8 @@ def _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout) -> None
     adapters, rank = lora_a.shape[:2]
     if tuple(lora_b.shape) != (adapters, out, rank):
         raise ValueError(
-            f"lora_b has shape {tuple(lora_b.shape)}, expected (A, N, R)=({adapters}, {out}, {rank})"
+            f"lora_b has shape {tuple(lora_b.shape)}, "
+            f"expected (A, N, R)=({adapters}, {out}, {rank})"
         )
     if layout.num_adapters != adapters or len(scalings) != adapters or len(dropouts) != adapters:
         raise ValueError(
@@ -172,8 +174,10 @@ def lora_linear(
 ) -> torch.Tensor:
     """Multi-LoRA linear over adapter-major packed tokens (see `lora_linear_ref`).
 
+    On CUDA (with Triton) this runs `fused_lora_linear`; elsewhere the torch reference.
     Dropout is active only when ``training``; its mask comes from
-    ``(layout.dropout_seed, layer_seed)``.
+    ``(layout.dropout_seed, layer_seed)``: `dropout_keep_mask` (torch generator) on the
+    reference path, `fused_dropout_keep_mask` (Philox) on the fused path.
 
     Returns:
         (T, N) output in ``x``'s dtype.
@@ -182,6 +186,14 @@ def lora_linear(
         ValueError: when shapes disagree; the message names the offending tensor.
     """
     _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout)
+    if x.is_cuda and _utils.triton is not None:
+        # Imported here: the package re-exports a function of the same name as the module.
+        from megatron_lorafusion.ops.fused_lora_linear import fused_lora_linear
+
+        return fused_lora_linear(
+            x.contiguous(), weight.contiguous(), bias, lora_a.contiguous(), lora_b.contiguous(),
+            scalings, dropouts, layout, layer_seed=layer_seed, training=training,
+        )
     keep_mask = (
         dropout_keep_mask(layout, dropouts, x.shape[1], layer_seed, x.device) if training else None
     )

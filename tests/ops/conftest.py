@@ -2,10 +2,11 @@
 
 Triton decides between compiled and interpreted kernels when ``@triton.jit`` runs (at import),
 so when another test package imported Triton first, the jit modules (Triton's own helpers, then
-ours) are reloaded here after setting ``TRITON_INTERPRET=1``. `importlib.reload` re-executes a
-module in place, so functions imported earlier see the interpreted kernels. The variable stays
-set for the rest of the session (harmless without CUDA). Setting it in ``tests/conftest.py``
-before anything imports Triton would make these reloads unnecessary.
+ours) are reloaded here with ``TRITON_INTERPRET=1``. `importlib.reload` re-executes a module in
+place, so functions imported earlier see the interpreted kernels. The variable is then restored
+(subprocesses started by later test packages must not inherit it) and set again only around
+each test of this folder. Setting it in ``tests/conftest.py`` before anything imports Triton
+would make these reloads unnecessary.
 """
 
 import importlib
@@ -30,10 +31,22 @@ _KERNEL_MODULES = (  # dependency order: helpers first
 # mode and re-exported by reloading the package.
 _TRITON_MODULES = ("triton.language.standard", "triton.language.random", "triton.language")
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+_INTERPRET = not torch.cuda.is_available()
+
+if _INTERPRET and os.environ.get("TRITON_INTERPRET") != "1":
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in _TRITON_MODULES + _KERNEL_MODULES:
-        importlib.reload(importlib.import_module(_name))
+    try:
+        for _name in _TRITON_MODULES + _KERNEL_MODULES:
+            importlib.reload(importlib.import_module(_name))
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch):
+    """Keep ``TRITON_INTERPRET=1`` set while a test of this folder runs without CUDA."""
+    if _INTERPRET:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -94,6 +94,25 @@ def test_fused_lora_linear_eval_uses_no_mask(design, device, make_layout, make_l
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg="eval output")
 
 
+def test_fused_lora_linear_without_input_grad(device, make_layout, make_lora):
+    """dA and dB alone (x needs no grad: the backward skips the fused dX pass)."""
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
+        "ragged", torch.float32, device, make_layout, make_lora
+    )
+    keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 1, device)
+    grads = {}
+    for name, fn in (("fused", lambda a_, b_: fused_lora_linear(
+                         x, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=1)),
+                     ("ref", lambda a_, b_: lora_linear_ref(
+                         x, weight, bias, a_, b_, scalings, dropouts, layout, keep))):
+        a_, b_ = (t.detach().clone().requires_grad_() for t in (lora_a, lora_b))
+        fn(a_, b_).backward(grad_y)
+        grads[name] = (a_.grad, b_.grad)
+    atol, rtol = TOL[torch.float32]
+    for got, want, name in zip(grads["fused"], grads["ref"], ["da", "db"], strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, n=name: n + m)
+
+
 def test_fused_lora_linear_saved_bits_equal_regenerated_mask(
     device, make_layout, make_lora, monkeypatch
 ):

@@ -1,0 +1,217 @@
+"""Shared helpers of the Triton ops: availability, input checks, tile-config choice, dropout RNG.
+
+The dropout mask of the fused path is counter-based (Philox, ``tl.rand``): the element
+``(t, h)`` of a ``(T, H)`` input is kept iff ``rand(seed, t·H + h) >= p``, so any kernel, at any
+tiling, regenerates the same mask from ``(layout.dropout_seed, layer_seed)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a hard dependency of the CUDA path only
+    triton = None
+    tl = None
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # same mixing as the reference generator seed
+_MAX_RANK = 256  # largest padded rank the kernels keep in registers
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_usable(x: torch.Tensor) -> bool:
+    """True when the fused Triton path can run on ``x``'s device."""
+    if triton is None:
+        return False
+    return x.is_cuda or interpreter_enabled()
+
+
+def mixed_seed(dropout_seed: int, layer_seed: int) -> int:
+    """Philox seed of one layer in one microbatch, in ``[0, 2**63)``."""
+    return (dropout_seed * _SEED_MIX + layer_seed) % (2**63)
+
+
+def padded_rank(rank: int) -> int:
+    """``BLOCK_R``: the rank rounded up to a power of two, at least 16 (``tl.dot``'s minimum)."""
+    if not 1 <= rank <= _MAX_RANK:
+        raise NotImplementedError(f"LoRA rank must lie in [1, {_MAX_RANK}], got R={rank}")
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` costs ~3 µs a call in triton 3.8)."""
+    return -(-a // b)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    shape: Sequence[int | None],
+    dtypes: Sequence[torch.dtype],
+    device: torch.device,
+) -> None:
+    """Raise a ValueError naming ``name`` unless ``t`` has the shape, dtype and device given.
+
+    ``None`` in ``shape`` accepts any size. Tensors must also be contiguous.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != len(shape) or any(
+        s is not None and s != d for s, d in zip(shape, t.shape, strict=True)
+    ):
+        want = tuple("?" if s is None else s for s in shape)
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {tuple(dtypes)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block sizes and launch options of one kernel launch.
+
+    Attributes:
+        block_t: rows (tokens) per tile.
+        block_d: columns of the wide dimension (H or N) per step.
+        num_warps: warps per program.
+        num_stages: software-pipelining depth.
+    """
+
+    block_t: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+
+
+def is_hopper(device: torch.device) -> bool:
+    """True on compute capability 9.x (H100, H200), where the hand-picked tiles apply."""
+    return device.type == "cuda" and _capability(device.index)[0] == 9
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(index: int | None) -> int:
+    """Multiprocessors of CUDA device ``index`` (cached: launchers call this every step)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_TUNED: dict[tuple, TileConfig] = {}
+
+
+def pick_config(
+    name: str,
+    key: tuple,
+    device: torch.device,
+    hopper: Callable[[tuple], TileConfig],
+    candidates: Sequence[TileConfig],
+    run: Callable[[TileConfig], None],
+) -> TileConfig:
+    """Choose the tile config of kernel ``name`` for problem ``key``.
+
+    Hopper uses the hand-picked ``hopper(key)``; the interpreter uses the first candidate;
+    any other GPU times every candidate once per ``key`` (``run`` launches the kernel,
+    which must be idempotent) and keeps the fastest. Never raises for an unknown GPU.
+    """
+    if device.type != "cuda":
+        return candidates[0]
+    if is_hopper(device):
+        return hopper(key)
+    cache_key = (name, key, torch.cuda.get_device_name(device))
+    if cache_key not in _TUNED:
+        timings = []
+        for cfg in candidates:
+            try:
+                timings.append((triton.testing.do_bench(functools.partial(run, cfg)), cfg))
+            except Exception:  # noqa: BLE001 - a config that fails to compile is just skipped
+                continue
+        _TUNED[cache_key] = min(timings, key=lambda tc: tc[0])[1] if timings else candidates[0]
+    return _TUNED[cache_key]
+
+
+
+
+if triton is not None:
+    _PHILOX_ROUNDS = tl.constexpr(7)  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11)
+
+    @triton.jit
+    def philox4x32(c0, c1, seed, N_ROUNDS: tl.constexpr):
+        """Philox4x32 of counters ``(c0, c1, 0, 0)`` (uint32) under a 64-bit ``seed``.
+
+        Written out here rather than calling ``tl.randint4x``, whose ``@jit`` wrappers are fixed
+        when triton is imported (which breaks the interpreter if it is switched on later), and
+        so the mask does not depend on the installed Triton version.
+        """
+        seed = seed.to(tl.uint64)  # a scalar kernel argument (seed is never specialised)
+        k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+        k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        c2 = c0 ^ c0
+        c3 = c0 ^ c0
+        for _ in tl.static_range(N_ROUNDS):
+            prev0 = c0
+            prev2 = c2
+            c0 = tl.math.umulhi(0xCD9E8D57, prev2) ^ c1 ^ k0
+            c2 = tl.math.umulhi(0xD2511F53, prev0) ^ c3 ^ k1
+            c1 = prev2 * 0xCD9E8D57
+            c3 = prev0 * 0xD2511F53
+            k0 = k0 + 0x9E3779B9
+            k1 = k1 + 0xBB67AE85
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def keep_mask_tile(seed, rows, cols, D, p):
+        """Dropout keep-mask of the tile ``rows × cols`` of a ``(T, D)`` input (True keeps).
+
+        One Philox call yields 128 random bits, cut into eight 16-bit draws for eight
+        consecutive columns: 8× less integer work than one ``tl.rand`` per element.
+        Element ``(t, d)`` uses draw ``d % 8`` of counter ``t·ceil(D/8) + d // 8``, so any tiling
+        whose column blocks start at multiples of 8 regenerates the same mask. The drop
+        threshold is ``p`` rounded to 1/65536 (keep probability off by at most 2⁻¹⁷).
+        """
+        BLOCK_T: tl.constexpr = rows.shape[0]
+        BLOCK_D: tl.constexpr = cols.shape[0]
+        groups = (cols // 8).reshape(BLOCK_D // 8, 8)  # (G, 8): one counter per 8 columns
+        group = tl.max(groups, axis=1)
+        counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
+        lo = counters.to(tl.uint32)
+        hi = (counters >> 32).to(tl.uint32)
+        r0, r1, r2, r3 = philox4x32(lo, hi, seed, _PHILOX_ROUNDS)
+        words = tl.join(tl.join(r0, r1), tl.join(r2, r3)).reshape(BLOCK_T, BLOCK_D // 8, 4)
+        halves = tl.join(words & 0xFFFF, words >> 16)  # (BLOCK_T, G, 4, 2), 16-bit draws
+        draws = halves.reshape(BLOCK_T, BLOCK_D)
+        threshold = (p * 65536.0 + 0.5).to(tl.uint32)
+        return draws >= threshold
+
+    @triton.jit
+    def pack_keep_bits(keep):
+        """(BLOCK_T, BLOCK_D) bool keep-mask → (BLOCK_T, BLOCK_D // 8) uint8, bit ``d % 8``."""
+        BLOCK_T: tl.constexpr = keep.shape[0]
+        BLOCK_D: tl.constexpr = keep.shape[1]
+        bits = keep.to(tl.int32).reshape(BLOCK_T, BLOCK_D // 8, 8) << tl.arange(0, 8)[None, None, :]
+        return tl.sum(bits, axis=2).to(tl.uint8)
+
+    @triton.jit
+    def unpack_keep_bits(packed, BLOCK_D: tl.constexpr):
+        """Inverse of `pack_keep_bits`: (BLOCK_T, BLOCK_D // 8) uint8 → (BLOCK_T, BLOCK_D) bool."""
+        BLOCK_T: tl.constexpr = packed.shape[0]
+        bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+        return bits.reshape(BLOCK_T, BLOCK_D) != 0

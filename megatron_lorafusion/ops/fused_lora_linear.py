@@ -1,0 +1,174 @@
+"""Fused multi-LoRA linear: autograd over the grouped Triton kernels and the frozen GEMM.
+
+``Y = X·Wᵀ + b + s_a·(drop_a(X)·A_aᵀ)·B_aᵀ`` per adapter segment, split at the small tensor
+``S' = s·drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206, Sec. 4):
+
+- forward: ``S'`` by `lora_shrink` (dropout fused, one pass over X); then the frozen product
+  with the LoRA term, ``Y = S'·Bᵀ + b`` by `lora_expand` followed by cuBLAS ``Y += X·Wᵀ``
+  (``addmm_``, beta = 1: Y is written by the expand and read once as C);
+- backward: ``dS' = s·dY·B`` (`lora_shrink`), ``dB = dYᵀ·S'`` (`lora_wgrad`), then one
+  pass over X (`lora_wgrad` with its fused expand) gives ``dA = dS'ᵀ·drop(X)`` and the LoRA
+  part of dX, ``mask⊙(dS'·A)/(1−p)``, drawing the mask once; cuBLAS adds ``dY·W`` onto it
+  (``addmm_``). Weight gradients are reduced in a fixed order: no atomics, bitwise repeatable.
+
+Saved for backward: X, S' (T × R), the weights and, with dropout, the keep-mask as bits
+(T × H/8 bytes, written by the forward's shrink); with ``_SAVE_MASK_BITS`` off the backward
+regenerates the mask from the Philox seed ``(layout.dropout_seed, layer_seed)`` instead.
+docs/kernels.md records the designs measured on the H200 and why this one was kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from megatron_lorafusion.ops import _utils
+from megatron_lorafusion.ops.layout import AdapterLayout
+from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
+from megatron_lorafusion.ops.lora_gemm import lora_gemm
+from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
+from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
+
+# Save the dropout mask as bits (H/8 bytes per token) in the forward and read it in the backward,
+# instead of regenerating it twice from the seed; docs/kernels.md has the measurements.
+_SAVE_MASK_BITS = False
+
+
+@functools.lru_cache(maxsize=256)
+def _device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
+    """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
+    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils._KERNEL_DTYPES, x.device)
+    tokens, hidden = x.shape
+    _utils.check_tensor("weight", weight, (None, hidden), (x.dtype,), x.device)
+    out = weight.shape[0]
+    _utils.check_tensor("lora_a", lora_a, (layout.num_adapters, None, hidden), (x.dtype,),
+                        x.device)
+    rank = lora_a.shape[1]
+    _utils.check_tensor("lora_b", lora_b, (layout.num_adapters, out, rank), (x.dtype,), x.device)
+    if bias is not None:
+        _utils.check_tensor("bias", bias, (out,), _utils._KERNEL_DTYPES, x.device)
+    _utils.padded_rank(rank)
+
+
+class LoRALinearFunction(torch.autograd.Function):
+    """Autograd of the fused path; W and b are frozen unless they require grad."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design):
+        """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
+        bits = None
+        if dropouts is not None and _SAVE_MASK_BITS and design == "cublas":
+            bits = torch.empty(x.shape[0], (x.shape[1] + 7) // 8, dtype=torch.uint8,
+                               device=x.device)  # (T, ceil(H / 8)) packed keep-mask
+        s = _lora_shrink_launch(x, lora_a, scales, dropouts, layout, seed, keep_bits=bits)  # (T, R)
+        b_t = lora_b.transpose(1, 2)  # (A, R, N)
+        if design == "triton":
+            y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
+        else:
+            y = _lora_expand_launch(s, b_t, bias, None, layout, seed)
+            y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, s, scales, dropouts, bits)
+        ctx.layout = layout
+        ctx.seed = seed
+        ctx.has_bias = bias is not None
+        ctx.design = design
+        return y
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, dy):
+        """Reads the mask bits saved by the forward (or regenerates the mask from the seed)."""
+        x, weight, lora_a, lora_b, s, scales, dropouts, bits = ctx.saved_tensors
+        layout, seed = ctx.layout, ctx.seed
+        dy = dy.contiguous()
+        b_t = lora_b.transpose(1, 2)  # (A, R, N)
+        ds = _lora_shrink_launch(dy, b_t, scales, None, layout, seed)  # dS' (T, R)
+        grad_b = _lora_wgrad_launch(dy, s, torch.empty_like(lora_b), None, layout, seed)
+        grad_a = torch.empty_like(lora_a)
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0] and ctx.design != "triton":
+            # One pass over X gives dA and the LoRA part of dX, drawing the mask once.
+            grad_x = torch.empty_like(x)
+            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed, bits,
+                               expand_m=lora_a, expand_out=grad_x)
+            grad_x.addmm_(dy, weight)  # cuBLAS: (T, H), reads the LoRA part as C
+        else:
+            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed, bits)
+        if ctx.needs_input_grad[0] and ctx.design == "triton":
+            grad_x = lora_gemm(dy, weight, ds, lora_a, None, dropouts, layout, seed)
+        if ctx.needs_input_grad[1]:
+            grad_w = dy.t() @ x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = dy.sum(0)
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
+
+
+def fused_lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scalings: Sequence[float],
+    dropouts: Sequence[float],
+    layout: AdapterLayout,
+    *,
+    layer_seed: int = 0,
+    training: bool = True,
+    design: str = "cublas",
+) -> torch.Tensor:
+    """Fused multi-LoRA linear (same function as `lora_linear_ref`, Triton + cuBLAS).
+
+    Args:
+        x: (T, H) fp16/bf16/fp32 activations, rows grouped adapter-major, contiguous.
+        weight: (N, H) frozen base weight, ``x``'s dtype.
+        bias: (N,) base bias or None.
+        lora_a: (A, R, H) down-projections, zero-padded beyond each adapter's rank
+            (R in 1..256; an adapter not targeting this layer has all-zero A and B).
+        lora_b: (A, N, R) up-projections.
+        scalings: (A,) LoRA scale per adapter.
+        dropouts: (A,) dropout probability per adapter, in [0, 1).
+        layout: the microbatch's adapter layout.
+        layer_seed: the layer's seed; the mask is `fused_dropout_keep_mask` of
+            ``(layout, dropouts, H, layer_seed)``.
+        training: dropout only when True; all-zero dropouts take a path with no mask.
+        design: ``"cublas"`` (LoRA term written first, cuBLAS accumulates the frozen
+            product onto it) or ``"triton"`` (Triton GEMM with the LoRA term in its
+            epilogue). docs/kernels.md has the H200 numbers behind the default.
+
+    Returns:
+        (T, N) output in ``x``'s dtype.
+
+    Raises:
+        ValueError: on bad shapes, dtypes or devices (the message names the tensor).
+        NotImplementedError: for a rank above 256.
+        RuntimeError: when Triton cannot run on ``x``'s device.
+    """
+    if not _utils.triton_usable(x):
+        raise RuntimeError(f"fused_lora_linear needs Triton on CUDA, got x on {x.device}")
+    _check_inputs(x, weight, bias, lora_a, lora_b, layout)
+    if len(scalings) != layout.num_adapters or len(dropouts) != layout.num_adapters:
+        raise ValueError(
+            f"scalings has {len(scalings)} and dropouts {len(dropouts)} entries, "
+            f"expected A={layout.num_adapters}"
+        )
+    if design not in ("cublas", "triton"):
+        raise ValueError(f"design must be 'cublas' or 'triton', got {design!r}")
+    if any(not 0.0 <= p < 1.0 for p in dropouts):
+        raise ValueError(f"dropouts must lie in [0, 1), got {list(dropouts)}")
+    device = str(x.device)
+    scales = _device_params(tuple(float(v) for v in scalings), device)
+    counts = layout.token_counts()
+    use_mask = training and any(p > 0 and n > 0 for p, n in zip(dropouts, counts, strict=True))
+    drop = _device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
+    seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
+    return LoRALinearFunction.apply(
+        x, weight, bias, lora_a, lora_b, scales, drop, layout, seed, design
+    )

@@ -1,0 +1,181 @@
+"""Grouped LoRA expand: ``out[seg_a] = drop_a(S[seg_a] · M_a) (+ bias)``, (T, R) → (T, D).
+
+The up-projection of LoRAFusion (arXiv 2510.00206, Sec. 4.1) as a stand-alone kernel: in the
+forward it writes ``Δ = S'·Bᵀ + b`` that the frozen GEMM then accumulates onto
+(``addmm_``, cuBLAS reads it as C). With dropout it can write ``mask ⊙ (dS'·A)/(1−p)``,
+regenerating the forward's mask from the seed; the fused backward gets that term from
+`lora_wgrad`'s fused expand instead, which draws the mask once for dA and dX.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lorafusion.ops import _utils
+from megatron_lorafusion.ops._utils import TileConfig, triton
+from megatron_lorafusion.ops.layout import AdapterLayout
+
+if triton is not None:
+    import triton.language as tl
+
+    from megatron_lorafusion.ops._utils import keep_mask_tile, unpack_keep_bits
+
+    @triton.jit(do_not_specialize=["seed"])
+    def _lora_expand_kernel(
+        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, p_ptr, bits_ptr, seed,
+        D, R, stride_st, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
+        HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, READ_BITS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        pid_d = tl.program_id(1)
+        adapter = tl.load(tiles_ptr + pid_t * 3)
+        row_start = tl.load(tiles_ptr + pid_t * 3 + 1)
+        row_end = tl.load(tiles_ptr + pid_t * 3 + 2)
+        rows = row_start + tl.arange(0, BLOCK_T)
+        row_ok = rows < row_end
+        ranks = tl.arange(0, BLOCK_R)
+        rank_ok = ranks < R
+        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+                    mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
+        m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
+                    + cols[None, :] * stride_md,
+                    mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_D)
+        acc = tl.dot(s, m, input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            p = tl.load(p_ptr + adapter)
+            if READ_BITS:
+                groups = pid_d * (BLOCK_D // 8) + tl.arange(0, BLOCK_D // 8)
+                packed = tl.load(
+                    bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
+                    mask=row_ok[:, None] & (groups < stride_bt)[None, :], other=0,
+                )
+                keep = unpack_keep_bits(packed, BLOCK_D)
+            else:
+                keep = keep_mask_tile(seed, rows, cols, D, p)
+            acc = tl.where(keep, acc / (1.0 - p), 0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+# Write-bound: one pass writing (T, D). 64x128 tiles, 16 KB stored per program.
+_TILE_CONFIGS = [
+    TileConfig(block_t=16, block_d=32, num_warps=4, num_stages=1),  # interpreter: many tiles
+    TileConfig(block_t=64, block_d=128, num_warps=4, num_stages=1),
+    TileConfig(block_t=128, block_d=128, num_warps=8, num_stages=1),
+    TileConfig(block_t=64, block_d=256, num_warps=8, num_stages=1),
+    TileConfig(block_t=32, block_d=128, num_warps=4, num_stages=1),
+]
+
+
+def _hopper_config(key: tuple) -> TileConfig:
+    _, _, block_r = key  # key = (T, D, BLOCK_R)
+    return _TILE_CONFIGS[1] if block_r <= 64 else _TILE_CONFIGS[4]
+
+
+def lora_expand(
+    s: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None,
+    dropouts: torch.Tensor | None,
+    layout: AdapterLayout,
+    seed: int,
+    out_dtype: torch.dtype | None = None,
+    keep_bits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the grouped expand.
+
+    Args:
+        s: (T, R) contiguous small tensor (``S' = s·drop(X)·Aᵀ`` or ``dS'``).
+        m: (A, R, D) per-adapter matrices, any strides (``lora_b.transpose(1, 2)`` or ``lora_a``).
+        bias: (D,) bias added to every row, or None.
+        dropouts: (A,) fp32 dropout probabilities (mask applied to the product), or None.
+        layout: the microbatch's adapter layout.
+        seed: Philox seed of the dropout mask over the ``(T, D)`` output.
+        out_dtype: dtype of the result (default ``s.dtype``).
+        keep_bits: (T, ceil(D / 8)) uint8 mask written by `lora_shrink`; read instead of
+            regenerating the mask from ``seed``. None regenerates.
+
+    Returns:
+        (T, D) tensor, every row written.
+
+    Raises:
+        ValueError: on shape, dtype or device mismatch (the message names the tensor).
+    """
+    _utils.check_tensor("s", s, (layout.num_tokens, None), _utils._KERNEL_DTYPES, s.device)
+    tokens, rank = s.shape
+    adapters = layout.num_adapters
+    if m.dim() != 3 or m.shape[0] != adapters or m.shape[1] != rank:
+        raise ValueError(
+            f"m has shape {tuple(m.shape)}, expected (A, R, D)=({adapters}, {rank}, D)"
+        )
+    if m.dtype != s.dtype or m.device != s.device:
+        raise ValueError(f"m is {m.dtype} on {m.device}, expected {s.dtype} on {s.device}")
+    width = m.shape[2]
+    if bias is not None:
+        _utils.check_tensor("bias", bias, (width,), _utils._KERNEL_DTYPES, s.device)
+    if dropouts is not None:
+        _utils.check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), s.device)
+    if keep_bits is not None:
+        if dropouts is None:
+            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
+        _utils.check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,),
+                            s.device)
+    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, keep_bits)
+
+
+def _lora_expand_launch(
+    s, m, bias, dropouts, layout, seed, out_dtype=None, keep_bits=None
+) -> torch.Tensor:
+    """`lora_expand` without the input checks (the autograd function checked them once)."""
+    tokens, rank = s.shape
+    width = m.shape[2]
+    block_r = _utils.padded_rank(rank)
+    out = torch.empty(tokens, width, dtype=out_dtype or s.dtype, device=s.device)
+    if tokens == 0:
+        return out
+
+    def run(cfg: TileConfig) -> None:
+        tiles = layout.tiles(cfg.block_t, s.device)
+        grid = (tiles.shape[0], _utils.cdiv(width, cfg.block_d))
+        _lora_expand_kernel[grid](
+            s, m, bias if bias is not None else s, out, tiles,
+            dropouts if dropouts is not None else s, keep_bits if keep_bits is not None else s,
+            seed, width, rank, s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
+            (width + 7) // 8,
+            HAS_BIAS=bias is not None, HAS_DROPOUT=dropouts is not None,
+            READ_BITS=keep_bits is not None,
+            DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
+            BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = (tokens, width, block_r)
+    cfg = _utils.pick_config("lora_expand", key, s.device, _hopper_config, _TILE_CONFIGS, run)
+    run(cfg)
+    return out
+
+
+def lora_expand_ref(
+    s: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None,
+    keep_mask: torch.Tensor | None,
+    dropouts: torch.Tensor | None,
+    layout: AdapterLayout,
+) -> torch.Tensor:
+    """Torch reference of `lora_expand` with an explicit ``(T, D)`` bool keep-mask."""
+    out = s.new_zeros(s.shape[0], m.shape[2], dtype=torch.float32)
+    for adapter, start, end in layout.segments():
+        part = s[start:end].float() @ m[adapter].float()  # (T_a, D)
+        if keep_mask is not None and dropouts is not None and float(dropouts[adapter]) > 0:
+            part = part * keep_mask[start:end] / (1.0 - float(dropouts[adapter]))
+        out[start:end] = part
+    if bias is not None:
+        out += bias.float()
+    return out.to(s.dtype)

@@ -1,0 +1,408 @@
+"""Benchmark of the fused multi-LoRA linear on one GPU: correctness first, then timings.
+
+Run as ``python -m scripts.bench_kernels`` (``--quick`` for one shape, ``--csv PATH`` to append
+rows). Forward + backward, W frozen, bf16, r = 16. Prints markdown tables headed by the GPU
+name and the torch / triton versions; docs/kernels.md quotes them.
+"""
+
+import argparse
+import csv
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+from megatron_lorafusion.ops import (
+    AdapterLayout,
+    dropout_keep_mask,
+    fused_dropout_keep_mask,
+    fused_lora_linear,
+    lora_linear_ref,
+)
+from megatron_lorafusion.ops.lora_expand import lora_expand
+from megatron_lorafusion.ops.lora_gemm import _TILE_CONFIGS as GEMM_CONFIGS
+from megatron_lorafusion.ops.lora_gemm import lora_gemm
+from megatron_lorafusion.ops.lora_shrink import lora_shrink
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad
+
+FUSED_MODULE = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+TOKENS = (8192, 16384)
+SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (H, N): Llama-3.1-8B projections
+ADAPTERS = (1, 4)
+DROPOUTS = (0.1, 0.0)
+RANK = 16
+REL_ERR_MAX = 1e-2
+QUANTILES = [0.5, 0.2, 0.8]
+REP_MS = 300  # per timing; run-to-run spread on the H200 was ~3-5% at the default 100 ms
+
+
+def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    counts = [tokens // adapters] * adapters
+    counts[-1] += tokens - sum(counts)
+    layout = AdapterLayout.from_samples(list(range(adapters)), counts, adapters, "cuda",
+                                        dropout_seed=seed + 1)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
+    weight = (torch.randn(out, hidden, device="cuda", generator=gen) / hidden**0.5).to(dtype)
+    lora_a = (torch.randn(adapters, RANK, hidden, device="cuda", generator=gen)
+              / hidden**0.5).to(dtype)
+    lora_b = (torch.randn(adapters, out, RANK, device="cuda", generator=gen) / RANK**0.5).to(dtype)
+    grad_y = torch.randn(tokens, out, device="cuda", generator=gen).to(dtype)
+    return {
+        "layout": layout, "x": x, "weight": weight, "lora_a": lora_a, "lora_b": lora_b,
+        "grad_y": grad_y, "scalings": [2.0] * adapters, "dropouts": [p] * adapters,
+    }
+
+
+def fused_fn(prob, design):
+    def fn(x, lora_a, lora_b):
+        return fused_lora_linear(x, prob["weight"], None, lora_a, lora_b, prob["scalings"],
+                                 prob["dropouts"], prob["layout"], layer_seed=3, design=design)
+    return fn
+
+
+def ref_fn(prob, keep=None, draw_mask=True):
+    """Eager reference; ``draw_mask`` draws its own torch mask inside (as PEFT's nn.Dropout)."""
+    hidden = prob["x"].shape[1]
+
+    def fn(x, lora_a, lora_b):
+        mask = keep
+        if draw_mask:
+            mask = dropout_keep_mask(prob["layout"], prob["dropouts"], hidden, 3, x.device)
+        return lora_linear_ref(x, prob["weight"], None, lora_a, lora_b, prob["scalings"],
+                               prob["dropouts"], prob["layout"], mask)
+    return fn
+
+
+class _AugmentedK(torch.autograd.Function):
+    """Design (b): ``Y = [X | S_bd]·[W | B_all]ᵀ``, ``[dX | ·] = [dY | dS_bd]·[W ; A_all]``.
+
+    Only for dropout 0 (the masked dX term cannot ride in the GEMM). ``copy`` = build the
+    augmented buffers here (what a producer without spare columns costs); without it the
+    buffers are assumed written by the producer and only the S / dS columns are filled.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, weight, layout, scales, bufs):
+        tokens, hidden = x.shape
+        adapters, rank, _ = lora_a.shape
+        s = lora_shrink(x, lora_a, scales, None, layout, 0)
+        xa, wa = bufs["xa"], bufs["wa"]
+        if bufs["copy"]:
+            xa[:, :hidden].copy_(x)
+            wa[:, :hidden].copy_(weight)
+        wa[:, hidden:].copy_(lora_b.permute(1, 0, 2).reshape(-1, adapters * rank))
+        xa[:, hidden:].zero_()
+        for a, start, end in layout.segments():
+            xa[start:end, hidden + a * rank:hidden + (a + 1) * rank] = s[start:end]
+        y = xa @ wa.t()
+        ctx.save_for_backward(x, lora_a, lora_b, weight, s, scales)
+        ctx.layout, ctx.bufs = layout, bufs
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, lora_a, lora_b, weight, s, scales = ctx.saved_tensors
+        layout, bufs = ctx.layout, ctx.bufs
+        adapters, rank, _ = lora_a.shape
+        out = dy.shape[1]
+        ds = lora_shrink(dy, lora_b.transpose(1, 2), scales, None, layout, 0)
+        grad_b = lora_wgrad(dy, s, torch.empty_like(lora_b), None, layout, 0)
+        grad_a = torch.empty_like(lora_a)
+        lora_wgrad(x, ds, grad_a.transpose(1, 2), None, layout, 0)
+        dya, wt = bufs["dya"], bufs["wt"]
+        if bufs["copy"]:
+            dya[:, :out].copy_(dy)
+            wt[:out].copy_(weight)
+        wt[out:].copy_(lora_a.reshape(adapters * rank, -1))
+        dya[:, out:].zero_()
+        for a, start, end in layout.segments():
+            dya[start:end, out + a * rank:out + (a + 1) * rank] = ds[start:end]
+        grad_x = dya @ wt
+        return grad_x, grad_a, grad_b, None, None, None, None
+
+
+def augk_fn(prob, copy):
+    x, weight, lora_a = prob["x"], prob["weight"], prob["lora_a"]
+    tokens, hidden = x.shape
+    out, extra = weight.shape[0], lora_a.shape[0] * lora_a.shape[1]
+    bufs = {
+        "copy": copy,
+        "xa": torch.empty(tokens, hidden + extra, device="cuda", dtype=x.dtype),
+        "wa": torch.empty(out, hidden + extra, device="cuda", dtype=x.dtype),
+        "dya": torch.empty(tokens, out + extra, device="cuda", dtype=x.dtype),
+        "wt": torch.empty(out + extra, hidden, device="cuda", dtype=x.dtype),
+    }
+    bufs["xa"][:, :hidden].copy_(x)
+    bufs["wa"][:, :hidden].copy_(weight)
+    bufs["dya"][:, :out].copy_(prob["grad_y"])
+    bufs["wt"][:out].copy_(weight)
+    scales = torch.tensor(prob["scalings"], device="cuda", dtype=torch.float32)
+
+    def fn(x_, lora_a_, lora_b_):
+        return _AugmentedK.apply(x_, lora_a_, lora_b_, weight, prob["layout"], scales, bufs)
+    return fn
+
+
+def frozen_fn(prob):
+    def fn(x, lora_a, lora_b):
+        return F.linear(x, prob["weight"])
+    return fn
+
+
+def fwd_bwd(prob, fn, with_lora=True):
+    leaves = [prob["x"].detach().requires_grad_()]
+    if with_lora:
+        leaves += [prob[k].detach().requires_grad_() for k in ("lora_a", "lora_b")]
+    x = leaves[0]
+    lora_a, lora_b = (leaves[1], leaves[2]) if with_lora else (prob["lora_a"], prob["lora_b"])
+    grad_y = prob["grad_y"]
+
+    def step():
+        fn(x, lora_a, lora_b).backward(grad_y)
+    return step, leaves
+
+
+def bench(step, leaves):
+    """Median, p20, p80 in ms; NaNs (and the error printed) when the variant fails."""
+    try:
+        step()  # warm-up: compilation and config choice stay out of the numbers
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(step, rep=REP_MS, grad_to_none=leaves, quantiles=QUANTILES)
+    except Exception as exc:  # noqa: BLE001 - keep the other variants' numbers
+        print(f"<!-- failed: {type(exc).__name__}: {str(exc)[:300]} -->", flush=True)
+        return [float("nan")] * 3
+
+
+def bench_graph(step, leaves):
+    """GPU-only median ms: forward + backward captured once in a CUDA graph, then replayed.
+
+    Takes host (Python, launch) overhead out of the number; grads accumulate across replays,
+    which does not change the work. NaN when the variant cannot be captured.
+    """
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()  # warm-up on the side stream, as torch.cuda.graph requires
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(graph.replay, rep=REP_MS, quantiles=QUANTILES)[0]
+    except Exception as exc:  # noqa: BLE001 - e.g. a torch.Generator inside the captured region
+        print(f"<!-- graph capture failed: {type(exc).__name__}: {str(exc)[:200]} -->", flush=True)
+        ms = float("nan")
+    for leaf in leaves:
+        leaf.grad = None
+    return ms
+
+
+def saved_bytes_per_token(prob, fn, with_lora=True):
+    """Bytes of activations saved for backward (weights excluded), per token."""
+    params = {t.untyped_storage().data_ptr() for t in
+              (prob["weight"], prob["lora_a"], prob["lora_b"])}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    step, _ = fwd_bwd(prob, fn, with_lora)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    # x itself is kept by the caller anyway only if something else saves it; count it here.
+    return sum(seen.values()) / prob["x"].shape[0]
+
+
+def rel_err(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def grads(prob, fn, cast=None):
+    leaves = [prob[k].detach().clone() for k in ("x", "lora_a", "lora_b")]
+    if cast is not None:
+        leaves = [t.to(cast) for t in leaves]
+    leaves = [t.requires_grad_() for t in leaves]
+    y = fn(*leaves)
+    y.backward(prob["grad_y"].to(y.dtype))
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+def check_correctness(tokens, shapes):
+    print(f"\n## Correctness (bf16 vs fp32 reference with the fused mask, T={tokens}, A=4, "
+          f"r={RANK}, p=0.1; relative error = ||out - ref|| / ||ref||)\n")
+    print("| H | N | design | Y | dX | dA | dB | torch-bf16 ref (Y/dX/dA/dB) | deterministic |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    for hidden, out in shapes:
+        prob = make_problem(tokens, hidden, out, 4, 0.1)
+        keep = fused_dropout_keep_mask(prob["layout"], prob["dropouts"], hidden, 3, "cuda")
+        w32 = dict(prob, weight=prob["weight"].float())
+        want = grads(w32, ref_fn(w32, keep, draw_mask=False), cast=torch.float32)
+        torch16 = grads(prob, ref_fn(prob, keep, draw_mask=False))
+        t16 = "/".join(f"{rel_err(g, w):.1e}" for g, w in zip(torch16, want, strict=True))
+        for design in ("cublas", "triton"):
+            try:
+                got = grads(prob, fused_fn(prob, design))
+                again = grads(prob, fused_fn(prob, design))
+            except Exception as exc:  # noqa: BLE001 - report and go on to the timings
+                print(f"| {hidden} | {out} | {design} | failed: {type(exc).__name__}: "
+                      f"{str(exc)[:300]} |")
+                ok = False
+                continue
+            errs = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
+            same = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+            ok &= all(e < REL_ERR_MAX for e in errs)
+            cells = " | ".join(f"{e:.1e}" for e in errs)
+            print(f"| {hidden} | {out} | {design} | {cells} | {t16} | {same} |")
+        del prob, want, torch16
+        torch.cuda.empty_cache()
+    print(f"\ncorrectness: {'PASS' if ok else 'FAIL'} (threshold {REL_ERR_MAX})")
+    return ok
+
+
+def components(tokens, hidden, out, adapters=4, p=0.1):
+    """Time each kernel alone (forward pieces and backward pieces), ms."""
+    prob = make_problem(tokens, hidden, out, adapters, p)
+    layout, x, weight = prob["layout"], prob["x"], prob["weight"]
+    lora_a, lora_b, dy = prob["lora_a"], prob["lora_b"], prob["grad_y"]
+    scales = torch.full((adapters,), 2.0, device="cuda")
+    drop = torch.full((adapters,), p, device="cuda")
+    s = lora_shrink(x, lora_a, scales, drop, layout, 1)
+    b_t = lora_b.transpose(1, 2)
+    delta = lora_expand(s, b_t, None, None, layout, 1)
+    flops = 2 * tokens * hidden * out
+    rows = [
+        ("F.linear X·Wᵀ", lambda: F.linear(x, weight), flops),
+        ("clone of Y (T×N copy)", lambda: delta.clone(), 0),
+        ("clone + addmm_ (C = LoRA term)", lambda: delta.clone().addmm_(x, weight.t()), flops),
+        ("dY·W (torch.mm)", lambda: dy @ weight, flops),
+        ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),
+        ("shrink X p=0.1", lambda: lora_shrink(x, lora_a, scales, drop, layout, 1), 0),
+        ("shrink dY", lambda: lora_shrink(dy, b_t, scales, None, layout, 1), 0),
+        ("expand Y (write T×N)", lambda: lora_expand(s, b_t, None, None, layout, 1), 0),
+        ("expand dX p=0.1", lambda: lora_expand(s, lora_a, None, drop, layout, 1), 0),
+        ("wgrad dB (dY)", lambda: lora_wgrad(dy, s, torch.empty_like(lora_b), None, layout, 1), 0),
+        ("wgrad dA (X, p=0.1)",
+         lambda: lora_wgrad(x, s, torch.empty_like(lora_a).transpose(1, 2), drop, layout, 1), 0),
+        ("wgrad dA + expand dX in one pass (X, p=0.1)",
+         lambda: lora_wgrad(x, s, torch.empty_like(lora_a).transpose(1, 2), drop, layout, 1,
+                            expand_m=lora_a, expand_out=torch.empty_like(x)), 0),
+    ]
+    for cfg in GEMM_CONFIGS[1:]:
+        rows.append((f"lora_gemm fwd {cfg}",
+                     lambda cfg=cfg: lora_gemm(x, weight.t(), s, b_t, None, None, layout, 1, cfg),
+                     flops))
+        rows.append((f"lora_gemm dX p=0.1 {cfg}",
+                     lambda cfg=cfg: lora_gemm(dy, weight, s, lora_a, None, drop, layout, 1, cfg),
+                     flops))
+    print(f"\n## Components (T={tokens}, H={hidden}, N={out}, A={adapters}, r={RANK})\n")
+    print("| kernel | median ms | TFLOP/s |")
+    print("|---|---|---|")
+    for name, fn, flops in rows:
+        try:
+            fn()
+            ms = triton.testing.do_bench(fn, quantiles=QUANTILES)[0]
+        except Exception as exc:  # noqa: BLE001 - report a config that fails, keep going
+            print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | |")
+            continue
+        tflops = f"{flops / ms / 1e9:.0f}" if flops else ""
+        print(f"| {name} | {ms:.4f} | {tflops} |")
+    del prob
+    torch.cuda.empty_cache()
+
+
+def timings(tokens_list, shapes, csv_path):
+    print("\n## Forward + backward, median ms (p20–p80 for fused), bf16, r=16\n")
+    print("| T | H | N | A | p | frozen | ref (eager) | fused | fused, mask bits "
+          "| fused triton | augK copy | augK no-copy | fused/frozen | ref/fused | triton/frozen "
+          "| graphed frozen | graphed fused | graphed fused/frozen |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for tokens in tokens_list:
+        for hidden, out in shapes:
+            for adapters in ADAPTERS:
+                for p in DROPOUTS:
+                    prob = make_problem(tokens, hidden, out, adapters, p)
+                    frozen = bench(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
+                    ref = bench(*fwd_bwd(prob, ref_fn(prob)))
+                    cub = bench(*fwd_bwd(prob, fused_fn(prob, "cublas")))
+                    tri = bench(*fwd_bwd(prob, fused_fn(prob, "triton")))
+                    bits = "-"
+                    if p > 0:
+                        FUSED_MODULE._SAVE_MASK_BITS = True
+                        bits = f"{bench(*fwd_bwd(prob, fused_fn(prob, 'cublas')))[0]:.3f}"
+                        FUSED_MODULE._SAVE_MASK_BITS = False
+                    g_frozen = bench_graph(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
+                    g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "cublas")))
+                    if p == 0:
+                        aug_c = bench(*fwd_bwd(prob, augk_fn(prob, copy=True)))[0]
+                        aug_n = bench(*fwd_bwd(prob, augk_fn(prob, copy=False)))[0]
+                        aug = f"{aug_c:.3f} | {aug_n:.3f}"
+                    else:
+                        aug = "- | -"
+                    row = [tokens, hidden, out, adapters, p, frozen[0], ref[0], cub[0], tri[0]]
+                    rows.append(row)
+                    print(f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen[0]:.3f} "
+                          f"| {ref[0]:.3f} | {cub[0]:.3f} ({cub[1]:.3f}–{cub[2]:.3f}) "
+                          f"| {bits} | {tri[0]:.3f} | {aug} | {cub[0] / frozen[0]:.3f} "
+                          f"| {ref[0] / cub[0]:.2f} | {tri[0] / frozen[0]:.3f} "
+                          f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
+                          flush=True)
+                    del prob
+                    torch.cuda.empty_cache()
+    if csv_path:
+        with open(csv_path, "a", newline="") as f:
+            writer = csv.writer(f)
+            for row in rows:
+                writer.writerow([torch.cuda.get_device_name(), *row])
+
+
+def memory(tokens=8192, hidden=4096, out=4096):
+    print(f"\n## Activations saved for backward (T={tokens}, H={hidden}, A=4, r={RANK}, p=0.1)\n")
+    print("| path | bytes / token |")
+    print("|---|---|")
+    prob = make_problem(tokens, hidden, out, 4, 0.1)
+    for name, fn, lora in (("frozen linear", frozen_fn(prob), False),
+                           ("reference (eager)", ref_fn(prob), True),
+                           ("fused (mask regenerated, default)", fused_fn(prob, "cublas"), True),
+                           ("fused triton (mask regenerated)", fused_fn(prob, "triton"), True)):
+        print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
+    FUSED_MODULE._SAVE_MASK_BITS = True
+    print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'cublas')):.0f} |")
+    FUSED_MODULE._SAVE_MASK_BITS = False
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one token count, one shape")
+    parser.add_argument("--csv", default=None, help="append timing rows to this CSV file")
+    parser.add_argument("--skip-components", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels needs a CUDA device")
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {triton.__version__}")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    tokens_list = TOKENS[:1] if args.quick else TOKENS
+    ok = check_correctness(8192, shapes)
+    if not args.skip_components:
+        components(8192, 4096, 4096)
+        if not args.quick:
+            components(16384, 4096, 14336)
+    memory()
+    timings(tokens_list, shapes, args.csv)
+    if not ok:
+        sys.exit("correctness check failed")
+
+
+if __name__ == "__main__":
+    main()

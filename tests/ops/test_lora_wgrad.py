@@ -1,0 +1,59 @@
+"""`lora_wgrad` (grouped weight gradient, fixed-order reduction) against `lora_wgrad_ref`,
+alone and with its fused expand.
+
+CPU: Triton interpreter, fp32 with IEEE dots, so differences are summation order.
+"""
+
+import pytest
+import torch
+
+from megatron_lorafusion.ops import (
+    fused_dropout_keep_mask,
+    lora_expand_ref,
+    lora_wgrad,
+    lora_wgrad_ref,
+)
+from megatron_lorafusion.ops._utils import mixed_seed
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize(("counts", "dropouts"), [
+    ([64, 64], [0.0, 0.0]),
+    ([21, 0, 70, 3], [0.2, 0.1, 0.0, 0.5]),  # several chunks per adapter, an empty adapter
+])
+def test_lora_wgrad_matches_reference(counts, dropouts, expand, dtype, device, make_layout,
+                                      make_lora):
+    gen = torch.Generator().manual_seed(2)
+    layout = make_layout(counts, device, seed=7)
+    width, rank = 40, 5
+    z = torch.randn(layout.num_tokens, width, generator=gen).to(device, dtype)
+    s = torch.randn(layout.num_tokens, rank, generator=gen).to(device, dtype)
+    drop = torch.tensor(dropouts, device=device) if any(dropouts) else None
+    keep = fused_dropout_keep_mask(layout, dropouts, width, 2, device)
+    out = torch.full((len(counts), width, rank), float("nan"), dtype=dtype, device=device)
+    m = ex = None
+    if expand:
+        m, _ = make_lora(8, width, [rank] * len(counts), dtype, device, gen)  # (A, R, D)
+        ex = torch.full((layout.num_tokens, width), float("nan"), dtype=dtype, device=device)
+    lora_wgrad(z, s, out, drop, layout, mixed_seed(layout.dropout_seed, 2),
+               expand_m=m, expand_out=ex)
+    want = lora_wgrad_ref(z.float(), s.float(), keep, drop, layout)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, msg="wgrad")
+    if expand:
+        want_ex = lora_expand_ref(s.float(), m.float(), None, keep, drop, layout)
+        torch.testing.assert_close(ex.float(), want_ex.float(), atol=atol, rtol=rtol,
+                                   msg="fused expand")
+
+
+def test_lora_wgrad_names_bad_tensor(device, make_layout):
+    layout = make_layout([4, 4], device)
+    z, s = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
+    with pytest.raises(ValueError, match="out has shape"):
+        lora_wgrad(z, s, torch.empty(2, 16, 5, device=device), None, layout, 0)
+    with pytest.raises(ValueError, match="expand_m and expand_out"):
+        lora_wgrad(z, s, torch.empty(2, 16, 4, device=device), None, layout, 0,
+                   expand_m=torch.empty(2, 4, 16, device=device))
