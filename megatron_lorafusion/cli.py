@@ -3,6 +3,7 @@
     lorafusion validate JOB.yaml [section.key=value ...]
     lorafusion train JOB.yaml [section.key=value ...]
     lorafusion synth-data --out-dir DIR [--tasks reverse sort add upper] [--num N]
+    lorafusion export RUN_DIR|CHECKPOINT --out DIR [--merge] [--adapters NAME ...]
     lorafusion plan --lengths xsum --adapters 4 ...     (write and summarise a plan)
     lorafusion simulate --lengths mix --stages 4 ...    (bubble ratios of three schedules, PNG)
 
@@ -33,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--tasks", nargs="+", default=["reverse", "sort", "add", "upper"])
     synth.add_argument("--num", type=int, default=2000, help="rows per task")
     synth.add_argument("--seed", type=int, default=0)
+    export = sub.add_parser("export", help="write a run's adapters as PEFT folders",
+                            description="Write each adapter of a run's newest complete "
+                            "checkpoint (or of one checkpoint) as a PEFT folder.")
+    export.add_argument("source", help="run folder (train.output_dir) or checkpoint folder")
+    export.add_argument("--out", required=True, help="folder for <adapter>/ (and -merged/)")
+    export.add_argument("--merge", action="store_true",
+                        help="also merge each adapter into the Hugging Face base weights")
+    export.add_argument("--adapters", nargs="+", help="adapter names (default: all)")
     from megatron_lorafusion.planner.commands import add_plan_arguments, add_simulate_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="pack samples into a microbatch plan"))
@@ -56,12 +65,27 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from megatron_lorafusion.train.export import export_checkpoint
+
+    try:
+        folders = export_checkpoint(args.source, args.out, merge=args.merge, names=args.adapters)
+    except ValueError as err:  # ConfigError included: a job.json this version cannot read
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for folder in folders:
+        print(f"wrote {folder}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; returns the process exit status."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "synth-data":
             return _synth(args)
+        if args.command == "export":
+            return _export(args)
         if args.command in ("plan", "simulate"):
             from megatron_lorafusion.planner.commands import run_plan, run_simulate
 
@@ -79,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=cfg.logging.level,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from megatron_lorafusion.train.checkpoint import CheckpointError
+
         try:
             train_main(cfg)
-        except DataError as err:
+        except (DataError, CheckpointError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0

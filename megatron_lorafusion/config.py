@@ -3,7 +3,8 @@
 A YAML job maps one-to-one onto `JobConfig` (sections ``model``, ``adapters``, ``data``,
 ``planner``, ``parallel``, ``train``, ``logging``). Every problem found is collected and raised
 together as one `ConfigError` whose lines read ``<section>.<field> must be <rule>, got <value>``.
-Loading touches no torch, CUDA or file outside the datasets it checks for existence.
+Loading touches no torch or CUDA; it reads no file but ``model.hf_path``'s ``config.json`` and
+checks the datasets for existence.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from megatron_lorafusion.hf_config import hf_model_fields
 
 TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
@@ -48,10 +51,17 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention), random weights."""
+    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention).
+
+    Random weights from ``init_seed``, or a Hugging Face checkpoint's with ``hf_path`` (its
+    ``config.json`` then sets every size below).
+    """
 
     preset: str | None = None
     """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b); explicit keys override it."""
+    hf_path: str | None = None
+    """Local Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Qwen2 or
+    Mistral model; its sizes replace the defaults and its weights the random init."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -68,24 +78,52 @@ class ModelConfig:
     """Longest sequence the rotary embedding is built for, in tokens."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
+    rope_scaling_factor: float | None = None
+    """Llama 3.x RoPE frequency scaling factor (low/high frequency factors 1 and 4, original
+    context 8192 tokens); None: plain RoPE. Set from hf_path."""
     norm_epsilon: float = 1e-5
     """RMSNorm epsilon."""
     init_seed: int = 0
     """Seed of the random base weights (the same seed gives the same frozen model)."""
     init_method_std: float = 0.02
     """Std of the random base weights (Megatron's default); output-side ones are scaled down."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projections (Qwen2); set from hf_path."""
+    tie_word_embeddings: bool = False
+    """The checkpoint shares input embedding and output layer (kept as two equal frozen copies
+    here); set from hf_path."""
+    sliding_window: int | None = None
+    """Attention window of the checkpoint in tokens (Mistral); samples must fit in it, since
+    full causal attention equals windowed attention only there. Set from hf_path."""
 
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    """A JSONL file of prompt/response rows for one adapter."""
+    """One adapter's training rows: a JSON/JSONL/Parquet/CSV file, dataset folder or hub name.
+
+    Each row becomes a prompt and a response (``prompt_field``/``response_field``, or a
+    ``template`` filled from the row's fields), or a chat (``messages_field``, rendered with the
+    tokenizer's chat template). The loss covers response (assistant) tokens by default.
+    """
 
     path: str = ""
-    """JSONL file, one object per line; relative paths are taken from the working directory."""
+    """Local file or dataset folder (e.g. a downloaded hub snapshot; relative to the working
+    directory), or a hub dataset name when data.offline is false. A path ending in
+    .json/.jsonl/.parquet/.csv must exist."""
+    format: Literal["auto", "json", "parquet", "csv"] = "auto"
+    """File format; auto = from the suffix (.jsonl and .json are json)."""
+    split: str = "train"
+    """Split of a dataset folder or hub dataset (a single file has only ``train``)."""
     prompt_field: str = "prompt"
-    """Key of the prompt text in each row."""
+    """Key of the prompt text in each row (unused with template or messages_field)."""
     response_field: str = "response"
     """Key of the response text in each row; the loss covers only these tokens by default."""
+    template: str | None = None
+    """Prompt template: a registered name (``alpaca``: instruction/input fields) or a format
+    string with ``{field}`` placeholders, e.g. ``"Q: {question}\nA: "``."""
+    messages_field: str | None = None
+    """Key of a chat (list of ``{role, content}``) per row, rendered with the tokenizer's chat
+    template; the loss covers the assistant turns. Needs a tokenizer folder."""
 
 
 @dataclass(frozen=True)
@@ -122,10 +160,11 @@ class AdapterConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Tokenisation and truncation, shared by all adapters."""
+    """Tokenisation, truncation, caching and bad-row policy, shared by all adapters."""
 
-    tokenizer: Literal["byte"] = "byte"
-    """Tokenizer; ``byte`` needs no download (256 bytes + pad, bos, eos)."""
+    tokenizer: str = "byte"
+    """``byte`` (no download: 256 bytes + pad, bos, eos) or a local folder that
+    ``transformers.AutoTokenizer`` loads (e.g. the model's own)."""
     max_seq_length: int = 256
     """Longest sample after the truncation policy, in tokens."""
     truncation: Literal["truncate", "reject"] = "truncate"
@@ -134,6 +173,14 @@ class DataConfig:
     """Also put loss on prompt tokens (default: response tokens only)."""
     shuffle: bool = True
     """Shuffle each adapter's samples per epoch (seeded by train.seed)."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A malformed row stops loading with an error naming file and row, or is skipped and
+    counted (one warning per dataset)."""
+    cache_dir: str | None = None
+    """Folder of tokenised datasets, reused while file, fields, template, tokenizer and
+    truncation are unchanged; also the ``datasets`` download cache. None: no cache."""
+    offline: bool = False
+    """Never reach the hub: dataset paths must be local files or folders."""
 
 
 @dataclass(frozen=True)
@@ -177,7 +224,13 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Checkpoints and exported adapters go here; created only after validation."""
     save_every: int = 0
-    """Save adapter checkpoints every this many optimizer steps (0: only at the end)."""
+    """Save a checkpoint each time the adapters' optimizer steps pass a multiple of this many
+    per adapter (on average over adapters); 0: only at the end."""
+    resume: str = "auto"
+    """``auto``: continue from the newest complete checkpoint in output_dir (if any);
+    ``never``: start fresh; or the path of one checkpoint folder."""
+    keep_last: int = 3
+    """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +331,22 @@ def _apply_preset(raw: dict, problems: list[str]) -> dict:
     return {**raw, "model": {**MODEL_PRESETS[preset], **model}}
 
 
+def _apply_hf_model(raw: dict, problems: list[str]) -> dict:
+    """Fill ``model`` from ``model.hf_path``; an explicit key that disagrees is a problem."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("hf_path") is None:
+        return raw
+    if model.get("preset") is not None:
+        problems.append(f"model.preset must be unset with model.hf_path, got {model['preset']!r}")
+    fields, hf_problems = hf_model_fields(str(model["hf_path"]))
+    problems.extend(f"model.hf_path: {q}" for q in hf_problems)
+    for key, value in fields.items():
+        if key in model and model[key] != value:
+            problems.append(f"model.{key} must match the checkpoint's config.json ({value!r}) "
+                            f"or be left out, got {model[key]!r}")
+    return {**raw, "model": {**model, **fields}}
+
+
 def _set_dotted(raw: dict, dotted: str, problems: list[str]) -> None:
     """Apply one ``a.b.c=value`` override (list items by index: ``adapters.0.lr=1e-4``)."""
     key, sep, text = dotted.partition("=")
@@ -320,11 +389,15 @@ def validate(cfg: JobConfig) -> list[str]:
                  f"({m.num_attention_heads}), got {m.num_query_groups}")
     if cfg.data.tokenizer == "byte" and m.vocab_size < 259:
         p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
+    if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
+        p.append(f"data.tokenizer must be 'byte' or an existing tokenizer folder, "
+                 f"got {cfg.data.tokenizer!r}")
     if not cfg.adapters:
         p.append("adapters must list at least one adapter, got none")
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
         p.extend(_validate_adapter(a, f"adapters.{i}", seen))
+        p.extend(_validate_dataset(a.dataset, cfg.data, f"adapters.{i}.dataset"))
     if cfg.data.max_seq_length <= 0:
         p.append(f"data.max_seq_length must be > 0, got {cfg.data.max_seq_length}")
     if cfg.data.max_seq_length > m.max_position_embeddings:
@@ -344,6 +417,15 @@ def validate(cfg: JobConfig) -> list[str]:
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) < 1:
             p.append(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    if cfg.parallel.tp >= 1 and m.vocab_size % cfg.parallel.tp:
+        p.append(f"model.vocab_size must be divisible by parallel.tp ({cfg.parallel.tp}), "
+                 f"got {m.vocab_size}")
+    if m.rope_scaling_factor is not None and m.hf_path is None:
+        p.append(f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
+                 f"got {m.rope_scaling_factor}")
+    if m.sliding_window is not None and cfg.data.max_seq_length > m.sliding_window:
+        p.append(f"data.max_seq_length must be <= model.sliding_window ({m.sliding_window}) "
+                 f"(longer samples would need windowed attention), got {cfg.data.max_seq_length}")
     t = cfg.train
     if (t.steps is None) == (t.epochs is None):
         p.append(f"train.steps or train.epochs must be set (exactly one), "
@@ -353,6 +435,11 @@ def validate(cfg: JobConfig) -> list[str]:
             p.append(f"train.{name} must be > 0, got {getattr(t, name)}")
     if t.save_every < 0:
         p.append(f"train.save_every must be >= 0, got {t.save_every}")
+    if t.keep_last < 0:
+        p.append(f"train.keep_last must be >= 0, got {t.keep_last}")
+    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+        p.append(f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
+                 f"got {t.resume!r}")
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
     if cfg.logging.log_every <= 0:
@@ -387,11 +474,30 @@ def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]
         p.append(f"{where}.weight_decay must be >= 0, got {a.weight_decay}")
     if a.global_batch_size <= 0:
         p.append(f"{where}.global_batch_size must be > 0, got {a.global_batch_size}")
-    if not a.dataset.path:
-        p.append(f"{where}.dataset.path must name a JSONL file, got ''")
-    elif not Path(a.dataset.path).is_file():
-        p.append(f"{where}.dataset.path must be an existing file, got {a.dataset.path!r} "
-                 f"(not found from {Path.cwd()})")
+    return p
+
+
+PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/dataset.py
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+
+
+def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str) -> list[str]:
+    p: list[str] = []
+    local = Path(d.path).suffix in DATA_SUFFIXES or data.offline or Path(d.path).exists()
+    if not d.path:
+        p.append(f"{where}.path must name a data file or hub dataset, got ''")
+    elif local and not Path(d.path).exists():
+        p.append(f"{where}.path must be an existing file or folder, got {d.path!r} "
+                 f"(not found from {Path.cwd()}"
+                 + ("; data.offline forbids hub datasets)" if data.offline else ")"))
+    if d.template is not None and d.template not in PROMPT_TEMPLATES and "{" not in d.template:
+        p.append(f"{where}.template must be one of {list(PROMPT_TEMPLATES)} or a format string "
+                 f"with {{field}} placeholders, got {d.template!r}")
+    if d.messages_field is not None and data.tokenizer == "byte":
+        p.append(f"{where}.messages_field needs a tokenizer with a chat template "
+                 f"(data.tokenizer: a folder), got data.tokenizer='byte'")
+    if d.messages_field is not None and d.template is not None:
+        p.append(f"{where}.template must be unset with messages_field, got {d.template!r}")
     return p
 
 
@@ -423,6 +529,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     for dotted in overrides or []:
         _set_dotted(raw, dotted, problems)
     raw = _apply_preset(raw, problems)
+    raw = _apply_hf_model(raw, problems)
     cfg = _build(JobConfig, raw, "job", problems)
     # Section names read better without the "job." prefix.
     problems = [q.removeprefix("job.") for q in problems]
@@ -430,6 +537,22 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
         problems = validate(cfg)
     if problems:
         raise ConfigError(problems)
+    return cfg
+
+
+def job_from_dict(raw: dict) -> JobConfig:
+    """Rebuild a `JobConfig` saved as ``dataclasses.asdict`` (a run's ``job.json``).
+
+    Keys and types are checked; the cross-field rules and dataset files are not (a finished
+    run's datasets may be gone).
+
+    Raises:
+        ConfigError: on unknown keys or wrong types.
+    """
+    problems: list[str] = []
+    cfg = _build(JobConfig, raw, "job", problems)
+    if problems:
+        raise ConfigError([q.removeprefix("job.") for q in problems])
     return cfg
 
 

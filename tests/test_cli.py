@@ -33,7 +33,7 @@ def test_cli_bad_data_row_exits_2_without_output_dir(tmp_path, capsys):
     path = _job(tmp_path)
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n{"prompt": 3}\n')
     assert main(["train", str(path)]) == 2
-    assert "a.jsonl:2: a row must be an object with string fields" in capsys.readouterr().err
+    assert "a.jsonl:2: adapter 'a': field 'prompt' must be a string" in capsys.readouterr().err
     assert not (tmp_path / "out").exists(), "a data error must create nothing"
 
 
@@ -49,3 +49,10 @@ def test_cli_synth_data_writes_jsonl(tmp_path):
 def test_cli_synth_data_unknown_task_exits_2(tmp_path, capsys):
     assert main(["synth-data", "--out-dir", str(tmp_path), "--tasks", "fly"]) == 2
     assert "task must be one of" in capsys.readouterr().err
+
+
+def test_cli_export_without_checkpoint_exits_2(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
+    assert "neither a checkpoint folder nor a run folder" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -86,8 +86,8 @@ def test_config_duplicate_adapter_names_rejected(tmp_path):
 def test_config_missing_dataset_file_is_named(tmp_path):
     job = _job(tmp_path)
     job["adapters"][0]["dataset"]["path"] = "nowhere.jsonl"
-    assert "adapters.0.dataset.path must be an existing file, got 'nowhere.jsonl'" in _errors(
-        tmp_path, job)
+    assert ("adapters.0.dataset.path must be an existing file or folder, got 'nowhere.jsonl'"
+            in _errors(tmp_path, job))
 
 
 def test_config_capacity_below_one_sample_rejected(tmp_path):
@@ -118,3 +118,45 @@ def test_config_float_without_dot_is_read_as_float(tmp_path):
 def test_config_bad_override_is_named(tmp_path):
     assert "override 'train.steps' must look like section.key=value" in _errors(
         tmp_path, _job(tmp_path), ["train.steps"])
+
+
+def test_config_hf_path_sets_sizes_and_refuses_conflicts(tmp_path):
+    import json
+
+    hf = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "hidden_size": 96,
+          "intermediate_size": 160, "num_attention_heads": 6, "num_key_value_heads": 2,
+          "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+          "rope_theta": 1e6, "tie_word_embeddings": True}
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
+    job = _job(tmp_path, model={"hf_path": str(tmp_path / "m")})
+    cfg = load_config(_write(tmp_path, job))
+    assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.rope_theta) == (3, 2, 1e6)
+    assert cfg.model.add_qkv_bias, "Qwen2 has q/k/v biases"
+    assert cfg.model.tie_word_embeddings
+    job["model"]["hidden_size"] = 128
+    assert ("model.hidden_size must match the checkpoint's config.json (96) or be left out, "
+            "got 128") in _errors(tmp_path, job)
+
+
+def test_config_hf_path_refuses_unsupported_architecture(tmp_path):
+    import json
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    errors = _errors(tmp_path, _job(tmp_path, model={"hf_path": str(tmp_path / "m")}))
+    assert "model.hf_path: architecture must be one of ['LlamaForCausalLM', " in errors
+    assert "got ['GPT2LMHeadModel']" in errors
+
+
+def test_config_data_options_are_checked(tmp_path):
+    job = _job(tmp_path, data={"tokenizer": str(tmp_path / "nope"), "offline": True})
+    job["adapters"][0]["dataset"] = {"path": "owner/hub-set", "template": "vicuna",
+                                     "messages_field": "messages"}
+    errors = _errors(tmp_path, job)
+    assert "data.tokenizer must be 'byte' or an existing tokenizer folder" in errors
+    assert ("adapters.0.dataset.path must be an existing file or folder, got 'owner/hub-set'"
+            in errors)
+    assert "data.offline forbids hub datasets" in errors
+    assert "adapters.0.dataset.template must be one of ['alpaca'] or a format string" in errors
+    assert "adapters.0.dataset.template must be unset with messages_field" in errors

@@ -2,21 +2,25 @@
 
 from megatron_lorafusion.data.batch import PackedBatch, pack_microbatch
 from megatron_lorafusion.data.dataset import (
+    PROMPT_TEMPLATES,
     DataError,
     TokenizedSample,
     load_adapter_dataset,
     training_order,
 )
 from megatron_lorafusion.data.synthetic import TASKS, write_task
-from megatron_lorafusion.data.tokenizer import ByteTokenizer
+from megatron_lorafusion.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
+    "PROMPT_TEMPLATES",
     "TASKS",
     "ByteTokenizer",
     "DataError",
+    "HFTokenizer",
     "PackedBatch",
     "TokenizedSample",
     "load_adapter_dataset",
+    "load_tokenizer",
     "pack_microbatch",
     "training_order",
     "write_task",

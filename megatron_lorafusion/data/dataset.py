@@ -1,25 +1,47 @@
-"""Per-adapter datasets: JSONL prompt/response rows → token ids, labels and loss masks.
+"""Per-adapter datasets: rows → token ids, labels and loss masks, cached on disk.
 
-A sample of ``L`` tokens ``[bos] prompt response [eos]`` trains on ``L - 1`` positions: input
-``ids[:-1]``, target ``ids[1:]``; by default only targets inside the response (and eos) count.
+A row gives a prompt and a response (two fields, or a template filled from the row) or a chat
+(rendered with the tokenizer's chat template). A sample of ``L`` tokens
+``[bos] prompt response [eos]`` trains on ``L - 1`` positions: input ``ids[:-1]``, target
+``ids[1:]``; by default only targets inside the response (and eos), or inside assistant turns,
+count. Tokenised datasets are cached under ``data.cache_dir`` keyed by everything they depend
+on, and reused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_lorafusion.config import AdapterConfig, DataConfig
-from megatron_lorafusion.data.tokenizer import ByteTokenizer
+import torch
+
+from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig
+from megatron_lorafusion.data._errors import DataError
+from megatron_lorafusion.data.hf import dataset_identity, read_rows
+from megatron_lorafusion.data.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["PROMPT_TEMPLATES", "DataError", "TokenizedSample", "load_adapter_dataset",
+           "training_order"]
 
-class DataError(ValueError):
-    """A dataset row or file that cannot be used; the message names file and row."""
+# Registered prompt templates: name -> (template with input, template without input).
+PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
+    "alpaca": (
+        "Below is an instruction that describes a task, paired with an input that provides "
+        "further context. Write a response that appropriately completes the request.\n\n"
+        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+        "Below is an instruction that describes a task. Write a response that appropriately "
+        "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
+    ),
+}
+_CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -40,56 +62,163 @@ class TokenizedSample:
         return len(self.input_ids)
 
 
-def _read_row(line: str, where: str, cfg: AdapterConfig) -> tuple[str, str]:
+class _BadRow(Exception):
+    """A row that does not fit the dataset config; the message says why."""
+
+
+def _text(row: dict, key: str) -> str:
+    if key not in row:
+        raise _BadRow(f"field {key!r} is missing")
+    if not isinstance(row[key], str):
+        raise _BadRow(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+    return row[key]
+
+
+def _prompt(row: dict, d: DatasetConfig) -> str:
+    if d.template is None:
+        return _text(row, d.prompt_field)
+    if d.template in PROMPT_TEMPLATES:
+        with_input, without = PROMPT_TEMPLATES[d.template]
+        template = with_input if row.get("input") else without
+    else:
+        template = d.template
     try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise DataError(f"{where}: not valid JSON ({err.msg})") from err
-    fields = (cfg.dataset.prompt_field, cfg.dataset.response_field)
-    if not isinstance(row, dict) or any(not isinstance(row.get(f), str) for f in fields):
-        raise DataError(f"{where}: a row must be an object with string fields {list(fields)}")
-    return row[fields[0]], row[fields[1]]
+        return template.format_map({k: v for k, v in row.items() if isinstance(v, str)})
+    except KeyError as err:
+        raise _BadRow(f"template field {err.args[0]!r} is missing or not a string") from None
+
+
+def _chat(row: dict, d: DatasetConfig) -> list[dict]:
+    messages = row.get(d.messages_field)
+    if not isinstance(messages, list) or not messages:
+        raise _BadRow(f"field {d.messages_field!r} must be a non-empty list of messages")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise _BadRow(f"each message must have string 'role' and 'content', got {m!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise _BadRow("the chat has no assistant turn to train on")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _row_tokens(row, d: DatasetConfig, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of one row and, per id, 1 where it belongs to the response."""
+    if not isinstance(row, dict):
+        raise _BadRow(f"a row must be an object, got {type(row).__name__}")
+    if d.messages_field is not None:
+        return tokenizer.chat(_chat(row, d))
+    prompt, response = _prompt(row, d), _text(row, d.response_field)
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    prompt_ids = bos + tokenizer.encode(prompt)
+    response_ids = tokenizer.encode(response) + [tokenizer.eos_id]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def _cache_path(adapter: AdapterConfig, data: DataConfig, tokenizer: Tokenizer) -> Path | None:
+    if data.cache_dir is None:
+        return None
+    d = adapter.dataset
+    key = {
+        "version": _CACHE_VERSION,
+        "source": dataset_identity(d),
+        "dataset": dataclasses.asdict(d),
+        "tokenizer": tokenizer.identity(),
+        "policy": [data.max_seq_length, data.truncation, data.train_on_prompt, data.bad_rows],
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return Path(data.cache_dir) / "tokenized" / f"{digest}.pt"
+
+
+def _save_cache(path: Path, samples: list[TokenizedSample]) -> None:
+    flat = {name: torch.tensor([t for s in samples for t in getattr(s, name)], dtype=torch.int64)
+            for name in ("input_ids", "labels", "loss_mask")}
+    flat["lengths"] = torch.tensor([len(s) for s in samples], dtype=torch.int64)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    torch.save(flat, tmp)
+    os.replace(tmp, path)  # atomic: a concurrent reader sees the old file or the whole new one
+
+
+def _load_cache(path: Path) -> list[TokenizedSample] | None:
+    try:
+        flat = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a damaged cache file is rebuilt, never trusted
+        logger.warning("ignoring unreadable dataset cache %s: %r", path, err)
+        return None
+    columns = {name: flat[name].tolist() for name in ("input_ids", "labels", "loss_mask")}
+    samples, start = [], 0
+    for length in flat["lengths"].tolist():
+        part = [tuple(columns[n][start:start + length]) for n in columns]
+        samples.append(TokenizedSample(*part))
+        start += length
+    return samples
+
+
+def _sample(ids: list[int], trained: list[int], data: DataConfig, where: str,
+            name: str) -> tuple[TokenizedSample, bool]:
+    """Shift ids into (input, label), apply the truncation policy; returns (sample, was cut)."""
+    cut = len(ids) - 1 > data.max_seq_length
+    if cut:
+        if data.truncation == "reject":
+            raise DataError(
+                f"{where}: adapter {name!r} sample has {len(ids) - 1} tokens, more than "
+                f"data.max_seq_length={data.max_seq_length} (set data.truncation: truncate to "
+                f"cut it)"
+            )
+        ids, trained = ids[: data.max_seq_length + 1], trained[: data.max_seq_length + 1]
+    mask = [1] * (len(ids) - 1) if data.train_on_prompt else trained[1:]
+    return TokenizedSample(tuple(ids[:-1]), tuple(ids[1:]), tuple(mask)), cut
 
 
 def load_adapter_dataset(
-    adapter: AdapterConfig, data: DataConfig, tokenizer: ByteTokenizer
+    adapter: AdapterConfig, data: DataConfig, tokenizer: Tokenizer | None = None
 ) -> list[TokenizedSample]:
-    """Tokenise every row of ``adapter``'s JSONL file, applying the truncation policy.
+    """Tokenise every row of ``adapter``'s dataset (or reuse the cached result).
+
+    Args:
+        adapter: names the dataset and its field mapping, template or chat field.
+        data: truncation, loss, bad-row and cache policy.
+        tokenizer: the run's tokenizer (default: the byte tokenizer).
 
     Raises:
-        DataError: on a missing or empty file, a malformed row, or (policy ``reject``) a
-            sample longer than ``data.max_seq_length``; the message names file and line.
+        DataError: on a missing or unreadable file, an empty dataset, a malformed row (unless
+            ``data.bad_rows: skip``), or (policy ``reject``) a sample longer than
+            ``data.max_seq_length``; the message names file and row.
     """
-    path = Path(adapter.dataset.path)
-    if not path.is_file():
-        raise DataError(f"adapter {adapter.name!r}: dataset file {str(path)!r} not found")
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    cache = _cache_path(adapter, data, tokenizer)
+    if cache is not None and cache.is_file():
+        samples = _load_cache(cache)
+        if samples is not None:
+            logger.info("adapter %r: %d tokenised samples from cache %s", adapter.name,
+                        len(samples), cache)
+            return samples
+    raw = read_rows(adapter.dataset, data)
     samples: list[TokenizedSample] = []
-    truncated = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            prompt, response = _read_row(line, where, adapter)
-            prompt_ids = [tokenizer.bos_id, *tokenizer.encode(prompt)]
-            ids = prompt_ids + tokenizer.encode(response) + [tokenizer.eos_id]
-            if len(ids) - 1 > data.max_seq_length:
-                if data.truncation == "reject":
-                    raise DataError(
-                        f"{where}: adapter {adapter.name!r} sample has {len(ids) - 1} tokens, "
-                        f"more than data.max_seq_length={data.max_seq_length} "
-                        f"(set data.truncation: truncate to cut it)"
-                    )
-                ids = ids[: data.max_seq_length + 1]
-                truncated += 1
-            first_trained = 0 if data.train_on_prompt else len(prompt_ids) - 1
-            mask = tuple(int(i >= first_trained) for i in range(len(ids) - 1))
-            samples.append(TokenizedSample(tuple(ids[:-1]), tuple(ids[1:]), mask))
+    truncated, skipped = 0, raw.skipped
+    for row, where in zip(raw.rows, raw.where, strict=True):
+        try:
+            ids, trained = _row_tokens(row, adapter.dataset, tokenizer)
+        except _BadRow as err:
+            if data.bad_rows == "error":
+                raise DataError(f"{where}: adapter {adapter.name!r}: {err} (set "
+                                f"data.bad_rows: skip to skip such rows)") from None
+            skipped += 1
+            continue
+        sample, cut = _sample(ids, trained, data, where, adapter.name)
+        samples.append(sample)
+        truncated += cut
     if not samples:
-        raise DataError(f"adapter {adapter.name!r}: dataset file {str(path)!r} has no rows")
+        raise DataError(f"adapter {adapter.name!r}: dataset {adapter.dataset.path!r} has no "
+                        f"usable rows ({skipped} skipped)")
+    if skipped:
+        logger.warning("adapter %r: skipped %d malformed rows of %s", adapter.name, skipped,
+                       adapter.dataset.path)
     if truncated:
         logger.warning("adapter %r: truncated %d of %d samples to %d tokens",
                        adapter.name, truncated, len(samples), data.max_seq_length)
+    if cache is not None:
+        _save_cache(cache, samples)
     return samples
 
 

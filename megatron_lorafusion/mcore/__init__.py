@@ -1,4 +1,4 @@
-"""Megatron-Core glue: a Llama-like `GPTModel`, varlen core attention and LoRA wrappers.
+"""Megatron-Core glue: a Llama-like `GPTModel`, Hugging Face import, attention, LoRA wrappers.
 
 The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical use::
 
@@ -9,16 +9,20 @@ The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical 
 
 from megatron_lorafusion.mcore.attention import VarlenCoreAttention, varlen_causal_attention_ref
 from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
+from megatron_lorafusion.mcore.hf_import import HFCheckpoint, build_hf_gpt_model, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
 
 __all__ = [
+    "HFCheckpoint",
     "LoRAColumnParallelLinear",
     "LoRAContext",
     "LoRARowParallelLinear",
     "VarlenCoreAttention",
     "apply_lora",
     "build_gpt_model",
+    "build_hf_gpt_model",
     "get_gpt_lora_layer_spec",
+    "load_hf_weights",
     "varlen_causal_attention_ref",
 ]

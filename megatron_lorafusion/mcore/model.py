@@ -81,6 +81,7 @@ def _transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        pipeline_dtype=params_dtype,  # dtype of the hidden states passed between stages
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -164,7 +165,8 @@ def build_gpt_model(
     taken from it at build time. Base weights are drawn on the CPU from generators keyed by
     ``(model_cfg.init_seed, global parameter name)`` (the global RNG is left untouched): every
     rank keeps its shard of the same full weights, so the model is identical for any TP and PP
-    size. Untied embeddings, no biases, no dropout, RoPE with ``model_cfg.rope_theta``.
+    size. Untied embeddings, no biases, no dropout, RoPE with ``model_cfg.rope_theta``. With
+    ``model_cfg.hf_path`` set, `build_hf_gpt_model` builds it from that checkpoint instead.
 
     Args:
         model_cfg: sizes and seed of the model.
@@ -181,6 +183,11 @@ def build_gpt_model(
     """
     from megatron.core import parallel_state
 
+    if model_cfg.hf_path is not None:  # the checkpoint's weights, not random ones
+        from megatron_lorafusion.mcore.hf_import import build_hf_gpt_model
+
+        return build_hf_gpt_model(model_cfg, pre_process=pre_process, post_process=post_process,
+                                  params_dtype=params_dtype, device=device)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_model needs Megatron's parallel state: call "

@@ -1,3 +1,43 @@
-"""The multi-adapter pipeline schedule on Megatron-Core (arrives with the pipeline issue)."""
+"""The multi-adapter pipeline: pure 1F1B schedule tables and the runner that executes them."""
 
-__all__: list[str] = []
+from megatron_lorafusion.pipeline.groups import (
+    PipelineGroups,
+    check_same_across_ranks,
+    make_pipeline_groups,
+)
+from megatron_lorafusion.pipeline.runner import (
+    AdapterRun,
+    ComputeEvent,
+    StageForward,
+    gpt_stage_forward,
+    run_pipeline,
+)
+from megatron_lorafusion.pipeline.schedule import (
+    Action,
+    LemmaError,
+    check_lemma,
+    checked,
+    data_parallel_share,
+    lemma_checked,
+    schedule,
+    stage_actions,
+)
+
+__all__ = [
+    "Action",
+    "AdapterRun",
+    "ComputeEvent",
+    "LemmaError",
+    "PipelineGroups",
+    "StageForward",
+    "check_lemma",
+    "check_same_across_ranks",
+    "checked",
+    "data_parallel_share",
+    "gpt_stage_forward",
+    "lemma_checked",
+    "make_pipeline_groups",
+    "run_pipeline",
+    "schedule",
+    "stage_actions",
+]

@@ -30,6 +30,9 @@ class Job:
         adapters: adapters whose weights its forward reads.
         steps: adapters whose optimizers step after its backward.
         label: colour key in timelines (an adapter id; -1 for an idle microbatch).
+        stage_ms: optional per-stage ``(forward_ms, backward_ms)``, one pair per stage
+            (e.g. measured: the first and last stages also embed and compute the loss);
+            when given it replaces ``forward_ms`` and ``backward_ms``.
     """
 
     forward_ms: float
@@ -37,6 +40,13 @@ class Job:
     adapters: tuple[int, ...] = ()
     steps: tuple[int, ...] = ()
     label: int = -1
+    stage_ms: tuple[tuple[float, float], ...] = ()
+
+    def op_ms(self, kind: str, stage: int) -> float:
+        """Time of this job's ``"F"`` or ``"B"`` on ``stage``."""
+        if self.stage_ms:
+            return self.stage_ms[stage][0 if kind == "F" else 1]
+        return self.forward_ms if kind == "F" else self.backward_ms
 
 
 @dataclass(frozen=True)
@@ -123,11 +133,14 @@ def simulate(jobs: Sequence[Job], num_stages: int, cost: CostModel) -> SimResult
         Makespan, per-stage busy time and every operation's interval.
 
     Raises:
-        ValueError: if ``num_stages < 1``.
+        ValueError: if ``num_stages < 1`` or a job's ``stage_ms`` has another length.
         RuntimeError: if the schedule deadlocks (the stream breaks the bubble lemma).
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    short = [i for i, job in enumerate(jobs) if job.stage_ms and len(job.stage_ms) != num_stages]
+    if short:
+        raise ValueError(f"jobs {short[:5]} give stage_ms for other than {num_stages} stages")
     orders = [_stage_order(s, num_stages, jobs) for s in range(num_stages)]
     deps = _previous_steps(jobs)
     end: dict[tuple[str, int, int], float] = {}  # (kind, stage, job) -> end time
@@ -145,11 +158,8 @@ def simulate(jobs: Sequence[Job], num_stages: int, cost: CostModel) -> SimResult
                 if ready is None:
                     break
                 job = jobs[i]
-                length = {
-                    "F": job.forward_ms,
-                    "B": job.backward_ms,
-                    "O": cost.optimizer_ms * len(job.steps),
-                }[kind]
+                length = (cost.optimizer_ms * len(job.steps) if kind == "O"
+                          else job.op_ms(kind, s))
                 start = max(free[s], ready)
                 free[s] = end[kind, s, i] = start + length
                 busy[s] += length

@@ -1,18 +1,36 @@
-"""Training: per-adapter optimizers, the loop, checkpoints and PEFT export."""
+"""Training: per-adapter optimizers, the loop, resumable checkpoints and PEFT export."""
 
-from megatron_lorafusion.train.checkpoint import load_adapter_checkpoint, save_adapter_checkpoint
-from megatron_lorafusion.train.export import peft_adapter_config, peft_state_dict, write_peft_folder
+from megatron_lorafusion.train.checkpoint import (
+    Checkpointer,
+    checkpoint_problems,
+    find_resume_checkpoint,
+    full_adapter_tensors,
+)
+from megatron_lorafusion.train.export import (
+    export_checkpoint,
+    peft_adapter_config,
+    peft_state_dict,
+    write_merged_checkpoint,
+    write_peft_folder,
+)
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
 from megatron_lorafusion.train.optim import build_optimizer, lr_multiplier
+from megatron_lorafusion.train.resume import ResumeSession, make_resume_session
 
 __all__ = [
     "AdapterRun",
+    "Checkpointer",
+    "ResumeSession",
     "build_optimizer",
-    "load_adapter_checkpoint",
+    "checkpoint_problems",
+    "export_checkpoint",
+    "find_resume_checkpoint",
+    "full_adapter_tensors",
     "lr_multiplier",
+    "make_resume_session",
     "peft_adapter_config",
     "peft_state_dict",
     "run_plan",
-    "save_adapter_checkpoint",
+    "write_merged_checkpoint",
     "write_peft_folder",
 ]

@@ -1,53 +1,346 @@
-"""Adapter checkpoints: one file per adapter and step, written atomically."""
+"""Resumable training checkpoints: all adapters at one point of the plan stream, atomically.
+
+Adapters step at different times (each after its own global batch), so a checkpoint is taken
+*between microbatches*: after microbatch ``position - 1`` of the (deterministic) plan stream,
+every adapter's weights, accumulated gradients, partial loss, optimizer and LR-schedule
+states are saved together with the RNG states and a digest of the stream so far. Resuming
+regenerates the plan, checks the digest, and continues at microbatch ``position``.
+
+On disk, ``<output_dir>/checkpoints/ckpt_{position:08d}/`` holds ``job.json``, one
+``shard_tp{t}_pp{p}.pt`` per model-parallel rank (TP-local tensors), and ``manifest.json``
+with every file's size and SHA-256. Files are written into ``ckpt_….tmp/``; the manifest is
+written last and the folder renamed only then, so a crash never leaves a checkpoint that
+looks complete, and a file damaged later fails its size or hash check.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import random
+import re
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "Checkpointer",
+    "checkpoint_problems",
+    "find_resume_checkpoint",
+    "full_adapter_tensors",
+    "read_shard",
+    "shard_name",
+]
 
-def save_adapter_checkpoint(
-    folder: str | Path,
-    step: int,
-    adapter_state: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    losses: list[float],
-) -> Path:
-    """Write ``folder/step_{step:06d}.pt`` holding weights, optimizer and schedule states.
+logger = logging.getLogger(__name__)
 
-    The file is written under a temporary name and renamed, so a crash never leaves a
-    checkpoint that looks complete.
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt_(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (damaged, or written by another run layout)."""
+
+
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    """File name of one model-parallel rank's shard."""
+    return f"shard_tp{tp_rank}_pp{pp_rank}.pt"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_problems(folder: str | Path) -> list[str]:
+    """Why ``folder`` is not a complete checkpoint (empty when it is).
+
+    Checks the manifest, then every listed file's existence, size and SHA-256.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step_{step:06d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    payload = {
-        "step": step,
-        "adapter": {k: v.detach().cpu() for k, v in adapter_state.items()},
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "losses": list(losses),
-    }
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
-    return path
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.is_file():
+        return [f"{folder}: no manifest.json (the write did not finish)"]
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        return [f"{manifest_path}: unreadable manifest ({err!r})"]
+    if manifest.get("format") != FORMAT_VERSION:
+        return [f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}"]
+    problems = []
+    for name, meta in files.items():
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != meta["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {meta['bytes']}")
+        elif _sha256(path) != meta["sha256"]:
+            problems.append(f"{path}: SHA-256 differs from the manifest")
+    return problems
 
 
-def load_adapter_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint written by `save_adapter_checkpoint`.
+def _complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first; damaged ones are warned about."""
+    found = []
+    for folder in sorted(root.glob("ckpt_*")):
+        if not folder.is_dir() or not _NAME.match(folder.name):
+            continue
+        problems = checkpoint_problems(folder)
+        if problems:
+            logger.warning("skipping incomplete checkpoint %s: %s", folder, "; ".join(problems))
+            continue
+        found.append(folder)
+    return found
+
+
+def find_resume_checkpoint(root: str | Path, resume: str) -> Path | None:
+    """The checkpoint to resume from under policy ``resume``.
+
+    Args:
+        root: the run's ``checkpoints`` folder.
+        resume: ``"never"``; ``"auto"`` (the newest complete checkpoint, or None); or the path
+            of one checkpoint folder.
 
     Raises:
-        ValueError: when the file is unreadable or lacks a field; the message names the file.
+        CheckpointError: when an explicitly named checkpoint is incomplete or damaged.
     """
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # torch raises several types for a damaged file
-        raise ValueError(f"checkpoint {str(path)!r} cannot be read: {err}") from err
-    missing = {"step", "adapter", "optimizer", "scheduler", "losses"} - set(payload)
-    if missing:
-        raise ValueError(f"checkpoint {str(path)!r} lacks {sorted(missing)}")
-    return payload
+    if resume == "never":
+        return None
+    if resume == "auto":
+        root = Path(root)
+        found = _complete_checkpoints(root) if root.is_dir() else []
+        return found[-1] if found else None
+    problems = checkpoint_problems(resume)
+    if problems:
+        raise CheckpointError(f"train.resume checkpoint {resume!r} is not usable:\n  - "
+                              + "\n  - ".join(problems))
+    return Path(resume)
+
+
+def read_shard(folder: str | Path, name: str) -> dict:
+    """Load one shard file of a checkpoint (CPU tensors, ``weights_only``)."""
+    return torch.load(Path(folder) / name, map_location="cpu", weights_only=True)
+
+
+def _merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Undo Megatron's TP split: rank ``r`` holds chunks ``r, r + tp, …`` of ``tp·stride``."""
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every adapter's full (unsharded) factors from a checkpoint, by adapter name.
+
+    Pipeline stages hold disjoint layers; tensor-parallel shards are concatenated along the
+    dimension (and partition stride) recorded with each tensor.
+
+    Raises:
+        CheckpointError: when the checkpoint is incomplete or damaged.
+    """
+    folder = Path(folder)
+    problems = checkpoint_problems(folder)
+    if problems:
+        raise CheckpointError(f"checkpoint {str(folder)!r} is not usable:\n  - "
+                              + "\n  - ".join(problems))
+    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+    tp, pp = manifest["tp"], manifest["pp"]
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for p in range(pp):
+        shards = [read_shard(folder, shard_name(t, p)) for t in range(tp)]
+        for a, entry in enumerate(shards[0]["adapters"]):
+            tensors = out.setdefault(entry["name"], {})
+            for key, value in entry["tensors"].items():
+                split = shards[0]["sharding"][key]
+                if split is None or tp == 1:
+                    tensors[key] = value
+                else:
+                    parts = [s["adapters"][a]["tensors"][key] for s in shards]
+                    tensors[key] = _merge_tp(parts, split[0], split[1])
+    return out
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sharding(param: torch.Tensor) -> list[int] | None:
+    """``[partition_dim, partition_stride]`` of a TP-split tensor, None when replicated."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return [int(param.partition_dim), int(getattr(param, "partition_stride", 1))]
+
+
+class Checkpointer:
+    """Writes and restores this rank's part of the run's checkpoints.
+
+    Args:
+        root: the run's ``checkpoints`` folder.
+        job: the job config as a JSON-able dict (copied into every checkpoint).
+        tp_rank, tp_size, pp_rank, pp_size: this rank's model-parallel coordinates.
+        writes: whether this rank writes its shard (data-parallel rank 0 does).
+        coordinator: whether this rank writes the manifest, renames and rotates (global rank 0).
+        barrier: synchronises all ranks (a no-op in a one-process run).
+        keep_last: complete checkpoints to keep (older ones are deleted); 0 keeps all.
+    """
+
+    def __init__(self, root: str | Path, job: dict, *, tp_rank: int = 0, tp_size: int = 1,
+                 pp_rank: int = 0, pp_size: int = 1, writes: bool = True,
+                 coordinator: bool = True, barrier: Callable[[], None] = lambda: None,
+                 keep_last: int = 0):
+        self.root = Path(root)
+        self.job = job
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
+        self.writes = writes
+        self.coordinator = coordinator
+        self.barrier = barrier
+        self.keep_last = keep_last
+
+    def _payload(self, position: int, digest: str, runs, lora) -> dict:
+        adapters, sharding = [], {}
+        for a, run in enumerate(runs):
+            params = lora.adapter_parameters(a)
+            sharding.update({n: _sharding(p) for n, p in params})
+            adapters.append({
+                "name": run.name,
+                "tensors": {n: p.detach().cpu().clone() for n, p in params},
+                "grads": {n: p.grad.detach().cpu().clone() for n, p in params
+                          if p.grad is not None},
+                "optimizer": run.optimizer.state_dict(),
+                "scheduler": run.scheduler.state_dict(),
+                "losses": list(run.losses),
+                "pending_loss": run.pending_loss,
+            })
+        return {"format": FORMAT_VERSION, "position": position, "stream_digest": digest,
+                "adapters": adapters, "sharding": sharding, "rng": _rng_state()}
+
+    def save(self, position: int, digest: str, runs, lora) -> Path:
+        """Save every adapter's state after ``position`` microbatches of the stream.
+
+        Args:
+            position: microbatches consumed so far (the next one to run has this index).
+            digest: SHA-256 hex of the stream's first ``position`` microbatches.
+            runs: per adapter id, its `AdapterRun` (optimizer, schedule, losses).
+            lora: the `LoRAContext` holding the adapters' parameters on this rank.
+
+        Returns:
+            The final checkpoint folder.
+        """
+        final = self.root / f"ckpt_{position:08d}"
+        if self._same_as(final, digest):
+            return final  # this job at this point of the same stream: the same state
+        tmp = final.with_name(final.name + ".tmp")
+        if self.coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        if self.writes:
+            path = tmp / shard_name(self.tp_rank, self.pp_rank)
+            torch.save(self._payload(position, digest, runs, lora), path)
+            _fsync(path)
+        self.barrier()
+        if self.coordinator:
+            (tmp / "job.json").write_text(json.dumps(self.job, indent=2) + "\n",
+                                          encoding="utf-8")
+            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                     for p in sorted(tmp.iterdir())}
+            manifest = {"format": FORMAT_VERSION, "position": position, "tp": self.tp_size,
+                        "pp": self.pp_size, "stream_digest": digest,
+                        "steps": {run.name: run.step for run in runs}, "files": files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n",
+                                               encoding="utf-8")
+            _fsync(tmp / "manifest.json")
+            if final.exists():  # another job's checkpoint here: moved aside, then deleted
+                old = final.with_name(final.name + ".old")
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, final)
+            self._rotate()
+            logger.info("saved checkpoint %s (%s)", final, ", ".join(
+                f"{run.name} step {run.step}" for run in runs))
+        self.barrier()
+        return final
+
+    def _same_as(self, folder: Path, digest: str) -> bool:
+        """Whether ``folder`` is a complete checkpoint of this job at the same stream point."""
+        if not folder.is_dir() or checkpoint_problems(folder):
+            return False
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        job = json.loads((folder / "job.json").read_text(encoding="utf-8"))
+        return manifest["stream_digest"] == digest and job == json.loads(json.dumps(self.job))
+
+    def _rotate(self) -> None:
+        if self.keep_last <= 0:
+            return
+        complete = [f for f in sorted(self.root.glob("ckpt_*"))
+                    if _NAME.match(f.name) and (f / "manifest.json").is_file()]
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def restore(self, folder: str | Path, runs, lora) -> tuple[int, str]:
+        """Load this rank's shard of ``folder`` into ``runs`` and ``lora``.
+
+        Returns:
+            ``(position, digest)``: microbatches already consumed and their SHA-256.
+
+        Raises:
+            CheckpointError: when the checkpoint was written with another TP/PP layout or other
+                adapters.
+        """
+        folder = Path(folder)
+        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
+        if (manifest["tp"], manifest["pp"]) != (self.tp_size, self.pp_size):
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r} was written with tp={manifest['tp']}, "
+                f"pp={manifest['pp']}; this run has tp={self.tp_size}, pp={self.pp_size} "
+                f"(set train.resume: never or another train.output_dir to start fresh)")
+        shard = read_shard(folder, shard_name(self.tp_rank, self.pp_rank))
+        names = [entry["name"] for entry in shard["adapters"]]
+        if names != [run.name for run in runs]:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r} holds adapters {names}, this run has "
+                f"{[run.name for run in runs]} (set train.resume: never or another "
+                f"train.output_dir to start fresh)")
+        for a, (entry, run) in enumerate(zip(shard["adapters"], runs, strict=True)):
+            lora.load_adapter_state_dict(a, entry["tensors"])
+            for name, param in lora.adapter_parameters(a):
+                grad = entry["grads"].get(name)
+                param.grad = None if grad is None else grad.to(param.device, param.dtype)
+            run.optimizer.load_state_dict(entry["optimizer"])
+            run.scheduler.load_state_dict(entry["scheduler"])
+            run.losses[:] = entry["losses"]
+            run.pending_loss = entry["pending_loss"]
+        _set_rng_state(shard["rng"])
+        logger.info("resumed from %s at microbatch %d", folder, shard["position"])
+        return shard["position"], shard["stream_digest"]
+

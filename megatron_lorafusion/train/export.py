@@ -6,6 +6,10 @@ several LoRAs sharing one ``A``:
   group as ``[q heads of the group | k | v]``, so ``B`` is split group by group;
 - ``linear_fc1`` → ``gate_proj``/``up_proj``: rows are ``[gate | up]``;
 - ``linear_proj`` → ``o_proj``; ``linear_fc2`` → ``down_proj``.
+
+`export_checkpoint` (the ``lorafusion export`` command) writes every adapter of a run's
+checkpoint this way and, on request, merges each into the base weights of the Hugging Face
+checkpoint the run was trained on (``W + scale·B·A`` per module), written as safetensors.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig
+from megatron_lorafusion.config import AdapterConfig, ModelConfig, adapter_scaling, job_from_dict
 
 _PREFIX = "base_model.model.model.layers"
 _HF_TARGETS = {
@@ -77,13 +81,13 @@ def peft_state_dict(
     return out
 
 
-def peft_adapter_config(adapter: AdapterConfig) -> dict:
-    """The ``adapter_config.json`` of ``adapter``."""
+def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict:
+    """The ``adapter_config.json`` of ``adapter`` (``base``: the base model's folder, if any)."""
     targets = sorted({hf for m in adapter.target_modules for hf in _HF_TARGETS[m][1]})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base,
         "r": adapter.rank,
         "lora_alpha": adapter.alpha,
         "lora_dropout": adapter.dropout,
@@ -114,9 +118,123 @@ def write_peft_folder(
     tmp.mkdir(parents=True)
     save_file(peft_state_dict(megatron_state, model), str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(
-        json.dumps(peft_adapter_config(adapter), indent=2) + "\n", encoding="utf-8"
+        json.dumps(peft_adapter_config(adapter, model.hf_path), indent=2) + "\n",
+        encoding="utf-8",
     )
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
+
+
+def _merged_deltas(adapter: AdapterConfig, peft_state: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+    """``scale·B·A`` (fp32) of each adapted Hugging Face module, keyed by its weight name."""
+    scale = adapter_scaling(adapter)
+    deltas = {}
+    for key, lora_a in peft_state.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removesuffix(".lora_A.weight")
+        lora_b = peft_state[f"{module}.lora_B.weight"]
+        name = module.removeprefix("base_model.model.") + ".weight"
+        deltas[name] = scale * (lora_b.float() @ lora_a.float())  # (out, in)
+    return deltas
+
+
+def write_merged_checkpoint(
+    folder: str | Path,
+    adapter: AdapterConfig,
+    megatron_state: dict[str, torch.Tensor],
+    model: ModelConfig,
+) -> Path:
+    """Write the base checkpoint ``model.hf_path`` with ``adapter`` merged in, atomically.
+
+    Every file of the base folder is copied; each safetensors file (one at a time, so memory
+    stays at one shard) gets ``W + scale·B·A`` on the adapted modules, in ``W``'s dtype.
+
+    Raises:
+        ValueError: when the run's base is not a Hugging Face checkpoint, or a module to merge
+            into is missing from it.
+    """
+    if model.hf_path is None:
+        raise ValueError("merging needs a Hugging Face base (model.hf_path); this run was "
+                         "trained on a random base, which has no checkpoint to merge into")
+    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model))
+    source, folder = Path(model.hf_path), Path(folder)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    merged = set()
+    for path in sorted(source.iterdir()):
+        if not path.is_file():
+            continue
+        if path.suffix != ".safetensors":
+            shutil.copy2(path, tmp / path.name)
+            continue
+        tensors = load_file(str(path))
+        for name in tensors.keys() & deltas.keys():
+            weight = tensors[name]
+            tensors[name] = (weight.float() + deltas[name]).to(weight.dtype).contiguous()
+            merged.add(name)
+        save_file(tensors, str(tmp / path.name), metadata={"format": "pt"})
+    missing = sorted(deltas.keys() - merged)
+    if missing:
+        shutil.rmtree(tmp)
+        raise ValueError(f"base checkpoint {str(source)!r} lacks the adapted weights {missing}")
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    return folder
+
+
+def _resolve_checkpoint(source: Path) -> Path:
+    from megatron_lorafusion.train.checkpoint import find_resume_checkpoint
+
+    if (source / "manifest.json").is_file():
+        return source
+    found = find_resume_checkpoint(source / "checkpoints", "auto")
+    if found is None:
+        raise ValueError(f"{str(source)!r} is neither a checkpoint folder nor a run folder "
+                         "holding a complete checkpoint under checkpoints/")
+    return found
+
+
+def export_checkpoint(
+    source: str | Path, out: str | Path, *, merge: bool = False, names: list[str] | None = None
+) -> list[Path]:
+    """Export the adapters of a run (its newest complete checkpoint) or of one checkpoint.
+
+    ``out/<adapter name>/`` becomes a PEFT folder; with ``merge``, ``out/<name>-merged/`` a
+    Hugging Face checkpoint with the adapter merged into the base weights.
+
+    Args:
+        source: a run's ``train.output_dir`` or one ``checkpoints/ckpt_…`` folder.
+        out: the export folder.
+        merge: also write merged checkpoints (needs a base imported from ``model.hf_path``).
+        names: adapters to export (default: all).
+
+    Returns:
+        The folders written.
+
+    Raises:
+        ValueError: for a missing or damaged checkpoint, an unknown adapter name, or a merge
+            without a Hugging Face base.
+    """
+    from megatron_lorafusion.train.checkpoint import full_adapter_tensors
+
+    folder = _resolve_checkpoint(Path(source))
+    cfg = job_from_dict(json.loads((folder / "job.json").read_text(encoding="utf-8")))
+    adapters = {a.name: a for a in cfg.adapters}
+    unknown = sorted(set(names or []) - adapters.keys())
+    if unknown:
+        raise ValueError(f"adapters {unknown} are not in the run; it has {sorted(adapters)}")
+    tensors = full_adapter_tensors(folder)
+    written = []
+    for name in names or list(adapters):
+        written.append(write_peft_folder(Path(out) / name, adapters[name], tensors[name],
+                                         cfg.model))
+        if merge:
+            written.append(write_merged_checkpoint(Path(out) / f"{name}-merged",
+                                                   adapters[name], tensors[name], cfg.model))
+    return written

@@ -32,6 +32,7 @@ class AdapterRun:
         scheduler: its learning-rate schedule, stepped with the optimizer.
         batch_tokens: trained tokens of each of its global batches (the loss denominators).
         losses: mean loss of each finished global batch, appended by the loop.
+        pending_loss: loss accumulated so far in the unfinished global batch.
     """
 
     name: str
@@ -39,6 +40,7 @@ class AdapterRun:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batch_tokens: list[int]
     losses: list[float] = field(default_factory=list)
+    pending_loss: float = 0.0
 
     @property
     def step(self) -> int:
@@ -55,6 +57,8 @@ def run_plan(
     on_step: Callable[[int, AdapterRun], None] | None = None,
     progress_bar: bool = True,
     log_every: int = 1,
+    first_index: int = 0,
+    on_microbatch: Callable[[int], None] | None = None,
 ) -> None:
     """Train through a stream of planned microbatches.
 
@@ -66,15 +70,18 @@ def run_plan(
         on_step: called after adapter ``a`` steps, with ``(a, run)`` (checkpointing).
         progress_bar: show a tqdm bar.
         log_every: log a line every this many steps of the slowest adapter.
+        first_index: stream index of the first microbatch given (a resumed run skips the rest).
+        on_microbatch: called with the stream index after each microbatch and the optimizer
+            steps it triggers (a consistent point for checkpoints).
     """
     num_adapters = len(adapters)
-    loss_sums = [0.0] * num_adapters
     tokens_seen = 0
     start = time.perf_counter()
     last_logged = 0
     total_steps = sum(len(run.batch_tokens) for run in adapters)
-    bar = tqdm(total=total_steps, desc="train", unit="step", disable=not progress_bar)
-    for index, microbatch in enumerate(microbatches):
+    bar = tqdm(total=total_steps, initial=sum(run.step for run in adapters), desc="train",
+               unit="step", disable=not progress_bar)
+    for index, microbatch in enumerate(microbatches, start=first_index):
         if not microbatch.samples:
             continue
         batch = make_batch(microbatch, index)
@@ -87,16 +94,16 @@ def run_plan(
                                     device=token_loss.device)
         adapter_losses = per_adapter / denominators  # (A,) share of each adapter's batch loss
         adapter_losses.sum().backward()
-        for a, value in enumerate(adapter_losses.tolist()):
-            loss_sums[a] += value
+        for run, value in zip(adapters, adapter_losses.tolist(), strict=True):
+            run.pending_loss += value
         tokens_seen += batch.layout.num_tokens
         for a in microbatch.finishes:
             run = adapters[a]
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             run.scheduler.step()
-            run.losses.append(loss_sums[a])
-            loss_sums[a] = 0.0
+            run.losses.append(run.pending_loss)
+            run.pending_loss = 0.0
             if on_step is not None:
                 on_step(a, run)
             bar.update(1)
@@ -109,4 +116,6 @@ def run_plan(
             logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
                         " ".join(f"{r.scheduler.get_last_lr()[0]:.1e}" for r in adapters),
                         tokens_seen / max(elapsed, 1e-9) / 1e3)
+        if on_microbatch is not None:
+            on_microbatch(index)
     bar.close()

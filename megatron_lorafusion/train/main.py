@@ -16,17 +16,17 @@ import torch
 
 from megatron_lorafusion.config import JobConfig, adapter_scaling
 from megatron_lorafusion.data import (
-    ByteTokenizer,
     TokenizedSample,
     load_adapter_dataset,
+    load_tokenizer,
     pack_microbatch,
     training_order,
 )
 from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
-from megatron_lorafusion.train.checkpoint import save_adapter_checkpoint
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
 from megatron_lorafusion.train.optim import build_optimizer
+from megatron_lorafusion.train.resume import make_resume_session
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,51 @@ def checked_stream(planner: BackgroundPlanner, problem: PlanProblem) -> Iterator
     verifier.finish()
 
 
+_COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
+
+
+def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
+    """The runner's groups for a PP or DP run (None for one stage and one replica).
+
+    First checks that every rank runs the same job config.
+    """
+    from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
+    from megatron_lorafusion.pipeline import check_same_across_ranks, make_pipeline_groups
+
+    if sizes["world"] > 1:
+        check_same_across_ranks(json.dumps(asdict(cfg), sort_keys=True), "job config")
+    if sizes["pp"] == 1 and sizes["dp"] == 1:
+        return None
+    pp_ranks, dp_ranks = pipeline_and_data_ranks()
+    return make_pipeline_groups(pp_ranks, dp_ranks, _COMM_TIMEOUT_S)
+
+
+def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
+                   runs: list[AdapterRun], groups, device: torch.device, on_step) -> None:
+    """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside)."""
+    from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
+
+    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(runs))]
+    run_pipeline(stream, forward, make_batch, runs, params, groups,
+                 global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
+                 hidden_size=cfg.model.hidden_size, activation_dtype=_DTYPES[cfg.train.precision],
+                 device=device, on_step=on_step)
+
+
+def _full_adapter_states(lora, sizes: dict[str, int]) -> list[dict[str, torch.Tensor]] | None:
+    """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None.
+
+    Optimizer states stay per rank, so no resumable checkpoint is written then (issue 6).
+    """
+    if sizes["pp"] == 1 and sizes["tp"] == 1:
+        return None
+    from megatron_lorafusion.pipeline.gather import gather_adapter_states
+
+    return gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=sizes["tp"],
+                                 dp_rank=sizes["dp_rank"])
+
+
 def main(cfg: JobConfig) -> dict[str, list[float]]:
     """Train every adapter of ``cfg`` together, then export each as a PEFT folder.
 
@@ -96,9 +141,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
 
     Raises:
         DataError: on an unusable dataset (before anything is created).
-        NotImplementedError: for pipeline or data parallel runs (not in this release).
+        LemmaError: when the plan breaks the bubble lemma for ``parallel.pp`` stages.
     """
-    tokenizer = ByteTokenizer()
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
     problem, orders, batch_tokens = prepare_problem(cfg, datasets)
 
@@ -111,16 +156,15 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     )
 
     device = _device(cfg)
-    init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed)
+    init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed,
+                        timeout_s=_COMM_TIMEOUT_S)
     try:
         sizes = parallel_sizes()
-        if sizes["pp"] > 1 or sizes["dp"] > 1:
-            raise NotImplementedError(
-                f"pipeline and data parallel training need the multi-adapter pipeline "
-                f"schedule, which this release lacks; got pp={sizes['pp']}, dp={sizes['dp']}"
-            )
+        groups = _pipeline_groups(cfg, sizes)
         model = mcore.build_gpt_model(cfg.model, params_dtype=_DTYPES[cfg.train.precision],
-                                      device=device)
+                                      device=device,
+                                      pre_process=groups is None or groups.is_first,
+                                      post_process=groups is None or groups.is_last)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
         runs = []
         for a, adapter in enumerate(cfg.adapters):
@@ -142,26 +186,26 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                          packed_seq_params=packed_seq_params(batch.layout))
             return loss.float()
 
-        def on_step(a: int, run: AdapterRun) -> None:
-            every = cfg.train.save_every
-            if is_writer and every and run.step % every == 0:
-                save_adapter_checkpoint(out / "checkpoints" / run.name, run.step,
-                                        lora.adapter_state_dict(a), run.optimizer,
-                                        run.scheduler, run.losses)
-
+        session = make_resume_session(cfg, sizes, runs, lora)  # checkpoints and resume
+        first = session.restore(cfg.train.resume) if groups is None else 0
         model.train()
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:
-            run_plan(checked_stream(planner, problem), forward, make_batch, runs,
-                     on_step=on_step, progress_bar=cfg.logging.progress_bar and is_writer,
-                     log_every=cfg.logging.log_every)
+            if groups is None:
+                run_plan(session.stream(checked_stream(planner, problem)), forward, make_batch,
+                         runs, progress_bar=cfg.logging.progress_bar and is_writer,
+                         log_every=cfg.logging.log_every, first_index=first,
+                         on_microbatch=session.after_microbatch)
+            else:
+                _run_pipelined(cfg, session.stream(checked_stream(planner, problem)), model,
+                               lora, make_batch, runs, groups, device, on_step=None)
+        session.save()  # every rank writes its shard
+        states = _full_adapter_states(lora, sizes)
         if is_writer:
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):
-                save_adapter_checkpoint(out / "checkpoints" / adapter.name, run.step,
-                                        lora.adapter_state_dict(a), run.optimizer,
-                                        run.scheduler, run.losses)
                 folder = write_peft_folder(out / "adapters" / adapter.name, adapter,
-                                           lora.adapter_state_dict(a), cfg.model)
+                                           lora.adapter_state_dict(a) if states is None
+                                           else states[a], cfg.model)
                 logger.info("adapter %s (scale %.3g): %d steps, loss %.4f -> %.4f, exported to %s",
                             adapter.name, adapter_scaling(adapter), run.step, run.losses[0],
                             run.losses[-1], folder)

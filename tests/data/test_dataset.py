@@ -81,3 +81,73 @@ def test_pack_microbatch_positions_restart_per_sample(tmp_path):
     assert batch.layout.seg_offsets.tolist() == [0, 4, 12]
     assert batch.layout.cu_seqlens.tolist() == [0, 4, 8, 12]
     assert batch.loss_mask.dtype == torch.float32
+
+
+def _trained_text(tok, sample):
+    return tok.decode([t for t, m in zip(sample.labels, sample.loss_mask, strict=True) if m])
+
+
+def test_dataset_alpaca_template_trains_on_response_only(tmp_path):
+    rows = [{"instruction": "Sort.", "input": "cab", "output": "abc"},
+            {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    adapter = _adapter(tmp_path, rows)
+    adapter = AdapterConfig(name="a", dataset=DatasetConfig(
+        path=adapter.dataset.path, template="alpaca", response_field="output"))
+    tok = ByteTokenizer()
+    with_input, without_input = load_adapter_dataset(adapter, DataConfig(), tok)
+    assert _trained_text(tok, with_input) == "abc", "loss covers the response (and eos) only"
+    assert with_input.labels[-1] == tok.eos_id
+    assert with_input.loss_mask[-1] == 1
+    prompt = tok.decode(list(with_input.input_ids))
+    assert "### Input:\ncab\n\n### Response:\n" in prompt
+    assert "### Input:" not in tok.decode(list(without_input.input_ids)), "empty input: short form"
+
+
+def test_dataset_chat_messages_train_on_assistant_turns(tmp_path):
+    from hf_testing import save_tiny_tokenizer
+
+    from megatron_lorafusion.data import HFTokenizer
+
+    save_tiny_tokenizer(tmp_path / "tok")
+    tok = HFTokenizer(tmp_path / "tok")
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+            {"role": "assistant", "content": "6"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": chat}) + "\n")
+    adapter = AdapterConfig(name="c", dataset=DatasetConfig(path=str(path),
+                                                            messages_field="messages"))
+    (sample,) = load_adapter_dataset(adapter, DataConfig(tokenizer=str(tmp_path / "tok")), tok)
+    assert _trained_text(tok, sample) == "4<|end|>6<|end|>"
+    assert tok.decode(list(sample.input_ids)).startswith("<|system|>be brief<|end|><|user|>")
+
+
+def test_dataset_malformed_row_named_or_skipped_and_counted(tmp_path, caplog):
+    rows = [{"prompt": "p", "response": "r"}, {"prompt": "p"}, {"prompt": "p", "response": 3}]
+    adapter = _adapter(tmp_path, rows)
+    with pytest.raises(DataError, match=r"a\.jsonl:2: adapter 'a': field 'response' is missing"):
+        load_adapter_dataset(adapter, DataConfig(), ByteTokenizer())
+    with caplog.at_level("WARNING"):
+        samples = load_adapter_dataset(adapter, DataConfig(bad_rows="skip"), ByteTokenizer())
+    assert len(samples) == 1
+    assert "skipped 2 malformed rows" in caplog.text
+
+
+def test_dataset_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
+    from megatron_lorafusion.data import dataset as dataset_module
+
+    adapter = _adapter(tmp_path, [{"prompt": "ab", "response": "c"}])
+    data = DataConfig(cache_dir=str(tmp_path / "cache"))
+    first = load_adapter_dataset(adapter, data, ByteTokenizer())
+    assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 1
+
+    def no_read(*args):
+        raise AssertionError("a cached dataset must not be read again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dataset_module, "read_rows", no_read)
+        assert load_adapter_dataset(adapter, data, ByteTokenizer()) == first
+    again = load_adapter_dataset(adapter, DataConfig(cache_dir=data.cache_dir,
+                                                     train_on_prompt=True), ByteTokenizer())
+    assert all(again[0].loss_mask), "another loss policy is another cache entry"
+    assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 2

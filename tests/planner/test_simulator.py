@@ -37,3 +37,14 @@ def test_simulate_flushed_adds_makespans():
     both = simulate_flushed([[Job(1.0, 2.0)] * 3] * 2, 2, NO_STEP_COST)
     assert both.makespan_ms == pytest.approx(2 * one.makespan_ms)
     assert both.bubble_ratio == pytest.approx(one.bubble_ratio)
+
+
+def test_simulate_per_stage_times_replace_the_shared_ones():
+    # S = 2, stage 1 twice as slow: it is the bottleneck, stage 0 idles waiting for it.
+    job = Job(9.0, 9.0, stage_ms=((1.0, 2.0), (2.0, 4.0)))
+    result = simulate([job] * 3, 2, NO_STEP_COST)
+    assert result.busy_ms == pytest.approx((9.0, 18.0))
+    # Stage 0's first forward, then stage 1 runs back to back: 1 + 3 * (2 + 4), then B0 on 0.
+    assert result.makespan_ms == pytest.approx(1.0 + 18.0 + 2.0)
+    with pytest.raises(ValueError, match="stage_ms"):
+        simulate([job], 3, NO_STEP_COST)

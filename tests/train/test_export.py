@@ -1,4 +1,4 @@
-"""PEFT export: Hugging Face tensor names and shapes, fused projections split correctly."""
+"""PEFT export: Hugging Face names and shapes, fused projections split, peft and merge agree."""
 
 import json
 
@@ -13,6 +13,9 @@ MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_atten
                     num_query_groups=2)  # 4 heads of 16 in 2 groups
 HEAD = MODEL.hidden_size // MODEL.num_attention_heads
 QKV_OUT = (MODEL.num_attention_heads + 2 * MODEL.num_query_groups) * HEAD
+# dtype -> tolerances of the same LoRA model in Megatron and in transformers/peft (issue 6).
+TOL_LOGITS = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
+LENGTHS = (9, 14, 11, 6)  # samples of adapters 0, 0, 1, 1 in one packed microbatch
 
 
 def _megatron_state(rank):
@@ -72,3 +75,99 @@ def test_export_folder_is_loadable_by_peft(tmp_path):
     assert set(loaded) == set(saved), "peft must find every exported tensor, and no other"
     for name, tensor in saved.items():
         torch.testing.assert_close(loaded[name], tensor, msg=f"{name} changed on load")
+
+
+def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
+    """Train two adapters on an imported tiny Llama, export with the CLI, reload with peft."""
+    transformers = pytest.importorskip("transformers", reason="dev extra: transformers")
+    peft = pytest.importorskip("peft", reason="dev extra: peft")
+    import yaml
+    from hf_testing import hf_logits, save_tiny_hf_model
+
+    from megatron_lorafusion.cli import main as cli_main
+    from megatron_lorafusion.config import load_config
+    from megatron_lorafusion.data import write_task
+    from megatron_lorafusion.train.main import main as train_main
+
+    base = tmp_path / "base"
+    save_tiny_hf_model("llama", base)
+    adapters = []
+    for task, rank, targets in (("sort", 4, None), ("add", 2, ["linear_qkv", "linear_fc1"])):
+        path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
+        adapters.append({"name": task, "rank": rank, "alpha": 8, "dropout": 0.1, "lr": 2e-2,
+                         "global_batch_size": 4, "dataset": {"path": str(path)},
+                         **({"target_modules": targets} if targets else {})})
+    job = {"model": {"hf_path": str(base)}, "adapters": adapters,
+           "data": {"max_seq_length": 48}, "planner": {"solver": "greedy", "token_capacity": 96},
+           "train": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run")},
+           "logging": {"progress_bar": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    cfg = load_config(tmp_path / "job.yaml")
+    train_main(cfg)
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"),
+                     "--merge"]) == 0
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
+    assert cli_main(["export", str(newest), "--out", str(tmp_path / "y"), "--adapters",
+                     "add"]) == 0, "one checkpoint folder, one adapter"
+    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == ["add"]
+
+    ours = _imported_lora_logits(cfg, tmp_path / "run", LENGTHS)
+    samples = [ours["ids"][sl] for sl in ours["slices"]]
+    for a, adapter in enumerate(cfg.adapters):
+        expected = torch.cat([ours["logits"][sl] for sl, owner in
+                              zip(ours["slices"], ours["owners"], strict=True) if owner == a])
+        mine = [s for s, owner in zip(samples, ours["owners"], strict=True) if owner == a]
+        assert (expected - hf_logits(_fresh(transformers, base), mine)).abs().max() > 1e-3, (
+            f"{adapter.name}: training must have moved the logits")
+        with_peft = peft.PeftModel.from_pretrained(_fresh(transformers, base),
+                                                   str(tmp_path / "x" / adapter.name)).eval()
+        torch.testing.assert_close(hf_logits(with_peft, mine), expected,
+                                   **TOL_LOGITS[torch.float32],
+                                   msg=f"{adapter.name}: peft logits differ from ours")
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / "x" / f"{adapter.name}-merged")).eval()
+        torch.testing.assert_close(hf_logits(merged, mine), expected,
+                                   **TOL_LOGITS[torch.float32],
+                                   msg=f"{adapter.name}: merged logits differ from ours")
+
+
+def _fresh(transformers, base):
+    return transformers.LlamaForCausalLM.from_pretrained(str(base)).eval()
+
+
+def _imported_lora_logits(cfg, run_dir, lengths):
+    """Our imported model with the run's trained adapters: logits of one packed microbatch."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_lorafusion.mcore import apply_lora, build_hf_gpt_model
+    from megatron_lorafusion.ops import AdapterLayout
+    from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
+
+    owners = [0, 0, 1, 1]
+    ids = torch.randint(0, cfg.model.vocab_size, (sum(lengths),),
+                        generator=torch.Generator().manual_seed(5))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        model = build_hf_gpt_model(cfg.model)
+        lora = apply_lora(model, cfg.adapters, seed=cfg.train.seed)
+        tensors = full_adapter_tensors(find_resume_checkpoint(run_dir / "checkpoints", "auto"))
+        for a, adapter in enumerate(cfg.adapters):
+            lora.load_adapter_state_dict(a, tensors[adapter.name])
+        model.eval()
+        layout = AdapterLayout.from_samples(owners, list(lengths), len(cfg.adapters))
+        lora.layout = layout
+        cu = layout.cu_seqlens
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        with torch.no_grad():
+            logits = model(ids[None], positions, None, packed_seq_params=params)[0]
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    slices = [slice(bounds[i], bounds[i + 1]) for i in range(len(lengths))]
+    return {"ids": ids, "logits": logits, "slices": slices, "owners": owners}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
-from megatron_lorafusion.train import load_adapter_checkpoint
+from megatron_lorafusion.train.checkpoint import checkpoint_problems, read_shard
 from megatron_lorafusion.train.main import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,9 +39,13 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path):
         assert len(curve) == 30, f"{name} took {len(curve)} steps, expected 30"
         assert _mean(curve[-5:]) < 0.85 * _mean(curve[:5]), f"{name} loss did not fall: {curve}"
     out = tmp_path / "out"
-    ckpt = load_adapter_checkpoint(out / "checkpoints" / "add" / "step_000020.pt")
-    assert ckpt["step"] == 20
-    assert ckpt["losses"] == pytest.approx(losses["add"][:20])
+    kept = sorted((out / "checkpoints").glob("ckpt_*"))
+    assert 1 <= len(kept) <= 3, f"keep_last=3 keeps at most 3 checkpoints, got {kept}"
+    assert not checkpoint_problems(kept[-1]), "the last checkpoint must be complete"
+    manifest = json.loads((kept[-1] / "manifest.json").read_text())
+    assert manifest["steps"] == {"sort": 30, "add": 30}
+    shard = read_shard(kept[-1], "shard_tp0_pp0.pt")
+    assert shard["adapters"][1]["losses"] == pytest.approx(losses["add"])
     config = json.loads((out / "adapters" / "sort" / "adapter_config.json").read_text())
     assert config["r"] == 4
     tensors = load_file(str(out / "adapters" / "add" / "adapter_model.safetensors"))
@@ -62,3 +66,49 @@ def test_train_demo_config_each_adapter_loss_falls_30_percent(tmp_path, monkeypa
         assert last < 0.7 * first, f"{name}: loss {first:.3f} -> {last:.3f}, less than 30% drop"
     for name in losses:
         assert (tmp_path / "runs/demo/adapters" / name / "adapter_model.safetensors").is_file()
+
+
+def test_train_instruction_jsonl_with_template_masks_loss_to_responses(tmp_path, monkeypatch):
+    """From YAML: alpaca template, a tokenizer folder, cached data; trained labels = outputs."""
+    from hf_testing import save_tiny_tokenizer
+
+    import megatron_lorafusion.train.main as main_module
+
+    tok = save_tiny_tokenizer(tmp_path / "tok")
+    rows = [{"instruction": "Reverse the word.", "input": w, "output": w[::-1]}
+            for w in ("stone", "river", "cloud", "maple", "ember", "quartz", "lunar", "pixel")]
+    (tmp_path / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = {"model": {"preset": "tiny", "num_layers": 1},
+           "adapters": [{"name": "rev", "rank": 4, "global_batch_size": 4,
+                         "dataset": {"path": str(tmp_path / "inst.jsonl"), "template": "alpaca",
+                                     "response_field": "output"}}],
+           "data": {"tokenizer": str(tmp_path / "tok"), "max_seq_length": 256,
+                    "cache_dir": str(tmp_path / "cache")},
+           "planner": {"solver": "greedy", "token_capacity": 512},
+           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / "out")},
+           "logging": {"progress_bar": False}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    packed = []
+
+    def recording_pack(*args, **kwargs):
+        packed.append(main_module.pack_microbatch.__wrapped__(*args, **kwargs))
+        return packed[-1]
+
+    recording_pack.__wrapped__ = main_module.pack_microbatch
+    monkeypatch.setattr(main_module, "pack_microbatch", recording_pack)
+    losses = main(load_config(tmp_path / "job.yaml"))
+
+    assert len(losses["rev"]) == 3
+    assert all(v == v and v > 0 for v in losses["rev"])
+    expected = {r["output"] + tok.eos_token for r in rows}
+    seen = 0
+    for batch in packed:
+        bounds = batch.layout.cu_seqlens.tolist()
+        for start, end in zip(bounds, bounds[1:], strict=False):
+            labels = batch.labels[0, start:end].tolist()
+            mask = batch.loss_mask[0, start:end].tolist()
+            trained = tok.decode([t for t, m in zip(labels, mask, strict=True) if m])
+            assert trained in expected, f"loss covers {trained!r}, not exactly a response"
+            seen += 1
+    assert seen == 3 * 4, f"expected 12 trained samples, saw {seen}"
+    assert list((tmp_path / "cache" / "tokenized").glob("*.pt")), "tokenised data is cached"

@@ -1,0 +1,259 @@
+"""Import a Hugging Face Llama, Qwen2 or Mistral checkpoint into our Megatron `GPTModel`.
+
+Each rank reads only the rows and columns of its own tensor-parallel shard, and only its
+pipeline stage's layers, through lazy ``safetensors`` slices (sharded checkpoints with a
+``model.safetensors.index.json`` included). Layout changes from Hugging Face to Megatron:
+- ``q_proj``/``k_proj``/``v_proj`` → ``linear_qkv`` grouped per query group
+  ``[q heads of group g | k_g | v_g]`` (weights and Qwen2's biases);
+- ``gate_proj``/``up_proj`` → ``linear_fc1`` as ``[gate | up]`` of this rank's rows;
+- tied embeddings become two equal frozen copies (embedding and output layer).
+Both use non-interleaved RoPE (Hugging Face ``rotate_half``; Llama 3 frequency scaling
+included) and RMSNorm, so no permutation of the query/key rows is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_lorafusion.config import ModelConfig
+from megatron_lorafusion.hf_config import hf_model_fields
+from megatron_lorafusion.mcore.model import (
+    _PortableRotaryEmbedding,
+    _transformer_config,
+    get_gpt_lora_layer_spec,
+)
+
+__all__ = ["HFCheckpoint", "build_hf_gpt_model", "load_hf_weights"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_PER_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+class HFCheckpoint:
+    """Lazy, sliced access to the tensors of a local safetensors checkpoint.
+
+    Args:
+        folder: holds ``model.safetensors``, or ``model.safetensors.index.json`` and the shard
+            files it names.
+
+    Raises:
+        FileNotFoundError: when neither file is there.
+    """
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self._open = safe_open
+        index = self.folder / "model.safetensors.index.json"
+        single = self.folder / "model.safetensors"
+        if index.is_file():
+            self.files = dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        elif single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise FileNotFoundError(
+                f"{str(self.folder)!r} holds neither model.safetensors nor "
+                "model.safetensors.index.json"
+            )
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def _slice(self, name: str):
+        if name not in self.files:
+            raise KeyError(f"tensor {name!r} is not in the checkpoint {str(self.folder)!r}")
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._open(str(self.folder / file), framework="pt")
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of tensor ``name``, read from the header only."""
+        return tuple(self._slice(name).get_shape())
+
+    def rows(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of tensor ``name`` (the whole tensor by default)."""
+        return self._slice(name)[start:stop]
+
+    def columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Columns ``start:stop`` of 2-D tensor ``name``."""
+        return self._slice(name)[:, start:stop]
+
+
+def _qkv_shard(ckpt: HFCheckpoint, prefix: str, suffix: str, m: ModelConfig, local_rows: int,
+               tp_rank: int) -> torch.Tensor:
+    """This rank's query groups of ``linear_qkv``: per group ``[q heads | k | v]`` rows."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    per_group = m.num_attention_heads // m.num_query_groups
+    group_rows = (per_group + 2) * head_dim
+    groups_here = local_rows // group_rows
+    pieces = []
+    for g in range(tp_rank * groups_here, (tp_rank + 1) * groups_here):
+        q = ckpt.rows(f"{prefix}.q_proj.{suffix}", g * per_group * head_dim,
+                      (g + 1) * per_group * head_dim)
+        k = ckpt.rows(f"{prefix}.k_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
+        v = ckpt.rows(f"{prefix}.v_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
+        pieces += [q, k, v]
+    return torch.cat(pieces, dim=0)
+
+
+def _source(name: str, param: torch.Tensor, ckpt: HFCheckpoint, m: ModelConfig,
+            tp_rank: int) -> torch.Tensor:
+    """The Hugging Face values of Megatron parameter ``name`` (global layer index) on this rank.
+
+    Sharding follows Megatron: column-parallel rows and vocab rows are split in contiguous
+    blocks per rank (``linear_fc1`` per half), row-parallel columns likewise.
+    """
+    rows = param.shape[0]
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        source = "model.embed_tokens.weight"
+        if name == "output_layer.weight" and not m.tie_word_embeddings:
+            source = "lm_head.weight"
+        return ckpt.rows(source, tp_rank * rows, (tp_rank + 1) * rows)
+    if name == "decoder.final_layernorm.weight":
+        return ckpt.rows("model.norm.weight")
+    match = _LAYER.match(name)
+    if match is None:
+        raise KeyError(f"no Hugging Face tensor maps to Megatron parameter {name!r}")
+    prefix, rest = f"model.layers.{match[1]}", match[2]
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        return _qkv_shard(ckpt, f"{prefix}.self_attn", rest.rsplit(".", 1)[1], m, rows, tp_rank)
+    if rest == "mlp.linear_fc1.weight":  # (2·F/tp, H): [gate rows | up rows] of this rank
+        half = rows // 2
+        return torch.cat([ckpt.rows(f"{prefix}.mlp.{p}.weight", tp_rank * half,
+                                    (tp_rank + 1) * half) for p in ("gate_proj", "up_proj")])
+    if rest not in _PER_LAYER:
+        raise KeyError(f"no Hugging Face tensor maps to Megatron parameter {name!r}")
+    source = f"{prefix}.{_PER_LAYER[rest]}"
+    if param.dim() == 2:  # row-parallel: this rank's input columns
+        cols = param.shape[1]
+        return ckpt.columns(source, tp_rank * cols, (tp_rank + 1) * cols)
+    return ckpt.rows(source)
+
+
+def load_hf_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int) -> None:
+    """Copy this rank's shard of every base weight from ``model_cfg.hf_path`` into ``model``.
+
+    Args:
+        model: a `GPTModel` (or pipeline stage) built for ``model_cfg``, before `apply_lora`.
+        model_cfg: sizes matching the checkpoint (`hf_model_fields`), ``hf_path`` set.
+        tp_rank: this rank's tensor-parallel rank.
+
+    Raises:
+        ValueError: when ``hf_path`` is unset or a checkpoint tensor has the wrong shape.
+        KeyError: when the checkpoint lacks a tensor the model needs.
+    """
+    if model_cfg.hf_path is None:
+        raise ValueError("load_hf_weights needs model.hf_path, got None")
+    ckpt = HFCheckpoint(model_cfg.hf_path)
+    to_global = {
+        str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
+    }
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        global_name = re.sub(
+            r"^decoder\.layers\.(\d+)\.", lambda g: f"decoder.layers.{to_global[g[1]]}.", name
+        )
+        value = _source(global_name, param, ckpt, model_cfg, tp_rank)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(
+                f"checkpoint tensors for {global_name} give shape {tuple(value.shape)} on TP "
+                f"rank {tp_rank}, expected {tuple(param.shape)} (config.json and weights disagree?)"
+            )
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def build_hf_gpt_model(
+    model_cfg: ModelConfig,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> GPTModel:
+    """Build this rank's frozen `GPTModel` and load its shard of ``model_cfg.hf_path``.
+
+    Megatron's parallel state must be initialised (``parallel_state.initialize_model_parallel``);
+    TP and PP sizes and this stage's layers come from it, as in `build_gpt_model`.
+
+    Args:
+        model_cfg: the checkpoint's sizes (as set by ``load_config`` from ``hf_path``).
+        pre_process: build the embedding (first pipeline stage).
+        post_process: build the final norm and output layer (last pipeline stage).
+        params_dtype: dtype of the frozen base weights.
+        device: where the model is moved after loading.
+
+    Returns:
+        The model, in train mode, with every parameter's ``requires_grad`` False.
+
+    Raises:
+        NotImplementedError: for an architecture or feature the import does not support.
+        ValueError: when ``model_cfg`` disagrees with the checkpoint's config.json.
+        RuntimeError: when Megatron's model-parallel state is not initialised.
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_hf_gpt_model needs Megatron's parallel state: call "
+            "parallel_state.initialize_model_parallel(tp, pp) first"
+        )
+    if model_cfg.hf_path is None:
+        raise ValueError("build_hf_gpt_model needs model.hf_path, got None")
+    fields, problems = hf_model_fields(model_cfg.hf_path)
+    if problems:
+        raise NotImplementedError("cannot import the checkpoint:\n  - " + "\n  - ".join(problems))
+    wrong = {k: (getattr(model_cfg, k), v) for k, v in fields.items() if getattr(model_cfg, k) != v}
+    if wrong:
+        raise ValueError(f"model config disagrees with {model_cfg.hf_path}/config.json "
+                         f"(ours, theirs): {wrong}")
+    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    config = _transformer_config(
+        model_cfg,
+        tp_size=pg_collection.tp.size(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        params_dtype=params_dtype,
+    )
+    config = dataclasses.replace(config, add_qkv_bias=model_cfg.add_qkv_bias)
+    with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_lora_layer_spec(),
+            vocab_size=model_cfg.vocab_size,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=False,  # frozen: two equal copies are exact
+            position_embedding_type="rope",
+            rotary_base=model_cfg.rope_theta,
+            pg_collection=pg_collection,
+        )
+        model.rotary_pos_emb = _PortableRotaryEmbedding(
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=model_cfg.rope_theta,
+            rope_scaling=model_cfg.rope_scaling_factor is not None,
+            rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
+            use_cpu_initialization=True,
+            cp_group=pg_collection.cp,
+        )
+    load_hf_weights(model, model_cfg, pg_collection.tp.rank())
+    model.requires_grad_(False)
+    return model.to(device)

@@ -1,0 +1,367 @@
+"""Execute one stage's multi-adapter 1F1B actions (`schedule.stage_actions`) on real ranks.
+
+Each rank of a ``PP × DP`` grid (TP ranks of a stage all do the same) walks its own action
+list. Activations and their gradients go point-to-point over `PipelineGroups`' two
+explicit groups; their shapes are never sent: every stage packs the microbatch from the plan
+itself, so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing). Data-parallel replicas
+run the same microbatch stream on disjoint samples (`data_parallel_share`); when an
+adapter's global batch finishes on a stage, the stage all-reduces (sums) that adapter's
+gradients and summed loss in one bucket over its DP group, asynchronously, and steps the
+adapter's optimizer just before the next forward that reads it (or at the end). Loss
+denominators count the whole global batch, so the sum equals a one-process run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_lorafusion.pipeline.groups import PipelineGroups
+from megatron_lorafusion.pipeline.schedule import (
+    Action,
+    checked,
+    data_parallel_share,
+    lemma_checked,
+    stage_actions,
+)
+from megatron_lorafusion.planner import Microbatch
+
+if TYPE_CHECKING:
+    from megatron_lorafusion.data import PackedBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdapterRun", "ComputeEvent", "StageForward", "gpt_stage_forward", "run_pipeline"]
+
+
+class AdapterRun(Protocol):
+    """What the runner needs of one adapter's training state (`train.loop.AdapterRun`)."""
+
+    name: str
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batch_tokens: list[int]
+    losses: list[float]
+
+StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
+"""``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
+``(T, 1, H)`` on a non-last stage, fp32 per-token loss ``(1, T)`` on the last stage."""
+
+
+@dataclass(frozen=True)
+class ComputeEvent:
+    """One timed operation of this rank (for simulator calibration).
+
+    Attributes:
+        microbatch: plan position (for ``"O"``: the adapter that stepped).
+        kind: ``"F"``, ``"B"`` or ``"O"``.
+        start_s: wall-clock start (``time.time()``, comparable across ranks of one host).
+        compute_s: time spent computing, waiting on receives excluded.
+        end_s: wall-clock end (``time.time()``).
+        tokens: tokens this rank computed (0 for ``"O"``).
+    """
+
+    microbatch: int
+    kind: str
+    start_s: float
+    compute_s: float
+    end_s: float
+    tokens: int
+
+
+@dataclass
+class _Stash:
+    """What a forward leaves for its backward."""
+
+    input_tensor: torch.Tensor | None
+    output: torch.Tensor  # hidden (T, 1, H), or the scalar loss on the last stage
+    tokens: int
+    grad: tuple[dist.Work, torch.Tensor] | None = None  # posted receive of the output's grad
+
+
+@dataclass
+class _PendingStep:
+    work: dist.Work | None
+    bucket: torch.Tensor | None
+    params: list[torch.nn.Parameter]
+
+
+@dataclass
+class _State:
+    """Mutable bookkeeping of one `run_pipeline` call."""
+
+    microbatches: dict[int, Microbatch] = field(default_factory=dict)
+    stash: dict[int, _Stash] = field(default_factory=dict)
+    sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
+    pending: dict[int, _PendingStep] = field(default_factory=dict)
+    loss_sums: list[float] = field(default_factory=list)
+    events: list[ComputeEvent] = field(default_factory=list)
+
+
+def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch]):
+    for k, mb in enumerate(microbatches):
+        store[k] = mb
+        yield mb
+
+
+class _Runner:
+    """One stage's executor; `run_pipeline` is its only caller."""
+
+    def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
+                 hidden_size, activation_dtype, device, on_step, record_events):
+        self.forward, self.make_batch = forward, make_batch
+        self.adapters, self.params, self.g = adapters, params, groups
+        self.gbs, self.hidden = list(global_batch_sizes), hidden_size
+        self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
+        self.state = _State(loss_sums=[0.0] * len(adapters))
+        self.t0, self.wall0 = time.perf_counter(), time.time()
+        self.record_events = record_events
+
+    def _event(self, k: int, kind: str, start: float, compute: float, tokens: int) -> None:
+        if not self.record_events:
+            return
+        # perf_counter for durations, one time.time() offset so ranks share a time axis.
+        offset = self.wall0 - self.t0
+        self.state.events.append(ComputeEvent(k, kind, start + offset, compute,
+                                              time.perf_counter() + offset, tokens))
+
+    # -- point to point --------------------------------------------------------------------
+    def _post_recv(self, tokens: int, src: int,
+                   group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor]:
+        # The shape comes from the plan (every stage packs the microbatch itself).
+        buf = torch.empty(tokens, 1, self.hidden, dtype=self.dtype, device=self.device)
+        return dist.irecv(buf, src=src, group=group), buf
+
+    def _recv(self, tokens: int, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+        work, buf = self._post_recv(tokens, src, group)
+        work.wait()
+        return buf
+
+    def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+        tensor = tensor.detach().contiguous()
+        self.state.sends.append((dist.isend(tensor, dst=dst, group=group), tensor))
+        # Completed sends release their buffers; at most ~S are in flight in 1F1B.
+        self.state.sends = [(w, t) for w, t in self.state.sends if not w.is_completed()]
+
+    # -- actions ---------------------------------------------------------------------------
+    def run(self, actions: Iterator[Action]) -> None:
+        for action in actions:
+            {"F": self._forward, "B": self._backward, "O": self._step}[action.kind](action)
+        for a in sorted(self.state.pending):
+            self._finish_step(a)
+        for work, _ in self.state.sends:
+            work.wait()
+        self.state.sends.clear()
+
+    def _forward(self, action: Action) -> None:
+        k = action.microbatch
+        mb = self.state.microbatches.pop(k)  # read once: the stream may be endless
+        share = data_parallel_share(mb, self.g.dp_rank, self.g.dp_size)
+        for a in share.adapters:  # a forward never reads weights from before a due step
+            if a in self.state.pending:
+                self._finish_step(a)
+        if share.is_idle:
+            return
+        start = time.perf_counter()
+        batch = self.make_batch(share, k)
+        tokens = batch.layout.num_tokens
+        input_tensor = None
+        waited = 0.0
+        if not self.g.is_first:
+            before = time.perf_counter()
+            input_tensor = self._recv(tokens, self.g.prev_rank, self.g.forward_group)
+            waited = time.perf_counter() - before
+            input_tensor.requires_grad_()
+        output = self.forward(batch, input_tensor)
+        stash = _Stash(input_tensor, output, tokens)
+        if self.g.is_last:
+            stash.output = self._adapter_loss(output, batch, share)
+        else:
+            self._send(output, self.g.next_rank, self.g.forward_group)
+            # Post the gradient's receive now, so it can land while this stage computes;
+            # posted in forward order = the next stage's backward (send) order.
+            stash.grad = self._post_recv(tokens, self.g.next_rank, self.g.backward_group)
+        self.state.stash[k] = stash
+        self._event(k, "F", start, time.perf_counter() - start - waited, tokens)
+
+    def _adapter_loss(self, token_loss: torch.Tensor, batch: PackedBatch,
+                      share: Microbatch) -> torch.Tensor:
+        """Sum over adapters of (token-loss sum / trained tokens of its global batch)."""
+        token_loss = token_loss * batch.loss_mask  # (1, T)
+        rows = batch.layout.row_adapter(token_loss.device)
+        per_adapter = torch.zeros(len(self.adapters), dtype=torch.float32,
+                                  device=token_loss.device)
+        per_adapter.index_add_(0, rows, token_loss[0].float())
+        denominators = [1.0] * len(self.adapters)
+        for s in share.samples:
+            denominators[s.adapter] = float(max(
+                self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1))
+        losses = per_adapter / torch.tensor(denominators, device=token_loss.device)  # (A,)
+        for a, value in enumerate(losses.tolist()):
+            self.state.loss_sums[a] += value
+        return losses.sum()
+
+    def _backward(self, action: Action) -> None:
+        stash = self.state.stash.pop(action.microbatch, None)
+        if stash is None:  # idle for this replica
+            return
+        start = time.perf_counter()
+        waited = 0.0
+        if self.g.is_last:
+            stash.output.backward()
+        else:
+            before = time.perf_counter()
+            work, grad = stash.grad
+            work.wait()
+            waited = time.perf_counter() - before
+            torch.autograd.backward(stash.output, grad_tensors=grad)
+        if not self.g.is_first:
+            self._send(stash.input_tensor.grad, self.g.prev_rank, self.g.backward_group)
+        self._event(action.microbatch, "B", start, time.perf_counter() - start - waited,
+                    stash.tokens)
+
+    def _step(self, action: Action) -> None:
+        for a in action.finishes:
+            if a in self.state.pending:  # no forward of this replica read `a` since its last step
+                self._finish_step(a)
+            params = list(self.params[a])
+            loss = self.state.loss_sums[a]
+            self.state.loss_sums[a] = 0.0
+            if self.g.dp_size == 1:
+                self.state.pending[a] = _PendingStep(None, torch.tensor([loss]), params)
+                self._finish_step(a)
+                continue
+            # One bucket per adapter step: its gradients (zeros where this replica saw none
+            # of its tokens) and its loss sum; summed over replicas while other work runs.
+            parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+                p.numel(), dtype=p.dtype, device=p.device) for p in params]
+            loss_t = torch.tensor([loss], dtype=parts[0].dtype if parts else torch.float32,
+                                  device=self.device)
+            bucket = torch.cat([*parts, loss_t])
+            work = dist.all_reduce(bucket, group=self.g.dp_group, async_op=True)
+            self.state.pending[a] = _PendingStep(work, bucket, params)
+
+    def _finish_step(self, a: int) -> None:
+        pending = self.state.pending.pop(a)
+        start = time.perf_counter()
+        if pending.work is not None:
+            pending.work.wait()
+            offset = 0
+            for p in pending.params:
+                p.grad = pending.bucket[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        run = self.adapters[a]
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.scheduler.step()
+        # Only the last stage computes losses; others record NaN until `_share_losses`.
+        run.losses.append(float(pending.bucket[-1]) if self.g.is_last else float("nan"))
+        self._event(a, "O", start, time.perf_counter() - start, 0)
+        if self.g.is_last and self.g.dp_rank == 0:
+            logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name, len(run.losses),
+                        run.losses[-1], run.scheduler.get_last_lr()[0])
+        if self.on_step is not None:
+            self.on_step(a, run)
+
+
+def _share_losses(adapters: Sequence[AdapterRun], groups: PipelineGroups) -> None:
+    """Copy every adapter's step losses from the last stage to the other stages."""
+    if groups.num_stages == 1:
+        return
+    payload = [[run.losses for run in adapters]]
+    dist.broadcast_object_list(payload, src=groups.last_rank, group=groups.forward_group)
+    for run, losses in zip(adapters, payload[0], strict=True):
+        run.losses[:] = losses
+
+
+def run_pipeline(
+    microbatches: Iterable[Microbatch],
+    forward: StageForward,
+    make_batch: Callable[[Microbatch, int], PackedBatch],
+    adapters: Sequence[AdapterRun],
+    params: Sequence[Sequence[torch.nn.Parameter]],
+    groups: PipelineGroups,
+    *,
+    global_batch_sizes: Sequence[int],
+    hidden_size: int,
+    activation_dtype: torch.dtype,
+    device: torch.device | str,
+    on_step: Callable[[int, AdapterRun], None] | None = None,
+    record_events: bool = False,
+) -> list[ComputeEvent]:
+    """Train this rank's stage through a stream of planned microbatches (no flush).
+
+    Every rank of the job calls it with the same stream. The stream is checked against the
+    bubble lemma as it is scheduled (`schedule.lemma_checked`, then `schedule.checked` on
+    this stage's table): every rank raises at the same microbatch, before its forward.
+
+    Args:
+        microbatches: the plan's microbatches in order (idle ones included).
+        forward: this stage's model forward (see `StageForward`).
+        make_batch: packs a microbatch (this replica's share) and its plan position.
+        adapters: per adapter id, its optimizer, schedule and loss denominators (the
+            trained tokens of each whole global batch, all replicas together).
+        params: per adapter id, its parameters on this rank (stage- and TP-local).
+        groups: this rank's pipeline and data-parallel groups.
+        global_batch_sizes: per adapter, samples per global batch (finds a sample's batch).
+        hidden_size: ``H`` of the activations passed between stages.
+        activation_dtype: dtype of those activations (the model's compute dtype).
+        device: where receive buffers live (the model's device).
+        on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
+        record_events: time every operation (for `scripts/calibrate_simulator.py`).
+
+    Returns:
+        This rank's timed operations in execution order (empty unless ``record_events``).
+
+    Raises:
+        LemmaError: when the stream breaks the bubble lemma.
+        RuntimeError: on a communication failure or timeout (a dead peer).
+    """
+    runner = _Runner(forward, make_batch, adapters, params, groups,
+                     global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
+                     activation_dtype=activation_dtype, device=device, on_step=on_step,
+                     record_events=record_events)
+    # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
+    stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
+    actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
+    try:
+        runner.run(actions)
+    except BaseException:
+        # Drop in-flight work now: a gloo send still referenced once its group is destroyed
+        # holds the process at exit until the group timeout, delaying its peers' errors.
+        runner.state.sends.clear()
+        runner.state.pending.clear()
+        runner.state.stash.clear()  # and posted receives
+        raise
+    _share_losses(adapters, groups)
+    return runner.state.events
+
+
+def gpt_stage_forward(model: torch.nn.Module, lora, *, is_first: bool,
+                      is_last: bool) -> StageForward:
+    """`StageForward` of one pipeline stage of a Megatron `GPTModel` with LoRA applied.
+
+    Args:
+        model: this stage's `GPTModel` (``pre_process = is_first``, ``post_process = is_last``).
+        lora: its `LoRAContext` (the layout is set before each forward).
+        is_first: this is stage 0 (embeds ``input_ids``).
+        is_last: this is the last stage (returns the per-token loss of ``labels``).
+    """
+    from megatron_lorafusion.mcore.parallel import packed_seq_params
+
+    def forward(batch: PackedBatch, input_tensor: torch.Tensor | None) -> torch.Tensor:
+        lora.layout = batch.layout
+        model.set_input_tensor(input_tensor)
+        out = model(batch.input_ids if is_first else None,
+                    batch.position_ids if is_first else None, None,
+                    labels=batch.labels if is_last else None,
+                    packed_seq_params=packed_seq_params(batch.layout))
+        return out.float() if is_last else out
+
+    return forward

@@ -1,0 +1,135 @@
+"""Checkpoint and resume a training run at consistent points of its plan stream.
+
+`ResumeSession` ties `Checkpointer` to one run: it restores the newest complete checkpoint
+(policy ``train.resume``), skips the plan microbatches already trained while checking that
+the regenerated stream matches the one that was checkpointed, and saves after the
+microbatch at which the adapters' optimizer steps pass a multiple of ``train.save_every``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from megatron_lorafusion.config import JobConfig
+from megatron_lorafusion.planner import Microbatch
+from megatron_lorafusion.train.checkpoint import Checkpointer, find_resume_checkpoint
+from megatron_lorafusion.train.loop import AdapterRun
+
+__all__ = ["ResumeSession", "make_resume_session", "stream_digest"]
+
+logger = logging.getLogger(__name__)
+
+
+def stream_digest(digest: Any, microbatch: Microbatch) -> None:
+    """Fold one microbatch (its samples and finishing adapters) into a hashlib SHA-256."""
+    digest.update(repr((microbatch.samples, microbatch.finishes)).encode())
+
+
+class ResumeSession:
+    """Resume and checkpoint state of one run on this rank.
+
+    Args:
+        checkpointer: writes this rank's part of each checkpoint.
+        runs: per adapter id, its `AdapterRun`.
+        lora: the `LoRAContext` of the adapters' parameters.
+        save_every: save when the adapters' total optimizer steps pass a multiple of
+            ``save_every × adapters`` (each adapter's steps, on average); 0: only at the end.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, runs: Sequence[AdapterRun], lora,
+                 save_every: int):
+        self.checkpointer = checkpointer
+        self.runs = runs
+        self.lora = lora
+        self.save_every = save_every
+        self.position = 0
+        self._consumed = 0
+        self._expected: str | None = None
+        self._digest = hashlib.sha256()
+        self._last_mark = 0
+
+    def _mark(self) -> int:
+        if not self.save_every:
+            return 0
+        return sum(run.step for run in self.runs) // (self.save_every * len(self.runs))
+
+    def restore(self, resume: str) -> int:
+        """Load the checkpoint chosen by policy ``resume``; returns the next stream index.
+
+        Raises:
+            CheckpointError: for an explicitly named checkpoint that is damaged, or one that
+                does not fit this run.
+        """
+        folder = find_resume_checkpoint(self.checkpointer.root, resume)
+        if folder is None:
+            return 0
+        self.position, self._expected = self.checkpointer.restore(folder, self.runs, self.lora)
+        self._last_mark = self._mark()
+        return self.position
+
+    def stream(self, microbatches: Iterable[Microbatch]) -> Iterator[Microbatch]:
+        """The plan's microbatches after the restored position, digesting each one yielded.
+
+        Raises:
+            RuntimeError: when the regenerated stream's first ``position`` microbatches differ
+                from those the checkpoint was trained on (another plan: e.g. a changed config
+                or a MILP solve that hit its time limit differently).
+        """
+        for index, microbatch in enumerate(microbatches):
+            stream_digest(self._digest, microbatch)
+            self._consumed = index + 1
+            if index + 1 == self.position and self._digest.hexdigest() != self._expected:
+                raise RuntimeError(
+                    f"the regenerated plan differs from the checkpointed one in its first "
+                    f"{self.position} microbatches; resume needs the same data, config and a "
+                    f"deterministic plan (planner.solver: greedy, or a MILP time limit the "
+                    f"solver never reaches), or train.resume: never"
+                )
+            if index >= self.position:
+                yield microbatch
+
+    def after_microbatch(self, index: int) -> None:
+        """`run_plan`'s hook: save when the step count passed a multiple of ``save_every``."""
+        assert index + 1 == self._consumed, "the loop must run the stream it was given"
+        self.position = self._consumed
+        mark = self._mark()
+        if mark > self._last_mark:
+            self._last_mark = mark
+            self.save()
+
+    def save(self) -> Path:
+        """Checkpoint every adapter after the microbatches the stream has yielded so far."""
+        self.position = self._consumed
+        return self.checkpointer.save(self.position, self._digest.hexdigest(), self.runs,
+                                      self.lora)
+
+
+
+def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[AdapterRun],
+                        lora) -> ResumeSession:
+    """The session of a run: checkpoints under ``<train.output_dir>/checkpoints``.
+
+    Args:
+        cfg: the job (copied into each checkpoint as ``job.json``).
+        sizes: `parallel_sizes()` of this rank (``world``, ``rank``, ``tp``, ``tp_rank``, ...).
+        runs: per adapter id, its `AdapterRun`.
+        lora: the `LoRAContext` of the adapters' parameters.
+    """
+    import torch.distributed as dist
+
+    def barrier() -> None:
+        if sizes["world"] > 1:
+            dist.barrier()
+
+    checkpointer = Checkpointer(
+        Path(cfg.train.output_dir) / "checkpoints", asdict(cfg),
+        tp_rank=sizes["tp_rank"], tp_size=sizes["tp"], pp_rank=sizes["pp_rank"],
+        pp_size=sizes["pp"], writes=sizes["dp_rank"] == 0, coordinator=sizes["rank"] == 0,
+        barrier=barrier, keep_last=cfg.train.keep_last,
+    )
+    return ResumeSession(checkpointer, runs, lora, cfg.train.save_every)

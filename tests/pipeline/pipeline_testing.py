@@ -1,0 +1,290 @@
+"""Helpers of the pipeline tests: a tiny job (model, 3 adapters, data, plan) and its runs.
+
+`reference_run` trains the plan in one process with the single-stage loop (`train.loop`);
+`parallel_worker` trains the same plan on one rank of a TP × PP × DP gloo world with the
+pipeline runner and writes the gathered adapter weights. Tests compare the two.
+"""
+
+import dataclasses
+import os
+import random
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_lorafusion.config import AdapterConfig, ModelConfig
+from megatron_lorafusion.data import TokenizedSample, pack_microbatch
+from megatron_lorafusion.planner import PlanProblem, plan_microbatches
+
+# 4 layers: one per stage at PP = 4. vocab 260 and 4 heads / 2 groups divide TP = 2.
+MODEL = ModelConfig(
+    num_layers=4,
+    hidden_size=32,
+    ffn_hidden_size=64,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=260,
+    max_position_embeddings=64,
+    init_seed=3,
+)
+# Different global batch sizes, ranks and targets; adapter 1 skips linear_proj and linear_fc1.
+ADAPTERS = [
+    AdapterConfig(name="a0", rank=4, alpha=8.0, lr=2e-2, global_batch_size=2),
+    AdapterConfig(name="a1", rank=2, alpha=4.0, lr=2e-2, global_batch_size=3,
+                  target_modules=["linear_qkv", "linear_fc2"], lr_schedule="constant"),
+    AdapterConfig(name="a2", rank=8, alpha=16.0, lr=1e-2, global_batch_size=5,
+                  weight_decay=0.01, use_rslora=True),
+]
+STEPS = 3  # optimizer steps of every adapter
+
+
+def adapters_for(dp: int) -> list:
+    """`ADAPTERS`, with LoRA dropout on adapter 0 unless DP moves samples between rows.
+
+    Dropout masks are keyed by (microbatch, packed row); a DP share packs other rows.
+    """
+    if dp > 1:
+        return ADAPTERS
+    return [dataclasses.replace(ADAPTERS[0], dropout=0.1), *ADAPTERS[1:]]
+CAPACITY = 40  # tokens per microbatch
+SEED = 7
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything both runs share: data, training orders, plan, loss denominators."""
+
+    datasets: list
+    orders: list
+    microbatches: tuple
+    batch_tokens: list
+    num_stages: int
+
+
+def make_job(num_stages: int, adapters=ADAPTERS) -> Job:
+    """Random samples (3-14 tokens) for ``STEPS`` global batches per adapter, greedily planned."""
+    rng = random.Random(SEED)
+    datasets = []
+    for a in adapters:
+        rows = []
+        for _ in range(STEPS * a.global_batch_size):
+            n = rng.randint(3, 14)
+            ids = tuple(rng.randrange(MODEL.vocab_size) for _ in range(n))
+            labels = tuple(rng.randrange(MODEL.vocab_size) for _ in range(n))
+            mask = tuple(int(i == n - 1 or rng.random() < 0.7) for i in range(n))
+            rows.append(TokenizedSample(ids, labels, mask))
+        datasets.append(rows)
+    orders = [list(range(len(d))) for d in datasets]
+    problem = PlanProblem([[len(r) for r in d] for d in datasets],
+                          [a.global_batch_size for a in adapters], CAPACITY,
+                          num_stages=num_stages, seed=SEED)
+    plan = plan_microbatches(problem, solver="greedy")
+    batch_tokens = [
+        [sum(sum(d[i].loss_mask) for i in range(j * a.global_batch_size,
+                                                   (j + 1) * a.global_batch_size))
+         for j in range(STEPS)]
+        for d, a in zip(datasets, adapters, strict=True)
+    ]
+    return Job(datasets, orders, plan.microbatches, batch_tokens, num_stages)
+
+
+def make_batch_fn(job: Job, num_adapters: int):
+    def make_batch(microbatch, index):
+        return pack_microbatch(microbatch, job.datasets, job.orders, num_adapters, "cpu",
+                               dropout_seed=SEED * 1_000_003 + index)
+
+    return make_batch
+
+
+def build_adapter_runs(lora, job: Job, adapters=ADAPTERS):
+    from megatron_lorafusion.train import AdapterRun, build_optimizer
+
+    runs = []
+    for a, adapter in enumerate(adapters):
+        params = [p for _, p in lora.adapter_parameters(a)]
+        optimizer, scheduler = build_optimizer(params, adapter, STEPS)
+        runs.append(AdapterRun(adapter.name, optimizer, scheduler, job.batch_tokens[a]))
+    return runs
+
+
+def reference_run(job: Job, adapters=ADAPTERS) -> dict:
+    """One process (needs a one-rank world): the single-stage loop over the same plan."""
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+    from megatron_lorafusion.mcore.parallel import packed_seq_params
+    from megatron_lorafusion.train import run_plan
+
+    model = build_gpt_model(MODEL).train()
+    lora = apply_lora(model, adapters, seed=SEED)
+    runs = build_adapter_runs(lora, job, adapters)
+
+    def forward(batch):
+        lora.layout = batch.layout
+        return model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
+                     packed_seq_params=packed_seq_params(batch.layout)).float()
+
+    run_plan(job.microbatches, forward, make_batch_fn(job, len(adapters)), runs,
+             progress_bar=False)
+    return {"states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
+            "losses": [run.losses for run in runs]}
+
+
+def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
+    """A gloo world from a FileStore (no ports) with Megatron's TP × PP groups."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(os.path.join(workdir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(tp, pp)
+
+
+def close_world() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0):
+    """This rank's stage model, LoRA, adapter runs and pipeline groups."""
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+    from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
+    from megatron_lorafusion.pipeline import make_pipeline_groups
+
+    groups = make_pipeline_groups(*pipeline_and_data_ranks(), timeout_s)
+    model = build_gpt_model(MODEL, pre_process=groups.is_first,
+                            post_process=groups.is_last).train()
+    lora = apply_lora(model, adapters, seed=SEED)
+    return model, lora, build_adapter_runs(lora, job, adapters), groups
+
+
+def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None):
+    from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
+
+    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(adapters))]
+    return run_pipeline(job.microbatches, forward,
+                        make_batch or make_batch_fn(job, len(adapters)), runs, params, groups,
+                        global_batch_sizes=[a.global_batch_size for a in adapters],
+                        hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
+                        device="cpu")
+
+
+def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
+    """Train the job once per ``(name, tp, pp)`` case on one rank of a ``world``-rank world.
+
+    Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
+    gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
+    losses (``result.pt``) and a failing rank its traceback (``error_<rank>.txt``).
+    """
+    from megatron_lorafusion.mcore.parallel import parallel_sizes
+    from megatron_lorafusion.pipeline.gather import gather_adapter_states
+
+    for name, tp, pp in cases:
+        casedir = os.path.join(workdir, name)
+        os.makedirs(casedir, exist_ok=True)
+        init_world(rank, world, casedir, tp, pp)
+        try:
+            job = make_job(pp)
+            adapters = adapters_for(world // (tp * pp))
+            model, lora, runs, groups = build_stage(job, adapters)
+            run_stage(job, model, lora, runs, groups, adapters)
+            sizes = parallel_sizes()
+            states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
+                                           dp_rank=sizes["dp_rank"])
+            if rank == 0:
+                torch.save({"states": states, "losses": [r.losses for r in runs]},
+                           os.path.join(casedir, "result.pt"))
+        except Exception:
+            with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+        finally:
+            close_world()
+
+
+def lemma_worker(rank: int, world: int, workdir: str) -> None:
+    """PP = 2 on a plan made for one stage: every rank must refuse it before computing."""
+    from megatron_lorafusion.pipeline import LemmaError
+
+    init_world(rank, world, workdir, 1, world)
+    try:
+        job = make_job(1)
+        model, lora, runs, groups = build_stage(job)
+        try:
+            run_stage(job, model, lora, runs, groups)
+        except LemmaError as err:
+            torch.save({"error": str(err)}, os.path.join(workdir, f"refused_{rank}.pt"))
+    finally:
+        close_world()
+
+
+def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: float) -> None:
+    """PP = ``world``; the last rank dies (``kill``) or raises (``raise``) at microbatch 2."""
+    import signal
+
+    init_world(rank, world, workdir, 1, world, timeout_s=timeout_s)
+    try:
+        job = make_job(world)
+        model, lora, runs, groups = build_stage(job, timeout_s=timeout_s)
+        make_batch = make_batch_fn(job, len(ADAPTERS))
+
+        def faulty_make_batch(microbatch, index):
+            if rank == world - 1 and index == 2:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ValueError("injected failure")
+            return make_batch(microbatch, index)
+
+        run_stage(job, model, lora, runs, groups, make_batch=faulty_make_batch)
+    except BaseException:
+        with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        close_world()
+
+
+def config_worker(rank: int, world: int, workdir: str) -> None:
+    """Rank 1 holds another config: both must raise at start-up."""
+    from megatron_lorafusion.pipeline import check_same_across_ranks
+
+    store = dist.FileStore(os.path.join(workdir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        check_same_across_ranks('{"lr": %s}' % ("0.1" if rank == 0 else "0.2"), "job config")
+    except RuntimeError as err:
+        with open(os.path.join(workdir, f"refused_{rank}.txt"), "w") as f:
+            f.write(str(err))
+    finally:
+        dist.destroy_process_group()
+
+
+def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
+    """Rank 1 hangs (alive, silent); rank 0's receive must fail after the group timeout."""
+    import time
+    from datetime import timedelta
+
+    from megatron_lorafusion.pipeline import make_pipeline_groups
+
+    store = dist.FileStore(os.path.join(workdir, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        groups = make_pipeline_groups([0, 1], [rank], timeout_s)
+        if rank == 1:  # a hung stage: alive, never sends, until rank 0 has given up
+            store.wait(["rank0_done"], timedelta(seconds=20 * timeout_s))
+            return
+        start = time.monotonic()
+        try:
+            dist.irecv(torch.empty(4), src=1, group=groups.backward_group).wait()
+        except RuntimeError as err:
+            with open(os.path.join(workdir, "timed_out.txt"), "w") as f:
+                f.write(f"{time.monotonic() - start:.1f} {err}")
+        store.set("rank0_done", "1")
+    finally:
+        dist.destroy_process_group()

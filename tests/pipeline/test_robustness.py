@@ -1,0 +1,65 @@
+"""Failures end the job with an error on every rank: bad plans, dead or raising ranks, configs."""
+
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from pipeline_testing import config_worker, fault_worker, lemma_worker, make_job, stuck_worker
+
+from megatron_lorafusion.pipeline import LemmaError, schedule
+
+COMM_TIMEOUT_S = 20.0  # the groups' timeout: the bound if a dead peer went unnoticed
+JOIN_S = 90.0  # start-up (~10 s of imports per process on 2 cores) + timeout + slack
+
+
+def test_config_mismatch_is_refused_on_every_rank(tmp_path):
+    mp.spawn(config_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        message = (tmp_path / f"refused_{rank}.txt").read_text()
+        assert "job config differs across ranks: ranks [1]" in message
+
+
+def test_stuck_peer_fails_the_wait_after_the_group_timeout(tmp_path):
+    timeout_s = 3.0
+    mp.spawn(stuck_worker, args=(2, str(tmp_path), timeout_s), nprocs=2, join=True)
+    waited, message = (tmp_path / "timed_out.txt").read_text().split(" ", 1)
+    assert timeout_s <= float(waited) < 4 * timeout_s, f"waited {waited} s: {message}"
+    assert "Timed out" in message or "timeout" in message.lower(), message
+
+
+@pytest.mark.slow
+def test_lemma_violation_is_refused_on_every_rank(tmp_path):
+    job = make_job(1)  # planned for one stage: global batches back to back
+    with pytest.raises(LemmaError):
+        schedule(2, job.microbatches)
+    mp.spawn(lemma_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+    errors = [torch.load(tmp_path / f"refused_{rank}.pt")["error"] for rank in range(2)]
+    assert "bubble lemma broken" in errors[0], errors[0]
+    assert errors[0] == errors[1], "every rank refuses at the same microbatch"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_failed_rank_ends_every_rank_with_an_error(tmp_path, fault):
+    world = 2
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=fault_worker, args=(r, world, str(tmp_path), fault,
+                                                    COMM_TIMEOUT_S)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + JOIN_S
+    try:
+        for p in procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        assert not hung, f"ranks {hung} still running {JOIN_S:.0f} s after the {fault}"
+        codes = [p.exitcode for p in procs]
+        assert all(code != 0 for code in codes), f"every rank must fail, exit codes {codes}"
+        survivor = (tmp_path / "error_0.txt").read_text()
+        assert "Error" in survivor, f"rank 0 must end with an exception, got:\n{survivor}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()

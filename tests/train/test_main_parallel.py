@@ -1,0 +1,68 @@
+"""`torchrun ... -m megatron_lorafusion train` at DP = 2 and PP = 2 against one process.
+
+DP = 2 runs the one-process plan, so its exported weights must match; PP = 2 plans for two
+stages (another stream), so it must export every layer of every adapter, trained.
+(Weight equality under PP is `tests/pipeline/test_runner.py`'s, on a shared plan.)
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from megatron_lorafusion.config import load_config
+from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.main import main
+
+# dtype -> tolerances; DP only splits fp32 sums over samples.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+
+def _job(tmp_path, out: str, **parallel) -> str:
+    adapters = []
+    for i, (task, gbs) in enumerate({"sort": 3, "add": 4, "upper": 2}.items()):
+        path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
+        adapters.append({"name": task, "rank": 4 + 2 * i, "alpha": 8, "lr": 1e-2,
+                         "global_batch_size": gbs, "dataset": {"path": str(path)}})
+    job = {"model": {"preset": "tiny", "num_layers": 2, "hidden_size": 64,
+                     "ffn_hidden_size": 128},
+           "adapters": adapters, "data": {"max_seq_length": 48},
+           "planner": {"token_capacity": 96, "solver": "greedy"},
+           "parallel": parallel,
+           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / out)},
+           "logging": {"progress_bar": False}}
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def _torchrun(job: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "megatron_lorafusion", "train", job]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
+
+
+def _exported(tmp_path, out: str, name: str) -> dict:
+    return load_file(str(tmp_path / out / "adapters" / name / "adapter_model.safetensors"))
+
+
+@pytest.mark.slow
+def test_torchrun_dp2_and_pp2_train_and_export(tmp_path):
+    expected = main(load_config(_job(tmp_path, "one")))
+    _torchrun(_job(tmp_path, "dp2"))
+    _torchrun(_job(tmp_path, "pp2", pp=2))
+    for name in expected:
+        one, dp2, pp2 = (_exported(tmp_path, out, name) for out in ("one", "dp2", "pp2"))
+        assert one.keys() == dp2.keys() == pp2.keys(), f"{name}: exported keys differ"
+        for key, value in one.items():
+            torch.testing.assert_close(dp2[key], value, **TOL[torch.float32],
+                                       msg=f"{name} {key}: DP = 2 export != one process")
+            assert pp2[key].shape == value.shape, f"{name} {key}: PP = 2 export shape"
+            if "lora_B" in key:
+                assert torch.count_nonzero(pp2[key]) > 0, f"{name} {key}: B untrained at PP = 2"
