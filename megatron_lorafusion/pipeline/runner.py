@@ -9,6 +9,10 @@ adapter's global batch finishes on a stage, the stage all-reduces (sums) that ad
 gradients and summed loss in one bucket over its DP group, asynchronously, and steps the
 adapter's optimizer just before the next forward that reads it (or at the end). Loss
 denominators count the whole global batch, so the sum equals a one-process run.
+
+A call drains the pipeline at its end and completes every pending step, so a run may be cut
+into consecutive calls (segments, for checkpoints): gradients of a global batch that
+straddles the cut stay in ``param.grad`` and its partial loss in ``AdapterRun.pending_loss``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class AdapterRun(Protocol):
     scheduler: torch.optim.lr_scheduler.LRScheduler
     batch_tokens: list[int]
     losses: list[float]
+    pending_loss: float
 
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
 """``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
@@ -114,12 +119,14 @@ class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
     def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
-                 hidden_size, activation_dtype, device, on_step, record_events):
+                 hidden_size, activation_dtype, device, on_step, record_events, first_index):
         self.forward, self.make_batch = forward, make_batch
         self.adapters, self.params, self.g = adapters, params, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
-        self.state = _State(loss_sums=[0.0] * len(adapters))
+        # A global batch begun in an earlier call (segment) continues its loss sum.
+        self.state = _State(loss_sums=[run.pending_loss for run in adapters])
+        self.first_index = first_index
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
 
@@ -128,6 +135,7 @@ class _Runner:
             return
         # perf_counter for durations, one time.time() offset so ranks share a time axis.
         offset = self.wall0 - self.t0
+        k = k if kind == "O" else self.first_index + k
         self.state.events.append(ComputeEvent(k, kind, start + offset, compute,
                                               time.perf_counter() + offset, tokens))
 
@@ -158,6 +166,8 @@ class _Runner:
         for work, _ in self.state.sends:
             work.wait()
         self.state.sends.clear()
+        for run, loss in zip(self.adapters, self.state.loss_sums, strict=True):
+            run.pending_loss = loss  # this replica's part of an unfinished global batch
 
     def _forward(self, action: Action) -> None:
         k = action.microbatch
@@ -169,7 +179,7 @@ class _Runner:
         if share.is_idle:
             return
         start = time.perf_counter()
-        batch = self.make_batch(share, k)
+        batch = self.make_batch(share, self.first_index + k)
         tokens = batch.layout.num_tokens
         input_tensor = None
         waited = 0.0
@@ -294,6 +304,7 @@ def run_pipeline(
     device: torch.device | str,
     on_step: Callable[[int, AdapterRun], None] | None = None,
     record_events: bool = False,
+    first_index: int = 0,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -315,6 +326,8 @@ def run_pipeline(
         device: where receive buffers live (the model's device).
         on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
         record_events: time every operation (for `scripts/calibrate_simulator.py`).
+        first_index: plan position of the stream's first microbatch (a segment of a run
+            cut for checkpoints); ``make_batch`` and events get plan positions.
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -326,7 +339,7 @@ def run_pipeline(
     runner = _Runner(forward, make_batch, adapters, params, groups,
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
-                     record_events=record_events)
+                     record_events=record_events, first_index=first_index)
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)

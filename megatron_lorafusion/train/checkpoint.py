@@ -7,7 +7,8 @@ states are saved together with the RNG states and a digest of the stream so far.
 regenerates the plan, checks the digest, and continues at microbatch ``position``.
 
 On disk, ``<output_dir>/checkpoints/ckpt_{position:08d}/`` holds ``job.json``, one
-``shard_tp{t}_pp{p}.pt`` per model-parallel rank (TP-local tensors), and ``manifest.json``
+``shard_tp{t}_pp{p}.pt`` per model-parallel rank (TP-local tensors; data-parallel replica
+``d > 0`` writes ``shard_tp{t}_pp{p}_dp{d}.pt``), and ``manifest.json``
 with every file's size and SHA-256. Files are written into ``ckpt_….tmp/``; the manifest is
 written last and the folder renamed only then, so a crash never leaves a checkpoint that
 looks complete, and a file damaged later fails its size or hash check.
@@ -48,9 +49,15 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used (damaged, or written by another run layout)."""
 
 
-def shard_name(tp_rank: int, pp_rank: int) -> str:
-    """File name of one model-parallel rank's shard."""
-    return f"shard_tp{tp_rank}_pp{pp_rank}.pt"
+def shard_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
+    """File name of one rank's shard.
+
+    Data-parallel replicas share weights and optimizer states but not the gradients and loss
+    they have accumulated in a global batch that straddles the checkpoint, so each replica
+    writes its own shard; replica 0's keeps the plain name (what export reads).
+    """
+    suffix = f"_dp{dp_rank}" if dp_rank else ""
+    return f"shard_tp{tp_rank}_pp{pp_rank}{suffix}.pt"
 
 
 def _sha256(path: Path) -> str:
@@ -205,20 +212,21 @@ class Checkpointer:
         root: the run's ``checkpoints`` folder.
         job: the job config as a JSON-able dict (copied into every checkpoint).
         tp_rank, tp_size, pp_rank, pp_size: this rank's model-parallel coordinates.
-        writes: whether this rank writes its shard (data-parallel rank 0 does).
+        dp_rank, dp_size: this rank's data-parallel coordinates (every replica writes its
+            own shard: see `shard_name`).
         coordinator: whether this rank writes the manifest, renames and rotates (global rank 0).
         barrier: synchronises all ranks (a no-op in a one-process run).
         keep_last: complete checkpoints to keep (older ones are deleted); 0 keeps all.
     """
 
     def __init__(self, root: str | Path, job: dict, *, tp_rank: int = 0, tp_size: int = 1,
-                 pp_rank: int = 0, pp_size: int = 1, writes: bool = True,
+                 pp_rank: int = 0, pp_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
                  coordinator: bool = True, barrier: Callable[[], None] = lambda: None,
                  keep_last: int = 0):
         self.root = Path(root)
         self.job = job
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
-        self.writes = writes
+        self.dp_rank, self.dp_size = dp_rank, dp_size
         self.coordinator = coordinator
         self.barrier = barrier
         self.keep_last = keep_last
@@ -261,10 +269,9 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self.barrier()
-        if self.writes:
-            path = tmp / shard_name(self.tp_rank, self.pp_rank)
-            torch.save(self._payload(position, digest, runs, lora), path)
-            _fsync(path)
+        path = tmp / shard_name(self.tp_rank, self.pp_rank, self.dp_rank)
+        torch.save(self._payload(position, digest, runs, lora), path)
+        _fsync(path)
         self.barrier()
         if self.coordinator:
             (tmp / "job.json").write_text(json.dumps(self.job, indent=2) + "\n",
@@ -272,7 +279,7 @@ class Checkpointer:
             files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
                      for p in sorted(tmp.iterdir())}
             manifest = {"format": FORMAT_VERSION, "position": position, "tp": self.tp_size,
-                        "pp": self.pp_size, "stream_digest": digest,
+                        "pp": self.pp_size, "dp": self.dp_size, "stream_digest": digest,
                         "steps": {run.name: run.step for run in runs}, "files": files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n",
                                                encoding="utf-8")
@@ -314,17 +321,20 @@ class Checkpointer:
             ``(position, digest)``: microbatches already consumed and their SHA-256.
 
         Raises:
-            CheckpointError: when the checkpoint was written with another TP/PP layout or other
-                adapters.
+            CheckpointError: when the checkpoint was written with another TP/PP/DP layout or
+                other adapters.
         """
         folder = Path(folder)
         manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        if (manifest["tp"], manifest["pp"]) != (self.tp_size, self.pp_size):
+        # Older checkpoints hold no "dp" and only replica 0's shards: usable at DP = 1 only.
+        written = (manifest["tp"], manifest["pp"], manifest.get("dp", 1))
+        if written != (self.tp_size, self.pp_size, self.dp_size):
             raise CheckpointError(
-                f"checkpoint {str(folder)!r} was written with tp={manifest['tp']}, "
-                f"pp={manifest['pp']}; this run has tp={self.tp_size}, pp={self.pp_size} "
+                f"checkpoint {str(folder)!r} was written with tp={written[0]}, "
+                f"pp={written[1]}, dp={written[2]}; this run has tp={self.tp_size}, "
+                f"pp={self.pp_size}, dp={self.dp_size} "
                 f"(set train.resume: never or another train.output_dir to start fresh)")
-        shard = read_shard(folder, shard_name(self.tp_rank, self.pp_rank))
+        shard = read_shard(folder, shard_name(self.tp_rank, self.pp_rank, self.dp_rank))
         names = [entry["name"] for entry in shard["adapters"]]
         if names != [run.name for run in runs]:
             raise CheckpointError(

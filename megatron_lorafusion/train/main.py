@@ -108,23 +108,29 @@ def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
 
 
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
-                   runs: list[AdapterRun], groups, device: torch.device, on_step) -> None:
-    """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside)."""
+                   runs: list[AdapterRun], groups, device: torch.device, session) -> None:
+    """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
+
+    The stream is cut at the checkpoint points (`ResumeSession.segments`): each segment is
+    one 1F1B stream, drained at its end (every DP all-reduce waited for, every due step
+    taken), then every rank saves its shard. Each cut costs one fill and drain of the
+    pipeline, about ``(S - 1) × (t_F + t_B)`` of idle time per stage.
+    """
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(runs))]
-    run_pipeline(stream, forward, make_batch, runs, params, groups,
-                 global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
-                 hidden_size=cfg.model.hidden_size, activation_dtype=_DTYPES[cfg.train.precision],
-                 device=device, on_step=on_step)
+    for first_index, segment in session.segments(stream):
+        run_pipeline(segment, forward, make_batch, runs, params, groups,
+                     global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
+                     hidden_size=cfg.model.hidden_size,
+                     activation_dtype=_DTYPES[cfg.train.precision], device=device,
+                     first_index=first_index)
+        session.save()
 
 
 def _full_adapter_states(lora, sizes: dict[str, int]) -> list[dict[str, torch.Tensor]] | None:
-    """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None.
-
-    Optimizer states stay per rank, so no resumable checkpoint is written then (issue 6).
-    """
+    """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None."""
     if sizes["pp"] == 1 and sizes["tp"] == 1:
         return None
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
@@ -187,7 +193,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
             return loss.float()
 
         session = make_resume_session(cfg, sizes, runs, lora)  # checkpoints and resume
-        first = session.restore(cfg.train.resume) if groups is None else 0
+        first = session.restore(cfg.train.resume)
         model.train()
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:
@@ -197,9 +203,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                          log_every=cfg.logging.log_every, first_index=first,
                          on_microbatch=session.after_microbatch)
             else:
-                _run_pipelined(cfg, session.stream(checked_stream(planner, problem)), model,
-                               lora, make_batch, runs, groups, device, on_step=None)
-        session.save()  # every rank writes its shard
+                _run_pipelined(cfg, checked_stream(planner, problem), model, lora, make_batch,
+                               runs, groups, device, session)
+        session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
         if is_writer:
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):

@@ -4,6 +4,12 @@
 (policy ``train.resume``), skips the plan microbatches already trained while checking that
 the regenerated stream matches the one that was checkpointed, and saves after the
 microbatch at which the adapters' optimizer steps pass a multiple of ``train.save_every``.
+
+The pipelined runner (PP or DP > 1) has no flush, so its in-flight activations cannot be
+saved; `ResumeSession.segments` cuts its stream at those same save points instead: each
+segment runs as one pipelined stream (drained at its end) and is followed by a checkpoint.
+The cuts depend only on the plan, so an interrupted and resumed run cuts where an
+uninterrupted one does and computes the same thing.
 """
 
 from __future__ import annotations
@@ -52,11 +58,15 @@ class ResumeSession:
         self._expected: str | None = None
         self._digest = hashlib.sha256()
         self._last_mark = 0
+        self._stream_steps = 0  # optimizer steps due by the microbatches `segments` yielded
 
-    def _mark(self) -> int:
+    def _mark(self, steps: int | None = None) -> int:
+        """Save points passed after ``steps`` optimizer steps (default: those taken)."""
         if not self.save_every:
             return 0
-        return sum(run.step for run in self.runs) // (self.save_every * len(self.runs))
+        if steps is None:
+            steps = sum(run.step for run in self.runs)
+        return steps // (self.save_every * len(self.runs))
 
     def restore(self, resume: str) -> int:
         """Load the checkpoint chosen by policy ``resume``; returns the next stream index.
@@ -102,6 +112,36 @@ class ResumeSession:
             self._last_mark = mark
             self.save()
 
+    def segments(self, microbatches: Iterable[Microbatch]) -> Iterator[
+            tuple[int, Iterator[Microbatch]]]:
+        """The stream after the restored position, cut at the save points of `after_microbatch`.
+
+        A segment ends after the microbatch whose ``finishes`` bring the adapters' optimizer
+        steps past a multiple of ``save_every × adapters``: exactly where the single-stage
+        loop saves, since once a segment has drained every step of its microbatches is taken.
+        Consume each segment, then `save`, before asking for the next; the next segment's
+        first microbatch is read from the stream only then.
+
+        Yields:
+            ``(first_index, segment)``: the stream index of the segment's first microbatch and
+            an iterator over the segment's microbatches.
+        """
+        stream = self.stream(microbatches)
+        self._stream_steps = sum(run.step for run in self.runs)  # finishes before `position`
+        while (first := next(stream, None)) is not None:
+            yield self._consumed - 1, self._until_save_point(first, stream)
+
+    def _until_save_point(self, first: Microbatch,
+                          stream: Iterator[Microbatch]) -> Iterator[Microbatch]:
+        microbatch: Microbatch | None = first
+        while microbatch is not None:
+            yield microbatch
+            before = self._stream_steps
+            self._stream_steps += len(microbatch.finishes)
+            if self._mark(self._stream_steps) > self._mark(before):
+                return  # a save point: the caller drains, saves, then asks for more
+            microbatch = next(stream, None)
+
     def save(self) -> Path:
         """Checkpoint every adapter after the microbatches the stream has yielded so far."""
         self.position = self._consumed
@@ -129,7 +169,8 @@ def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[Ad
     checkpointer = Checkpointer(
         Path(cfg.train.output_dir) / "checkpoints", asdict(cfg),
         tp_rank=sizes["tp_rank"], tp_size=sizes["tp"], pp_rank=sizes["pp_rank"],
-        pp_size=sizes["pp"], writes=sizes["dp_rank"] == 0, coordinator=sizes["rank"] == 0,
+        pp_size=sizes["pp"], dp_rank=sizes["dp_rank"], dp_size=sizes["dp"],
+        coordinator=sizes["rank"] == 0,
         barrier=barrier, keep_last=cfg.train.keep_last,
     )
     return ResumeSession(checkpointer, runs, lora, cfg.train.save_every)

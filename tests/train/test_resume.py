@@ -157,3 +157,85 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
         for key, value in tensors.items():
             torch.testing.assert_close(resumed[name][key], value, **TOL[torch.float32],
                                        msg=f"{name} {key} differs after a TP = 2 resume")
+
+
+def _torchrun(job_yaml, nproc: int) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "-m", "megatron_lorafusion", "train", str(job_yaml)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
+    return done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("parallel", "nproc", "shards"), [
+    ({"pp": 2}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp1.pt"]),
+    ({}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp0_dp1.pt"]),
+    ({"pp": 2}, 4, ["shard_tp0_pp0.pt", "shard_tp0_pp0_dp1.pt", "shard_tp0_pp1.pt",
+                    "shard_tp0_pp1_dp1.pt"]),
+], ids=["pp2", "dp2", "pp2xdp2"])
+def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(tmp_path, parallel, nproc,
+                                                                   shards):
+    """PP = 2, DP = 2 or both (pipelined runner): resumed from the first checkpoint, same result.
+
+    The checkpoints after the first are deleted (as if the run had been killed right after
+    it) and the job is launched again: it must resume there and reach the uninterrupted
+    run's final checkpoint, every shard (each stage, each replica) equal.
+    """
+    import shutil
+
+    from megatron_lorafusion.train.checkpoint import read_shard, shard_name
+
+    _job(tmp_path, "run")  # writes the datasets and run.yaml
+    raw = yaml.safe_load((tmp_path / "run.yaml").read_text())
+    raw["model"]["num_layers"] = 2  # one layer per stage
+    raw["parallel"] = parallel
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
+    _torchrun(tmp_path / "run.yaml", nproc)
+    root = tmp_path / "run" / "checkpoints"
+    saved = sorted(root.glob("ckpt_*"))
+    assert len(saved) >= 3, f"expected several checkpoints, got {saved}"
+    files = sorted(json.loads((saved[0] / "manifest.json").read_text())["files"])
+    assert files == ["job.json", *shards], f"unexpected checkpoint files {files}"
+    first = [read_shard(saved[0], name) for name in shards]
+    assert any(entry["grads"] for shard in first for entry in shard["adapters"]), (
+        "the first checkpoint must cut a global batch (accumulated gradients saved)")
+    full = {name: read_shard(saved[-1], name) for name in shards}
+    full_tensors = full_adapter_tensors(saved[-1])
+    for later in saved[1:]:
+        shutil.rmtree(later)
+
+    raw["train"].update(save_every=0, output_dir=str(tmp_path / "uncut"))
+    (tmp_path / "uncut.yaml").write_text(yaml.safe_dump(raw))
+    _torchrun(tmp_path / "uncut.yaml", nproc)  # one segment: the cuts must not change the result
+    uncut_folder = find_resume_checkpoint(tmp_path / "uncut" / "checkpoints", "auto")
+    uncut = full_adapter_tensors(uncut_folder)
+    for name, tensors in full_tensors.items():
+        for key, value in tensors.items():
+            torch.testing.assert_close(value, uncut[name][key], **TOL[torch.float32],
+                                       msg=f"{name} {key}: the cut run differs from an uncut one")
+    last = shard_name(0, parallel.get("pp", 1) - 1)  # the stage computing the losses
+    for entry, again in zip(full[last]["adapters"], read_shard(uncut_folder, last)["adapters"],
+                            strict=True):
+        torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(again["losses"]),
+                                   **TOL[torch.float32],
+                                   msg=f"{entry['name']}: the cut run's losses differ from uncut")
+
+    log = _torchrun(tmp_path / "run.yaml", nproc)  # resume: auto, from the first checkpoint
+    assert f"resumed from {saved[0]}" in log, "the rerun must resume, not start afresh"
+    final = find_resume_checkpoint(root, "auto")
+    assert final.name == saved[-1].name, f"the resumed run ended at {final}, not {saved[-1]}"
+    for name, shard in full.items():
+        resumed = read_shard(final, name)
+        for entry, again in zip(shard["adapters"], resumed["adapters"], strict=True):
+            torch.testing.assert_close(torch.tensor(again["losses"]),
+                                       torch.tensor(entry["losses"]), **TOL[torch.float32],
+                                       msg=f"{name} {entry['name']}: losses differ")
+            for key, value in entry["tensors"].items():
+                torch.testing.assert_close(again["tensors"][key], value, **TOL[torch.float32],
+                                           msg=f"{name} {entry['name']} {key} differs")
