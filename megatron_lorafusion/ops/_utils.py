@@ -82,6 +82,27 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
 
 
+def check_dropout_inputs(
+    dropouts: torch.Tensor | None,
+    keep_bits: torch.Tensor | None,
+    adapters: int,
+    tokens: int,
+    width: int,
+    device: torch.device,
+) -> None:
+    """Check a launch's optional dropout inputs; ``keep_bits`` needs ``dropouts``.
+
+    ``dropouts`` is (A,) fp32 per adapter; ``keep_bits`` the packed (T, ceil(width / 8))
+    uint8 keep-mask.
+    """
+    if dropouts is not None:
+        check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), device)
+    if keep_bits is not None:
+        if dropouts is None:
+            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
+        check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,), device)
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Block sizes and launch options of one kernel launch.

@@ -119,13 +119,7 @@ def lora_expand(
     width = m.shape[2]
     if bias is not None:
         _utils.check_tensor("bias", bias, (width,), _utils._KERNEL_DTYPES, s.device)
-    if dropouts is not None:
-        _utils.check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), s.device)
-    if keep_bits is not None:
-        if dropouts is None:
-            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
-        _utils.check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,),
-                            s.device)
+    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, s.device)
     return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, keep_bits)
 
 

@@ -124,13 +124,7 @@ def lora_shrink(
     if m.dtype != z.dtype or m.device != z.device:
         raise ValueError(f"m is {m.dtype} on {m.device}, expected {z.dtype} on {z.device}")
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
-    if dropouts is not None:
-        _utils.check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), z.device)
-    if keep_bits is not None:
-        if dropouts is None:
-            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
-        _utils.check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,),
-                            z.device)
+    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, z.device)
     return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, keep_bits)
 
 

@@ -169,13 +169,7 @@ def lora_wgrad(
             f"out has shape {tuple(out.shape)} on {out.device}, "
             f"expected (A, D, R)=({adapters}, {width}, {rank}) on {z.device}"
         )
-    if dropouts is not None:
-        _utils.check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), z.device)
-    if keep_bits is not None:
-        if dropouts is None:
-            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
-        _utils.check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,),
-                            z.device)
+    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, z.device)
     if (expand_m is None) != (expand_out is None):
         raise ValueError("expand_m and expand_out go together")
     if expand_m is not None:
