@@ -9,6 +9,7 @@ the ``write`` callable (stdout by default), never ``print``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -140,6 +141,9 @@ def run_plan(args: argparse.Namespace, write: Write = sys.stdout.write) -> int:
     return 0
 
 
+_COST_FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
+
+
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``lorafusion simulate``."""
     _add_problem_arguments(parser)
@@ -162,14 +166,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON of coefficients or measured points (see CostModel.from_profile)",
     )
     defaults = CostModel()
-    for name in (
-        "fixed_ms",
-        "per_token_ms",
-        "attention_ms",
-        "backward_ratio",
-        "optimizer_ms",
-        "p2p_ms",
-    ):
+    for name in _COST_FIELDS:
         c.add_argument(
             f"--{name.replace('_', '-')}",
             type=float,
@@ -180,18 +177,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cost_from_args(args: argparse.Namespace) -> CostModel:
     base = CostModel.from_profile(args.cost_profile) if args.cost_profile else CostModel()
-    overrides = {
-        k: getattr(args, k)
-        for k in (
-            "fixed_ms",
-            "per_token_ms",
-            "attention_ms",
-            "backward_ratio",
-            "optimizer_ms",
-            "p2p_ms",
-        )
-        if getattr(args, k) is not None
-    }
+    overrides = {k: getattr(args, k) for k in _COST_FIELDS if getattr(args, k) is not None}
     return CostModel(**{**base.__dict__, **overrides})
 
 
