@@ -19,12 +19,11 @@ import time
 from megatron_lorafusion.planner import (
     CostModel,
     PlanProblem,
-    adapter_lengths,
-    apply_length_policy,
     check_plan,
     compare_strategies,
     plan_microbatches,
 )
+from megatron_lorafusion.planner.commands import problem_from_args
 from megatron_lorafusion.planner.milp import available_solver
 from megatron_lorafusion.planner.plan import DEFAULT_TIME_LIMIT_S
 
@@ -38,15 +37,8 @@ def _warm_up() -> None:
 
 
 def _bench_one(dist: str, args: argparse.Namespace) -> dict:
-    raw = adapter_lengths(dist, args.adapters, args.samples, args.seed)
-    fitted = apply_length_policy(raw, args.capacity, args.tile_height, "truncate")
-    problem = PlanProblem(
-        fitted.lengths,
-        (args.global_batch_size,) * args.adapters,
-        args.capacity,
-        args.stages,
-        args.tile_height,
-        args.seed,
+    problem, truncated = problem_from_args(
+        argparse.Namespace(**vars(args), lengths=dist, long_samples="truncate")
     )
     n_samples = sum(len(x) for x in problem.lengths)
     times = []
@@ -66,7 +58,7 @@ def _bench_one(dist: str, args: argparse.Namespace) -> dict:
     return {
         "dist": dist,
         "samples": n_samples,
-        "truncated": sum(fitted.truncated),
+        "truncated": sum(truncated),
         "mean_len": sum(map(sum, problem.lengths)) / n_samples,
         "bubble_a": results["megatron"].sim.bubble_ratio,
         "bubble_b": results["mlora"].sim.bubble_ratio,
