@@ -25,12 +25,15 @@ class AdapterLayout:
         cu_seqlens: (S + 1,) int32 on the compute device, token offset of each sample.
         max_seqlen: longest sample, in tokens.
         dropout_seed: seed of this microbatch's dropout masks; layers mix in their own id.
+        row_offset: index of row 0 in the whole microbatch; non-zero only for a `shard`, so
+            dropout masks (keyed by the whole-microbatch row) agree with the unsharded layout.
     """
 
     seg_offsets: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     dropout_seed: int = 0
+    row_offset: int = 0
     _device_cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -77,6 +80,30 @@ class AdapterLayout:
             cu_seqlens=cu_seqlens.to(device),
             max_seqlen=max(sample_lengths, default=0),
             dropout_seed=dropout_seed,
+        )
+
+    def shard(self, start: int, end: int) -> AdapterLayout:
+        """The layout of token rows ``start:end`` (a sequence-parallel rank's share).
+
+        Segments and samples are clipped to the range; ``row_offset`` grows by ``start`` so
+        dropout masks match the rows of the whole microbatch.
+
+        Raises:
+            ValueError: when ``0 <= start <= end <= T`` does not hold.
+        """
+        if not 0 <= start <= end <= self.num_tokens:
+            raise ValueError(f"shard rows [{start}, {end}) must lie in [0, {self.num_tokens}]")
+        seg_offsets = self.seg_offsets.clamp(start, end) - start
+        bounds = self.cu_seqlens.cpu().to(torch.int64).clamp(start, end) - start
+        bounds = torch.unique_consecutive(bounds)
+        if bounds[0] != 0:
+            bounds = torch.cat([bounds.new_zeros(1), bounds])
+        return AdapterLayout(
+            seg_offsets=seg_offsets,
+            cu_seqlens=bounds.to(torch.int32).to(self.cu_seqlens.device),
+            max_seqlen=int(torch.diff(bounds).max()) if bounds.numel() > 1 else 0,
+            dropout_seed=self.dropout_seed,
+            row_offset=self.row_offset + start,
         )
 
     @property

@@ -27,8 +27,9 @@ def dropout_keep_mask(
 ) -> torch.Tensor | None:
     """Draw the LoRA-input dropout mask of one layer for one microbatch.
 
-    The mask depends only on ``(layout.dropout_seed, layer_seed)``, so activation
-    recompute regenerates it exactly.
+    The mask depends only on ``(layout.dropout_seed, layer_seed)`` and the rows' place in the
+    whole microbatch (``layout.row_offset``), so activation recompute regenerates it exactly
+    and a `AdapterLayout.shard` gets the rows of the unsharded mask.
 
     Args:
         layout: the microbatch's adapter layout.
@@ -47,7 +48,9 @@ def dropout_keep_mask(
     generator = torch.Generator(device=device)
     generator.manual_seed((layout.dropout_seed * _SEED_MIX + layer_seed) % (2**63))
     p_rows = torch.tensor(list(dropouts), dtype=torch.float32)[layout.row_adapter("cpu")]
-    draws = torch.rand(layout.num_tokens, hidden, generator=generator, device=device)
+    # Rows before a shard's first row are drawn and dropped, so a shard gets its rows' mask.
+    draws = torch.rand(layout.row_offset + layout.num_tokens, hidden, generator=generator,
+                       device=device)[layout.row_offset:]
     return draws >= p_rows.to(device)[:, None]
 
 

@@ -102,3 +102,26 @@ def test_lora_linear_rejects_mismatched_shapes():
 def test_layout_rejects_unordered_samples():
     with pytest.raises(ValueError, match="adapter-major"):
         AdapterLayout.from_samples([1, 0], [3, 3], 2)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 25), (25, 50), (10, 42), (50, 75), (0, 75)])
+def test_layout_shard_clips_segments_and_keeps_mask_rows(start, end):
+    layout = AdapterLayout.from_samples([0, 0, 2], [20, 14, 41], 3, dropout_seed=5)
+    shard = layout.shard(start, end)
+    full_rows = layout.row_adapter("cpu")[start:end]
+    assert shard.num_tokens == end - start
+    assert torch.equal(shard.row_adapter("cpu"), full_rows), "rows must keep their adapter"
+    assert shard.row_offset == start
+    assert int(shard.cu_seqlens[0]) == 0
+    assert int(shard.cu_seqlens[-1]) == end - start
+    keep = dropout_keep_mask(layout, [0.3, 0.0, 0.5], 24, layer_seed=4, device="cpu")
+    keep_shard = dropout_keep_mask(shard, [0.3, 0.0, 0.5], 24, layer_seed=4, device="cpu")
+    assert torch.equal(keep_shard, keep[start:end]), "a shard must draw its rows' mask"
+    nested = layout.shard(start, end).shard(0, (end - start) // 2)
+    assert nested.row_offset == start, "shards of shards add their offsets"
+
+
+def test_layout_shard_rejects_rows_outside_the_microbatch():
+    layout = AdapterLayout.from_samples([0], [8], 1)
+    with pytest.raises(ValueError, match=r"shard rows \[4, 9\) must lie in \[0, 8\]"):
+        layout.shard(4, 9)
