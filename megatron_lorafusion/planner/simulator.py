@@ -8,6 +8,13 @@ optimizer step of every adapter it reads whose previous global batch stepped (pe
 right after that microbatch's backward). A plan that breaks the bubble lemma deadlocks
 here, and `simulate` says so. Flushes (Megatron-style) are separate `simulate` calls laid
 end to end by `simulate_flushed`.
+
+With ``defer_wgrad = w > 0`` each backward is split zero-bubble style: the input-gradient
+part ``(1 - w)·B`` runs in the 1F1B slot and the weight-gradient part ``W = w·B`` waits on
+its stage until the stage would otherwise idle (it runs if it ends before the next
+operation's inputs are ready), at most ``S`` of them pending (their saved inputs are held);
+an optimizer step first runs the pending W of every microbatch that touched a stepping
+adapter. Makespans with and without it say what deferring LoRA's weight gradients gains.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class Job:
 
 @dataclass(frozen=True)
 class Event:
-    """One operation on one stage: kind ``"F"``, ``"B"`` or ``"O"`` (optimizer steps)."""
+    """One operation on one stage: ``"F"``, ``"B"``, ``"W"`` (deferred weight grads), ``"O"``."""
 
     stage: int
     job: int
@@ -121,23 +128,30 @@ def _previous_steps(jobs: Sequence[Job]) -> list[list[int]]:
     return deps
 
 
-def simulate(jobs: Sequence[Job], num_stages: int, cost: CostModel) -> SimResult:
+def simulate(
+    jobs: Sequence[Job], num_stages: int, cost: CostModel, *, defer_wgrad: float = 0.0
+) -> SimResult:
     """Run ``jobs`` through an ``S``-stage 1F1B pipeline with no flush.
 
     Args:
         jobs: microbatches in order.
         num_stages: ``S`` >= 1.
         cost: gives the optimizer-step and p2p times (job times are in the jobs).
+        defer_wgrad: share ``w`` of each backward that is the weight-gradient pass, deferred
+            into idle time (module docstring); 0 keeps it inside the backward.
 
     Returns:
         Makespan, per-stage busy time and every operation's interval.
 
     Raises:
-        ValueError: if ``num_stages < 1`` or a job's ``stage_ms`` has another length.
+        ValueError: if ``num_stages < 1``, ``defer_wgrad`` is outside ``[0, 1)`` or a job's
+            ``stage_ms`` has another length.
         RuntimeError: if the schedule deadlocks (the stream breaks the bubble lemma).
     """
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    if not 0.0 <= defer_wgrad < 1.0:
+        raise ValueError(f"defer_wgrad must lie in [0, 1), got {defer_wgrad}")
     short = [i for i, job in enumerate(jobs) if job.stage_ms and len(job.stage_ms) != num_stages]
     if short:
         raise ValueError(f"jobs {short[:5]} give stage_ms for other than {num_stages} stages")
@@ -148,6 +162,18 @@ def simulate(jobs: Sequence[Job], num_stages: int, cost: CostModel) -> SimResult
     pos = [0] * num_stages
     busy = [0.0] * num_stages
     events: list[Event] = []
+    pending: list[list[int]] = [[] for _ in range(num_stages)]  # deferred W, oldest first
+
+    def run(s: int, kind: str, i: int, start: float, length: float) -> None:
+        free[s] = end[kind, s, i] = start + length
+        busy[s] += length
+        if length > 0:
+            events.append(Event(s, i, kind, start, start + length, jobs[i].label))
+
+    def run_wgrad(s: int, i: int) -> None:
+        pending[s].remove(i)
+        run(s, "W", i, free[s], defer_wgrad * jobs[i].op_ms("B", s))
+
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -158,16 +184,27 @@ def simulate(jobs: Sequence[Job], num_stages: int, cost: CostModel) -> SimResult
                 if ready is None:
                     break
                 job = jobs[i]
+                if kind == "O":  # the step needs every weight gradient of its adapters
+                    for j in [j for j in pending[s] if set(jobs[j].adapters) & set(job.steps)]:
+                        run_wgrad(s, j)
+                while pending[s] and free[s] + defer_wgrad * jobs[pending[s][0]].op_ms(
+                    "B", s
+                ) <= ready:
+                    run_wgrad(s, pending[s][0])
                 length = (cost.optimizer_ms * len(job.steps) if kind == "O"
                           else job.op_ms(kind, s))
-                start = max(free[s], ready)
-                free[s] = end[kind, s, i] = start + length
-                busy[s] += length
-                if length > 0:
-                    events.append(Event(s, i, kind, start, start + length, job.label))
+                if kind == "B" and defer_wgrad > 0:
+                    length *= 1.0 - defer_wgrad
+                    pending[s].append(i)
+                    if len(pending[s]) > num_stages:
+                        run_wgrad(s, pending[s][0])
+                run(s, kind, i, max(free[s], ready), length)
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
+            if pos[s] == len(orders[s]):
+                while pending[s]:
+                    run_wgrad(s, pending[s][0])
         if not progressed:
             stuck = {s: orders[s][pos[s]] for s in range(num_stages) if pos[s] < len(orders[s])}
             raise RuntimeError(
@@ -208,12 +245,16 @@ def _ready_time(
 
 
 def simulate_flushed(
-    groups: Sequence[Sequence[Job]], num_stages: int, cost: CostModel
+    groups: Sequence[Sequence[Job]],
+    num_stages: int,
+    cost: CostModel,
+    *,
+    defer_wgrad: float = 0.0,
 ) -> SimResult:
     """Run each group as its own pipeline, one after the other (a flush between groups)."""
     offset, busy, events = 0.0, [0.0] * num_stages, []
     for group in groups:
-        result = simulate(group, num_stages, cost)
+        result = simulate(group, num_stages, cost, defer_wgrad=defer_wgrad)
         events.extend(
             Event(e.stage, e.job, e.kind, e.start_ms + offset, e.end_ms + offset, e.label)
             for e in result.events

@@ -48,3 +48,37 @@ def test_simulate_per_stage_times_replace_the_shared_ones():
     assert result.makespan_ms == pytest.approx(1.0 + 18.0 + 2.0)
     with pytest.raises(ValueError, match="stage_ms"):
         simulate([job], 3, NO_STEP_COST)
+
+
+def test_simulate_deferred_wgrad_fills_the_cool_down():
+    # S = 4, 8 equal microbatches, no steps: the weight-gradient share moves into idle time,
+    # so the makespan drops and the busy time stays the same.
+    jobs = [Job(1.0, 2.0, (0,))] * 8
+    plain = simulate(jobs, 4, NO_STEP_COST)
+    deferred = simulate(jobs, 4, NO_STEP_COST, defer_wgrad=0.25)
+    assert simulate(jobs, 4, NO_STEP_COST, defer_wgrad=0.0).makespan_ms == plain.makespan_ms
+    assert deferred.busy_ms == pytest.approx(plain.busy_ms)
+    assert deferred.makespan_ms < plain.makespan_ms
+    wgrads = [e for e in deferred.events if e.kind == "W"]
+    assert len(wgrads) == 4 * 8, "every backward on every stage gets its W"
+    assert all(e.end_ms - e.start_ms == pytest.approx(0.5) for e in wgrads)
+
+
+def test_simulate_deferred_wgrad_runs_before_its_adapters_step():
+    cost = CostModel(optimizer_ms=1.0)
+    jobs = [Job(1.0, 2.0, (0,)), Job(1.0, 2.0, (1,), (1,)), Job(1.0, 2.0, (0,), (0,))]
+    result = simulate(jobs, 2, cost, defer_wgrad=0.5)
+    for stage in range(2):
+        for job, adapter in ((1, 1), (2, 0)):
+            step = next(e for e in result.events
+                        if e.kind == "O" and e.stage == stage and e.job == job)
+            needed = [e for e in result.events if e.kind == "W" and e.stage == stage
+                      and adapter in jobs[e.job].adapters]
+            assert needed, "the stepping adapter's microbatches must have W events"
+            assert all(e.end_ms <= step.start_ms for e in needed), (
+                f"stage {stage}: adapter {adapter} steps before its weight gradients")
+
+
+def test_simulate_rejects_a_wgrad_share_outside_the_unit_interval():
+    with pytest.raises(ValueError, match=r"defer_wgrad must lie in \[0, 1\), got 1.0"):
+        simulate([Job(1.0, 2.0)], 1, NO_STEP_COST, defer_wgrad=1.0)
