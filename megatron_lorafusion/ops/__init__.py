@@ -22,14 +22,28 @@ from megatron_lorafusion.ops.lora_linear import (
     lora_up_ref,
 )
 from megatron_lorafusion.ops.lora_shrink import lora_shrink, lora_shrink_ref
+from megatron_lorafusion.ops.lora_split import (
+    LoRADownFunction,
+    LoRAUpFunction,
+    fused_lora_down,
+    fused_lora_up,
+    lora_down,
+    lora_up,
+)
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 
 __all__ = [
     "AdapterLayout",
+    "LoRADownFunction",
     "LoRALinearFunction",
+    "LoRAUpFunction",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
+    "fused_lora_down",
     "fused_lora_linear",
+    "fused_lora_up",
+    "lora_down",
     "lora_down_ref",
     "lora_expand",
     "lora_expand_ref",
@@ -37,6 +51,9 @@ __all__ = [
     "lora_linear_ref",
     "lora_shrink",
     "lora_shrink_ref",
+    "lora_up",
+    "lora_up_bwd",
+    "lora_up_bwd_ref",
     "lora_up_ref",
     "lora_wgrad",
     "lora_wgrad_ref",

@@ -1,8 +1,10 @@
 """Shared helpers of the Triton ops: availability, input checks, tile-config choice, dropout RNG.
 
-The dropout mask of the fused path is counter-based (Philox, ``tl.rand``): the element
-``(t, h)`` of a ``(T, H)`` input is kept iff ``rand(seed, t·H + h) >= p``, so any kernel, at any
-tiling, regenerates the same mask from ``(layout.dropout_seed, layer_seed)``.
+The dropout mask of the fused path is counter-based (Philox, see `keep_mask_tile`): element
+``(t, h)`` is keyed by its row in the whole microbatch (``layout.row_offset + t``) and its column
+in the layer's full input width (``col_offset + h`` for a tensor-parallel shard of columns), so
+any kernel, at any tiling and on any shard, regenerates the same mask from
+``(layout.dropout_seed, layer_seed)``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,41 @@ def padded_rank(rank: int) -> int:
     if not 1 <= rank <= _MAX_RANK:
         raise NotImplementedError(f"LoRA rank must lie in [1, {_MAX_RANK}], got R={rank}")
     return max(16, 1 << (rank - 1).bit_length())
+
+
+def mask_width(width: int, col_offset: int, full_width: int | None) -> int:
+    """Width of the dropout mask whose columns ``col_offset:col_offset + width`` a shard uses.
+
+    Args:
+        width: the shard's columns (``H_l``).
+        col_offset: index of the shard's column 0 in the full-width input.
+        full_width: the layer's full input width, or None for ``width`` (no column shard).
+
+    Returns:
+        The full width (the ``D`` that keys the Philox counters).
+
+    Raises:
+        ValueError: when the shard's columns do not lie inside ``[0, full_width)``.
+        NotImplementedError: for a ``col_offset`` that is not a multiple of 8 (the kernels draw
+            eight columns per Philox call, in groups that start at multiples of 8).
+    """
+    full = width if full_width is None else int(full_width)
+    if col_offset < 0 or col_offset + width > full:
+        raise ValueError(
+            f"columns [{col_offset}, {col_offset + width}) of the dropout mask must lie in "
+            f"[0, full_width={full})"
+        )
+    if col_offset % 8:
+        raise NotImplementedError(
+            f"the fused dropout mask needs col_offset to be a multiple of 8, got {col_offset}"
+        )
+    return full
+
+
+@functools.lru_cache(maxsize=256)
+def device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
+    """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -6,7 +6,7 @@
 - forward: ``S'`` by `lora_shrink` (dropout fused, one pass over X); then the frozen product
   with the LoRA term, ``Y = S'·Bᵀ + b`` by `lora_expand` followed by cuBLAS ``Y += X·Wᵀ``
   (``addmm_``, beta = 1: Y is written by the expand and read once as C);
-- backward: ``dS' = s·dY·B`` (`lora_shrink`), ``dB = dYᵀ·S'`` (`lora_wgrad`), then one
+- backward: ``dS' = s·dY·B`` and ``dB = dYᵀ·S'`` from one pass over dY (`lora_up_bwd`), then one
   pass over X (`lora_wgrad` with its fused expand) gives ``dA = dS'ᵀ·drop(X)`` and the LoRA
   part of dX, ``mask⊙(dS'·A)/(1−p)``, drawing the mask once; cuBLAS adds ``dY·W`` onto it
   (``addmm_``). Weight gradients are reduced in a fixed order: no atomics, bitwise repeatable.
@@ -19,7 +19,6 @@ docs/kernels.md records the designs measured on the H200 and why this one was ke
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -29,17 +28,12 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
 from megatron_lorafusion.ops.lora_gemm import lora_gemm
 from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
+from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
 from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
 
 # Save the dropout mask as bits (H/8 bytes per token) in the forward and read it in the backward,
 # instead of regenerating it twice from the seed; docs/kernels.md has the measurements.
 _SAVE_MASK_BITS = False
-
-
-@functools.lru_cache(maxsize=256)
-def _device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
-    """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
@@ -88,9 +82,8 @@ class LoRALinearFunction(torch.autograd.Function):
         x, weight, lora_a, lora_b, s, scales, dropouts, bits = ctx.saved_tensors
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
-        b_t = lora_b.transpose(1, 2)  # (A, R, N)
-        ds = _lora_shrink_launch(dy, b_t, scales, None, layout, seed)  # dS' (T, R)
-        grad_b = _lora_wgrad_launch(dy, s, torch.empty_like(lora_b), None, layout, seed)
+        # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s).
+        ds, grad_b = _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db=False)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0] and ctx.design != "triton":
@@ -137,7 +130,8 @@ def fused_lora_linear(
         dropouts: (A,) dropout probability per adapter, in [0, 1).
         layout: the microbatch's adapter layout.
         layer_seed: the layer's seed; the mask is `fused_dropout_keep_mask` of
-            ``(layout, dropouts, H, layer_seed)``.
+            ``(layout, dropouts, H, layer_seed)``, whose rows are those of the whole
+            microbatch (``layout.row_offset``) for a sharded layout.
         training: dropout only when True; all-zero dropouts take a path with no mask.
         design: ``"cublas"`` (LoRA term written first, cuBLAS accumulates the frozen
             product onto it) or ``"triton"`` (Triton GEMM with the LoRA term in its
@@ -164,10 +158,10 @@ def fused_lora_linear(
     if any(not 0.0 <= p < 1.0 for p in dropouts):
         raise ValueError(f"dropouts must lie in [0, 1), got {list(dropouts)}")
     device = str(x.device)
-    scales = _device_params(tuple(float(v) for v in scalings), device)
+    scales = _utils.device_params(tuple(float(v) for v in scalings), device)
     counts = layout.token_counts()
     use_mask = training and any(p > 0 and n > 0 for p, n in zip(dropouts, counts, strict=True))
-    drop = _device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
+    drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     return LoRALinearFunction.apply(
         x, weight, bias, lora_a, lora_b, scales, drop, layout, seed, design

@@ -20,9 +20,9 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "row_off"])
     def _keep_mask_kernel(
-        out_ptr, tiles_ptr, p_ptr, seed, D,
+        out_ptr, tiles_ptr, p_ptr, seed, D, row_off,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
@@ -32,7 +32,8 @@ if triton is not None:
         rows = row_start + tl.arange(0, BLOCK_T)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         p = tl.load(p_ptr + adapter)
-        keep = keep_mask_tile(seed, rows, cols, D, p)  # p = 0: rand in [0, 1) keeps all
+        # Rows keyed by their place in the whole microbatch, so a shard draws its rows' mask.
+        keep = keep_mask_tile(seed, rows + row_off, cols, D, p)  # p = 0 keeps all
         out = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(out, keep.to(tl.int8), mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 
@@ -50,10 +51,16 @@ def fused_dropout_keep_mask(
 ) -> torch.Tensor | None:
     """The keep-mask the fused path draws for one layer in one microbatch.
 
+    Like `dropout_keep_mask`, row ``t`` is row ``layout.row_offset + t`` of the whole
+    microbatch's mask, so a `AdapterLayout.shard` gets the rows of the unsharded mask; a
+    tensor-parallel shard of columns ``c:c + H_l`` uses columns ``c:c + H_l`` of this mask
+    drawn at the full width ``hidden``.
+
     Args:
-        layout: the microbatch's adapter layout (its ``dropout_seed`` keys the mask).
+        layout: the microbatch's adapter layout (its ``dropout_seed`` and ``row_offset`` key
+            the mask).
         dropouts: (A,) dropout probability of each adapter, in [0, 1).
-        hidden: ``H``, the layer's in-features.
+        hidden: ``H``, the layer's (full, unsharded) in-features.
         layer_seed: the layer's seed, as passed to `lora_linear`.
         device: a CUDA device, or any device while ``TRITON_INTERPRET=1``.
 
@@ -75,5 +82,6 @@ def fused_dropout_keep_mask(
     p = torch.tensor(list(dropouts), dtype=torch.float32, device=device)
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     grid = (tiles.shape[0], _utils.cdiv(hidden, _BLOCK_D))
-    _keep_mask_kernel[grid](out, tiles, p, seed, hidden, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
+    _keep_mask_kernel[grid](out, tiles, p, seed, hidden, layout.row_offset,
+                            BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
     return out.bool()

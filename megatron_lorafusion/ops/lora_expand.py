@@ -1,10 +1,11 @@
-"""Grouped LoRA expand: ``out[seg_a] = drop_a(S[seg_a] · M_a) (+ bias)``, (T, R) → (T, D).
+"""Grouped LoRA expand: ``out[seg_a] = drop_a(c_a·S[seg_a]·M_a) (+ bias)``, (T, R) → (T, D).
 
 The up-projection of LoRAFusion (arXiv 2510.00206, Sec. 4.1) as a stand-alone kernel: in the
 forward it writes ``Δ = S'·Bᵀ + b`` that the frozen GEMM then accumulates onto
 (``addmm_``, cuBLAS reads it as C). With dropout it can write ``mask ⊙ (dS'·A)/(1−p)``,
 regenerating the forward's mask from the seed; the fused backward gets that term from
-`lora_wgrad`'s fused expand instead, which draws the mask once for dA and dX.
+`lora_wgrad`'s fused expand instead, which draws the mask once for dA and dX. With per-adapter
+scales ``c_a`` it is the forward of `lora_split.lora_up` (``c_a·S·B_aᵀ``, S unscaled).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile, unpack_keep_bits
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_expand_kernel(
-        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, p_ptr, bits_ptr, seed,
-        D, R, stride_st, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
-        HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, READ_BITS: tl.constexpr,
+        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, bits_ptr, seed,
+        D, R, row_off, col_off, mask_d,
+        stride_st, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
+        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        READ_BITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
@@ -45,6 +48,8 @@ if triton is not None:
                     + cols[None, :] * stride_md,
                     mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_D)
         acc = tl.dot(s, m, input_precision=DOT_PRECISION)
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + adapter)
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
             if READ_BITS:
@@ -55,7 +60,7 @@ if triton is not None:
                 )
                 keep = unpack_keep_bits(packed, BLOCK_D)
             else:
-                keep = keep_mask_tile(seed, rows, cols, D, p)
+                keep = keep_mask_tile(seed, rows + row_off, cols + col_off, mask_d, p)
             acc = tl.where(keep, acc / (1.0 - p), 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -87,6 +92,10 @@ def lora_expand(
     seed: int,
     out_dtype: torch.dtype | None = None,
     keep_bits: torch.Tensor | None = None,
+    *,
+    scales: torch.Tensor | None = None,
+    col_offset: int = 0,
+    full_width: int | None = None,
 ) -> torch.Tensor:
     """Launch the grouped expand.
 
@@ -100,12 +109,19 @@ def lora_expand(
         out_dtype: dtype of the result (default ``s.dtype``).
         keep_bits: (T, ceil(D / 8)) uint8 mask written by `lora_shrink`; read instead of
             regenerating the mask from ``seed``. None regenerates.
+        scales: (A,) fp32 per-adapter scale ``c_a`` on the product, or None for 1.
+        col_offset: for a tensor-parallel shard of the output's columns, the index of its
+            column 0 in the full width (a multiple of 8): the mask is columns
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; mask rows are
+            ``layout.row_offset + t``.
+        full_width: the full width of the mask (default ``D``).
 
     Returns:
         (T, D) tensor, every row written.
 
     Raises:
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
+        NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     _utils.check_tensor("s", s, (layout.num_tokens, None), _utils._KERNEL_DTYPES, s.device)
     tokens, rank = s.shape
@@ -119,14 +135,22 @@ def lora_expand(
     width = m.shape[2]
     if bias is not None:
         _utils.check_tensor("bias", bias, (width,), _utils._KERNEL_DTYPES, s.device)
+    if scales is not None:
+        _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
     _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, s.device)
-    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, keep_bits)
+    mask_d = _utils.mask_width(width, col_offset, full_width)
+    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, keep_bits,
+                               scales, col_offset, mask_d)
 
 
 def _lora_expand_launch(
-    s, m, bias, dropouts, layout, seed, out_dtype=None, keep_bits=None
+    s, m, bias, dropouts, layout, seed, out_dtype=None, keep_bits=None, scales=None,
+    col_offset=0, mask_d=None,
 ) -> torch.Tensor:
-    """`lora_expand` without the input checks (the autograd function checked them once)."""
+    """`lora_expand` without the input checks (the autograd function checked them once).
+
+    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    """
     tokens, rank = s.shape
     width = m.shape[2]
     block_r = _utils.padded_rank(rank)
@@ -139,11 +163,12 @@ def _lora_expand_launch(
         grid = (tiles.shape[0], _utils.cdiv(width, cfg.block_d))
         _lora_expand_kernel[grid](
             s, m, bias if bias is not None else s, out, tiles,
-            dropouts if dropouts is not None else s, keep_bits if keep_bits is not None else s,
-            seed, width, rank, s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
-            (width + 7) // 8,
-            HAS_BIAS=bias is not None, HAS_DROPOUT=dropouts is not None,
-            READ_BITS=keep_bits is not None,
+            scales if scales is not None else s, dropouts if dropouts is not None else s,
+            keep_bits if keep_bits is not None else s,
+            seed, width, rank, layout.row_offset, col_offset, mask_d or width,
+            s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0), (width + 7) // 8,
+            HAS_BIAS=bias is not None, HAS_SCALE=scales is not None,
+            HAS_DROPOUT=dropouts is not None, READ_BITS=keep_bits is not None,
             DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -162,11 +187,14 @@ def lora_expand_ref(
     keep_mask: torch.Tensor | None,
     dropouts: torch.Tensor | None,
     layout: AdapterLayout,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch reference of `lora_expand` with an explicit ``(T, D)`` bool keep-mask."""
     out = s.new_zeros(s.shape[0], m.shape[2], dtype=torch.float32)
     for adapter, start, end in layout.segments():
         part = s[start:end].float() @ m[adapter].float()  # (T_a, D)
+        if scales is not None:
+            part = float(scales[adapter]) * part
         if keep_mask is not None and dropouts is not None and float(dropouts[adapter]) > 0:
             part = part * keep_mask[start:end] / (1.0 - float(dropouts[adapter]))
         out[start:end] = part

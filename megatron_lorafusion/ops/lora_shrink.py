@@ -3,7 +3,8 @@
 One launch serves every adapter: each tile of rows belongs to one adapter (see
 `AdapterLayout.tiles`) and reads that adapter's ``M_a``, scale and dropout. It is the
 down-projection of LoRAFusion (arXiv 2510.00206, Sec. 4.1) with dropout fused in
-(``Z = X``, ``M = A``), and the backward's ``dS = s·dY·B`` (``Z = dY``, ``M = Bᵀ``, no dropout).
+(``Z = X``, ``M = A``), and, for ranks above `lora_up_bwd`'s one-pass limit, the backward's
+``dS = s·dY·B`` (``Z = dY``, ``M = Bᵀ``, no dropout).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile, pack_keep_bits
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_shrink_kernel(
         z_ptr, m_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, bits_ptr, seed,
-        D, R, stride_zt, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
+        D, R, row_off, col_off, mask_d,
+        stride_zt, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
         HAS_DROPOUT: tl.constexpr, WRITE_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
@@ -39,6 +41,7 @@ if triton is not None:
         p = 0.0
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
+        mask_rows = rows + row_off  # the mask's rows and columns are the whole microbatch's
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -47,7 +50,7 @@ if triton is not None:
             if HAS_DROPOUT:
                 # No run-time `if p > 0` here: a branch in the loop body stops Triton from
                 # pipelining the loads; p = 0 keeps everything anyway.
-                keep = keep_mask_tile(seed, rows, cols, D, p)
+                keep = keep_mask_tile(seed, mask_rows, cols + col_off, mask_d, p)
                 z = tl.where(keep, z, 0.0)
                 if WRITE_BITS:
                     groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
@@ -94,6 +97,9 @@ def lora_shrink(
     seed: int,
     out_dtype: torch.dtype | None = None,
     keep_bits: torch.Tensor | None = None,
+    *,
+    col_offset: int = 0,
+    full_width: int | None = None,
 ) -> torch.Tensor:
     """Launch the grouped shrink.
 
@@ -107,12 +113,18 @@ def lora_shrink(
         out_dtype: dtype of the result (default ``z.dtype``).
         keep_bits: (T, ceil(D / 8)) uint8, written in place with the dropout mask drawn here
             (bit ``d % 8`` of byte ``d // 8``), for the backward to read; None writes nothing.
+        col_offset: for a tensor-parallel shard of the input's columns, the index of ``z``'s
+            column 0 in the full-width input (a multiple of 8): the mask is columns
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask. Mask rows are
+            ``layout.row_offset + t``.
+        full_width: the full input width (default ``D``).
 
     Returns:
         (T, R) tensor ``scale_a · drop_a(Z)·M_aᵀ`` per adapter segment.
 
     Raises:
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
+        NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     tokens, width = z.shape if z.dim() == 2 else (-1, -1)
     _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
@@ -125,13 +137,19 @@ def lora_shrink(
         raise ValueError(f"m is {m.dtype} on {m.device}, expected {z.dtype} on {z.device}")
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
     _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, z.device)
-    return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, keep_bits)
+    mask_d = _utils.mask_width(width, col_offset, full_width)
+    return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, keep_bits,
+                               col_offset, mask_d)
 
 
 def _lora_shrink_launch(
-    z, m, scales, dropouts, layout, seed, out_dtype=None, keep_bits=None
+    z, m, scales, dropouts, layout, seed, out_dtype=None, keep_bits=None, col_offset=0,
+    mask_d=None,
 ) -> torch.Tensor:
-    """`lora_shrink` without the input checks (the autograd function checked them once)."""
+    """`lora_shrink` without the input checks (the autograd function checked them once).
+
+    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    """
     tokens, width = z.shape
     rank = m.shape[1]
     block_r = _utils.padded_rank(rank)
@@ -144,7 +162,8 @@ def _lora_shrink_launch(
         _lora_shrink_kernel[(tiles.shape[0],)](
             z, m, out, tiles, scales, dropouts if dropouts is not None else scales,
             keep_bits if keep_bits is not None else out, seed,
-            width, rank, z.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
+            width, rank, layout.row_offset, col_offset, mask_d or width,
+            z.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
             (width + 7) // 8,
             HAS_DROPOUT=dropouts is not None, WRITE_BITS=keep_bits is not None,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,

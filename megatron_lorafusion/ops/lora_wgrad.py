@@ -19,10 +19,11 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile, unpack_keep_bits
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_wgrad_kernel(
         z_ptr, s_ptr, part_ptr, chunks_ptr, p_ptr, bits_ptr, m_ptr, ex_ptr, seed,
-        D, R, stride_zt, stride_st, stride_bt, stride_ma, stride_mr, stride_md, stride_et,
+        D, R, row_off, col_off, mask_d,
+        stride_zt, stride_st, stride_bt, stride_ma, stride_mr, stride_md, stride_et,
         HAS_DROPOUT: tl.constexpr, READ_BITS: tl.constexpr, EXPAND: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -58,7 +59,8 @@ if triton is not None:
                     )
                     keep = unpack_keep_bits(packed, BLOCK_D)
                 else:
-                    keep = keep_mask_tile(seed, rows, cols, D, p)
+                    # Mask keyed by the row and column in the whole (unsharded) input.
+                    keep = keep_mask_tile(seed, rows + row_off, cols + col_off, mask_d, p)
                 z = tl.where(keep, z, 0.0)
             s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
                         mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
@@ -134,6 +136,9 @@ def lora_wgrad(
     keep_bits: torch.Tensor | None = None,
     expand_m: torch.Tensor | None = None,
     expand_out: torch.Tensor | None = None,
+    *,
+    col_offset: int = 0,
+    full_width: int | None = None,
 ) -> torch.Tensor:
     """Launch the grouped weight gradient, writing into ``out``.
 
@@ -152,12 +157,18 @@ def lora_wgrad(
             `lora_expand` of ``s`` under the same mask (the backward's LoRA part of dX, with
             the mask drawn once for dA and dX).
         expand_out: (T, D) contiguous output of the fused expand, fully overwritten.
+        col_offset: for a tensor-parallel shard of ``z``'s columns, the index of its column 0
+            in the full-width input (a multiple of 8): the mask is columns
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; mask rows are
+            ``layout.row_offset + t``.
+        full_width: the full input width (default ``D``).
 
     Returns:
         ``out``.
 
     Raises:
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
+        NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
     tokens, width = z.shape
@@ -180,13 +191,19 @@ def lora_wgrad(
             )
         _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils._KERNEL_DTYPES,
                             z.device)
-    return _lora_wgrad_launch(z, s, out, dropouts, layout, seed, keep_bits, expand_m, expand_out)
+    mask_d = _utils.mask_width(width, col_offset, full_width)
+    return _lora_wgrad_launch(z, s, out, dropouts, layout, seed, keep_bits, expand_m, expand_out,
+                              col_offset, mask_d)
 
 
 def _lora_wgrad_launch(
-    z, s, out, dropouts, layout, seed, keep_bits=None, expand_m=None, expand_out=None
+    z, s, out, dropouts, layout, seed, keep_bits=None, expand_m=None, expand_out=None,
+    col_offset=0, mask_d=None,
 ) -> torch.Tensor:
-    """`lora_wgrad` without the input checks (the autograd function checked them once)."""
+    """`lora_wgrad` without the input checks (the autograd function checked them once).
+
+    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    """
     tokens, width = z.shape
     rank = s.shape[1]
     adapters = layout.num_adapters
@@ -204,7 +221,8 @@ def _lora_wgrad_launch(
         _lora_wgrad_kernel[(chunks.shape[0], _utils.cdiv(width, cfg.block_d))](
             z, s, part, chunks, dropouts if dropouts is not None else s,
             keep_bits if keep_bits is not None else s, m, ex, seed,
-            width, rank, z.stride(0), s.stride(0), (width + 7) // 8,
+            width, rank, layout.row_offset, col_offset, mask_d or width,
+            z.stride(0), s.stride(0), (width + 7) // 8,
             m.stride(0), m.stride(1), m.stride(2), ex.stride(0),
             HAS_DROPOUT=dropouts is not None, READ_BITS=keep_bits is not None,
             EXPAND=expand_m is not None,

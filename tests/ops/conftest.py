@@ -23,6 +23,7 @@ _KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.lora_shrink",
     "megatron_lorafusion.ops.lora_expand",
     "megatron_lorafusion.ops.lora_wgrad",
+    "megatron_lorafusion.ops.lora_up_bwd",
     "megatron_lorafusion.ops.lora_gemm",
     "megatron_lorafusion.ops.fused_lora_linear",
 )

@@ -128,9 +128,10 @@ def test_fused_lora_linear_saved_bits_equal_regenerated_mask(
             x, lora_a, lora_b, grad_y,
         )
 
+    module = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+    monkeypatch.setattr(module, "_SAVE_MASK_BITS", True)
     with_bits = run()
-    monkeypatch.setattr(sys.modules["megatron_lorafusion.ops.fused_lora_linear"],
-                        "_SAVE_MASK_BITS", False)
+    monkeypatch.setattr(module, "_SAVE_MASK_BITS", False)
     regenerated = run()
     for name, a, b in zip(["y", "dx", "da", "db"], with_bits, regenerated, strict=True):
         assert torch.equal(a, b), f"{name}: saved mask bits and regenerated mask disagree"
@@ -207,3 +208,31 @@ def test_fused_lora_linear_bf16_close_to_fp32(design, make_layout, make_lora):
         assert err_fused < BF16_REL_ERR, f"{name}: relative error {err_fused:.2e}"
         # 1e-3 slack: torch-bf16 can be exact where the fp32 sum happens to round the same way.
         assert err_fused <= 2 * err_torch + 1e-3, f"{name}: {err_fused:.2e} vs {err_torch:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("design", DESIGNS)
+def test_fused_lora_linear_shard_uses_rows_of_whole_mask(design, dtype, device, make_layout,
+                                                         make_lora):
+    """A sequence-parallel shard (rows 20:90 of 109) gives the rows of the unsharded op."""
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
+        "ragged", dtype, device, make_layout, make_lora
+    )
+    start, end = 20, 90
+    shard = layout.shard(start, end)
+    keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)[start:end]
+    x, grad_y = x[start:end].contiguous(), grad_y[start:end].contiguous()
+    got = _grads(
+        lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts, shard,
+                                             layer_seed=5, design=design),
+        x, lora_a, lora_b, grad_y,
+    )
+    want = _grads(
+        lambda x_, a_, b_: lora_linear_ref(x_, weight.float(), bias.float(), a_, b_, scalings,
+                                           dropouts, shard, keep),
+        x.float(), lora_a.float(), lora_b.float(), grad_y.float(),
+    )
+    atol, rtol = TOL[dtype]
+    for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
+        torch.testing.assert_close(g.float(), w, atol=atol, rtol=rtol,
+                                   msg=lambda m, n=name: f"shard/{design}/{dtype} {n}: {m}")

@@ -1,6 +1,7 @@
 """`fused_dropout_keep_mask`: deterministic in its seeds, right density, no mask at p = 0,
 and the mask the fused kernels apply (checked through `lora_shrink`)."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,3 +48,49 @@ def test_kernels_apply_the_materialised_mask(width, device, make_layout, make_lo
     got = lora_shrink(z, m, scales, drop, layout, mixed_seed(layout.dropout_seed, 3))
     want = lora_shrink_ref(z, m, scales, keep, drop, layout)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg="mask applied")
+
+
+def _philox_keep_mask(seed, rows, cols, width, p):
+    """NumPy Philox4x32-7 of `_utils.keep_mask_tile`: keep-mask of ``rows × cols`` of a
+    ``width``-wide input, an oracle independent of Triton."""
+    m32 = np.uint64(0xFFFFFFFF)
+    rows, cols = rows.astype(np.uint64), cols.astype(np.uint64)
+    groups = np.uint64((width + 7) // 8)
+    counters = rows[:, None] * groups + (cols // np.uint64(8))[None, :]
+    c0, c1 = counters & m32, counters >> np.uint64(32)
+    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    k0, k1 = np.uint64(seed) & m32, np.uint64(seed) >> np.uint64(32)
+    for _ in range(7):
+        prev0, prev2 = c0, c2
+        c0 = ((np.uint64(0xCD9E8D57) * prev2) >> np.uint64(32)) ^ c1 ^ k0
+        c2 = ((np.uint64(0xD2511F53) * prev0) >> np.uint64(32)) ^ c3 ^ k1
+        c1 = (prev2 * np.uint64(0xCD9E8D57)) & m32
+        c3 = (prev0 * np.uint64(0xD2511F53)) & m32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
+    slot = (cols % np.uint64(8)).astype(np.int64)  # tl.join interleaves: words r0 r2 r1 r3
+    words = np.stack([c0, c2, c1, c3])[slot[None, :] // 2, np.arange(len(rows))[:, None],
+                                        np.arange(len(cols))[None, :]]
+    draws = (words >> (np.uint64(16) * (cols % np.uint64(2)))[None, :]) & np.uint64(0xFFFF)
+    threshold = np.uint64(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
+    return torch.from_numpy(draws >= threshold)
+
+
+def test_fused_dropout_keep_mask_matches_numpy_philox(device, make_layout):
+    """The default (unsharded) mask is Philox of (row, column): pinned by an independent oracle."""
+    layout = make_layout([30, 21], device, seed=6)
+    keep = fused_dropout_keep_mask(layout, [0.3, 0.3], 44, layer_seed=2, device=device)
+    want = _philox_keep_mask(mixed_seed(6, 2), np.arange(51), np.arange(44), 44, 0.3)
+    assert torch.equal(keep.cpu(), want), "fused mask differs from the Philox oracle"
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 25), (25, 80), (13, 61), (78, 80)])
+def test_fused_dropout_keep_mask_shard_gets_rows_of_whole(start, end, device, make_layout):
+    layout = make_layout([50, 0, 30], device, seed=9)
+    dropouts = [0.3, 0.5, 0.2]
+    whole = fused_dropout_keep_mask(layout, dropouts, 40, layer_seed=4, device=device)
+    shard = layout.shard(start, end)
+    got = fused_dropout_keep_mask(shard, dropouts, 40, layer_seed=4, device=device)
+    assert torch.equal(got, whole[start:end]), "a shard must draw its rows of the whole mask"
+    nested = shard.shard(1, end - start)
+    got = fused_dropout_keep_mask(nested, dropouts, 40, layer_seed=4, device=device)
+    assert torch.equal(got, whole[start + 1:end]), "a shard of a shard adds its offsets"

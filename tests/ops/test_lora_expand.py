@@ -42,3 +42,24 @@ def test_lora_expand_names_bad_tensor(device, make_layout, make_lora):
     with pytest.raises(ValueError, match="keep_bits needs dropouts"):
         lora_expand(s, m, None, None, layout, 0,
                     keep_bits=torch.zeros(8, 2, dtype=torch.uint8, device=device))
+
+
+def test_lora_expand_shard_with_scales_uses_rows_and_columns_of_whole_mask(
+    device, make_layout, make_lora
+):
+    gen = torch.Generator().manual_seed(2)
+    layout = make_layout([21, 0, 40, 3], device, seed=5)
+    dropouts = [0.2, 0.1, 0.3, 0.5]
+    (start, end), (col_offset, width), full_width = (5, 60), (24, 32), 56
+    shard = layout.shard(start, end)
+    s = torch.randn(end - start, 8, generator=gen).to(device)
+    m, _ = make_lora(8, width, [3, 8, 5, 1], torch.float32, device, gen)  # (A, R, D)
+    scales = torch.tensor([0.5, 1.0, 2.0, 3.0], device=device)
+    drop = torch.tensor(dropouts, device=device)
+    keep = fused_dropout_keep_mask(layout, dropouts, full_width, 6, device)
+    keep = keep[start:end, col_offset:col_offset + width]
+    got = lora_expand(s, m, None, drop, shard, mixed_seed(layout.dropout_seed, 6), scales=scales,
+                      col_offset=col_offset, full_width=full_width)
+    want = lora_expand_ref(s, m, None, keep, drop, shard, scales)
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg="sharded expand")

@@ -45,3 +45,36 @@ def test_lora_shrink_names_bad_tensor(device, make_layout, make_lora):
     with pytest.raises(ValueError, match="z has shape"):
         lora_shrink(z[:7], m, scales, None, layout, 0)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_shrink_shard_uses_rows_and_columns_of_whole_mask(dtype, device, make_layout,
+                                                               make_lora):
+    """A shard of rows 9:50 and columns 16:56 of a 72-wide input draws that block of the mask."""
+    gen = torch.Generator().manual_seed(5)
+    layout = make_layout([21, 0, 40, 3], device, seed=3)
+    dropouts = [0.2, 0.1, 0.3, 0.5]
+    (start, end), (col_offset, width), full_width = (9, 50), (16, 40), 72
+    shard = layout.shard(start, end)
+    z = torch.randn(end - start, width, generator=gen).to(device, dtype)
+    m, _ = make_lora(8, width, [3, 8, 5, 1], dtype, device, gen)
+    scales = torch.tensor([0.5, 1.0, 2.0, 1.5], device=device)
+    drop = torch.tensor(dropouts, device=device)
+    keep = fused_dropout_keep_mask(layout, dropouts, full_width, 4, device)
+    keep = keep[start:end, col_offset:col_offset + width]
+    got = lora_shrink(z, m, scales, drop, shard, mixed_seed(layout.dropout_seed, 4),
+                      col_offset=col_offset, full_width=full_width)
+    want = lora_shrink_ref(z.float(), m.float(), scales, keep, drop, shard)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol, msg="sharded S")
+
+
+def test_lora_shrink_rejects_bad_mask_columns(device, make_layout, make_lora):
+    layout = make_layout([4, 4], device)
+    z = torch.randn(8, 16, device=device)
+    m, _ = make_lora(8, 16, [4, 4], torch.float32, device, torch.Generator().manual_seed(0))
+    scales, drop = torch.ones(2, device=device), torch.full((2,), 0.1, device=device)
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        lora_shrink(z, m, scales, drop, layout, 0, col_offset=4, full_width=32)
+    with pytest.raises(ValueError, match=r"columns \[24, 40\)"):
+        lora_shrink(z, m, scales, drop, layout, 0, col_offset=24, full_width=32)

@@ -57,3 +57,31 @@ def test_lora_wgrad_names_bad_tensor(device, make_layout):
     with pytest.raises(ValueError, match="expand_m and expand_out"):
         lora_wgrad(z, s, torch.empty(2, 16, 4, device=device), None, layout, 0,
                    expand_m=torch.empty(2, 4, 16, device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_wgrad_shard_uses_rows_and_columns_of_whole_mask(dtype, device, make_layout,
+                                                              make_lora):
+    """dA and the fused dX expand of a shard (rows 30:94, columns 8:48 of 64) use that block
+    of the whole mask."""
+    gen = torch.Generator().manual_seed(3)
+    layout = make_layout([21, 0, 70, 3], device, seed=7)
+    dropouts = [0.2, 0.1, 0.4, 0.5]
+    (start, end), (col_offset, width), full_width = (30, 94), (8, 40), 64
+    shard = layout.shard(start, end)
+    z = torch.randn(end - start, width, generator=gen).to(device, dtype)
+    s = torch.randn(end - start, 5, generator=gen).to(device, dtype)
+    m, _ = make_lora(8, width, [5] * 4, dtype, device, gen)  # (A, R, D)
+    drop = torch.tensor(dropouts, device=device)
+    keep = fused_dropout_keep_mask(layout, dropouts, full_width, 2, device)
+    keep = keep[start:end, col_offset:col_offset + width]
+    out = torch.full((4, width, 5), float("nan"), dtype=dtype, device=device)
+    ex = torch.full((end - start, width), float("nan"), dtype=dtype, device=device)
+    lora_wgrad(z, s, out, drop, shard, mixed_seed(layout.dropout_seed, 2), expand_m=m,
+               expand_out=ex, col_offset=col_offset, full_width=full_width)
+    atol, rtol = TOL[dtype]
+    want = lora_wgrad_ref(z.float(), s.float(), keep, drop, shard)
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, msg="wgrad")
+    want_ex = lora_expand_ref(s.float(), m.float(), None, keep, drop, shard)
+    torch.testing.assert_close(ex.float(), want_ex.float(), atol=atol, rtol=rtol,
+                               msg="fused expand")
