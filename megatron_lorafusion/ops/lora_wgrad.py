@@ -106,6 +106,7 @@ _TILE_CONFIGS = [
     TileConfig(block_t=128, block_d=64, num_warps=4, num_stages=3),
     TileConfig(block_t=64, block_d=64, num_warps=4, num_stages=4),
     TileConfig(block_t=32, block_d=128, num_warps=8, num_stages=3),
+    TileConfig(block_t=32, block_d=64, num_warps=4, num_stages=3),
 ]
 _PROGRAMS_PER_SM = 4
 _REDUCE_BLOCK_D = 64
@@ -113,7 +114,12 @@ _REDUCE_BLOCK_D = 64
 
 def _hopper_config(key: tuple) -> TileConfig:
     _, _, block_r = key  # key = (T, D, BLOCK_R)
-    return _TILE_CONFIGS[1] if block_r <= 32 else _TILE_CONFIGS[3]
+    if block_r <= 32:
+        return _TILE_CONFIGS[1]
+    # Each pipeline stage holds a Z tile and a (block_t, BLOCK_R) tile of S: at BLOCK_R = 256
+    # in fp32, 64-row tiles need 3 × 80 KiB of shared memory, over Hopper's 227 KiB
+    # (H200: OutOfResources in test_fused_lora_linear's rank-200 case); 32 rows need 2 × 40.
+    return _TILE_CONFIGS[3] if block_r <= 128 else _TILE_CONFIGS[5]
 
 
 def _chunk_rows(tokens: int, width: int, cfg: TileConfig, device: torch.device) -> int:
