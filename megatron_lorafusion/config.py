@@ -205,6 +205,13 @@ class ParallelConfig:
     """Tensor parallel size."""
     pp: int = 1
     """Pipeline parallel size (stages)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism when ``tp > 1``: outside the tensor-parallel linears
+    (norms, residuals, activations passed between pipeline stages) each TP rank holds
+    ``T / tp`` of a microbatch's ``T`` tokens, cutting that activation memory by ``tp`` at the
+    cost of an all-gather / reduce-scatter pair instead of each all-reduce. On by default, as
+    Megatron users expect with TP; has no effect at ``tp = 1``. Microbatches are padded to a
+    multiple of ``tp`` tokens with a loss-free sample."""
 
 
 @dataclass(frozen=True)

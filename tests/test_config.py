@@ -160,3 +160,15 @@ def test_config_data_options_are_checked(tmp_path):
     assert "data.offline forbids hub datasets" in errors
     assert "adapters.0.dataset.template must be one of ['alpaca'] or a format string" in errors
     assert "adapters.0.dataset.template must be unset with messages_field" in errors
+
+
+def test_config_sequence_parallel_defaults_on_and_must_be_bool(tmp_path):
+    cfg = load_config(_write(tmp_path, _job(tmp_path, parallel={"tp": 2})))
+    assert cfg.parallel.sequence_parallel is True, "on by default (no effect at tp = 1)"
+    off = load_config(_write(tmp_path, _job(tmp_path)), ["parallel.sequence_parallel=false"])
+    assert off.parallel.sequence_parallel is False, "the override turns it off"
+    job = _job(tmp_path, parallel={"tp": 2, "sequence_parallel": "yes"})
+    assert "parallel.sequence_parallel must be of type bool, got 'yes'" in _errors(tmp_path, job)
+    job = _job(tmp_path, parallel={"sequence_paralel": True})
+    assert ("parallel.sequence_paralel is not a known key; did you mean 'sequence_parallel'?"
+            in _errors(tmp_path, job))

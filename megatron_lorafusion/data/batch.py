@@ -38,8 +38,15 @@ def pack_microbatch(
     num_adapters: int,
     device: torch.device | str,
     dropout_seed: int,
+    pad_to_multiple: int = 1,
 ) -> PackedBatch:
     """Gather the planned samples and concatenate them.
+
+    With ``pad_to_multiple > 1`` (the TP size under sequence parallelism, which splits the
+    ``T`` tokens evenly over TP ranks) a padding sample of fewer than ``pad_to_multiple``
+    tokens is appended to the last adapter's segment: its own sequence in ``cu_seqlens`` (no
+    other token attends to it), token id 0 and loss mask 0, so it changes no loss and no
+    gradient (its rows' output gradients are zero). Loss denominators never count it.
 
     Args:
         microbatch: planned samples (``Sample.index`` is a position in the training order).
@@ -48,20 +55,33 @@ def pack_microbatch(
         num_adapters: ``A``.
         device: the model's device.
         dropout_seed: seed of this microbatch's LoRA dropout masks.
+        pad_to_multiple: make ``T`` a multiple of this many tokens (see above).
 
     Raises:
-        ValueError: for an idle (empty) microbatch, which has nothing to pack.
+        ValueError: for an idle (empty) microbatch, which has nothing to pack, or a
+            ``pad_to_multiple`` below 1.
     """
     if not microbatch.samples:
         raise ValueError("an idle microbatch has no tokens to pack")
+    if pad_to_multiple < 1:
+        raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
     rows = [samples[s.adapter][orders[s.adapter][s.index]] for s in microbatch.samples]
     ids = [t for r in rows for t in r.input_ids]
     positions = [p for r in rows for p in range(len(r))]
     labels = [t for r in rows for t in r.labels]
     mask = [m for r in rows for m in r.loss_mask]
+    adapters = [s.adapter for s in microbatch.samples]
+    lengths = [len(r) for r in rows]
+    pad = -len(ids) % pad_to_multiple
+    if pad:  # a loss-free sample of the last adapter (adapter-major order holds)
+        ids += [0] * pad
+        positions += list(range(pad))
+        labels += [0] * pad
+        mask += [0] * pad
+        adapters.append(adapters[-1])
+        lengths.append(pad)
     layout = AdapterLayout.from_samples(
-        [s.adapter for s in microbatch.samples], [len(r) for r in rows], num_adapters,
-        device=device, dropout_seed=dropout_seed,
+        adapters, lengths, num_adapters, device=device, dropout_seed=dropout_seed,
     )
 
     def as_row(values: list[int], dtype: torch.dtype) -> torch.Tensor:

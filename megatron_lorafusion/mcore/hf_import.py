@@ -25,9 +25,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.hf_config import hf_model_fields
 from megatron_lorafusion.mcore.model import (
+    _gpt_block_spec,
     _PortableRotaryEmbedding,
     _transformer_config,
-    get_gpt_lora_layer_spec,
 )
 
 __all__ = ["HFCheckpoint", "build_hf_gpt_model", "load_hf_weights"]
@@ -187,6 +187,7 @@ def build_hf_gpt_model(
     post_process: bool = True,
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    sequence_parallel: bool = False,
 ) -> GPTModel:
     """Build this rank's frozen `GPTModel` and load its shard of ``model_cfg.hf_path``.
 
@@ -199,6 +200,8 @@ def build_hf_gpt_model(
         post_process: build the final norm and output layer (last pipeline stage).
         params_dtype: dtype of the frozen base weights.
         device: where the model is moved after loading.
+        sequence_parallel: Megatron sequence parallelism (only when TP > 1), as in
+            `build_gpt_model`.
 
     Returns:
         The model, in train mode, with every parameter's ``requires_grad`` False.
@@ -230,12 +233,13 @@ def build_hf_gpt_model(
         tp_size=pg_collection.tp.size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel,
     )
     config = dataclasses.replace(config, add_qkv_bias=model_cfg.add_qkv_bias)
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_lora_layer_spec(),
+            transformer_layer_spec=_gpt_block_spec(config),
             vocab_size=model_cfg.vocab_size,
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=pre_process,

@@ -1,10 +1,12 @@
-"""Multi-adapter LoRA wrappers for Megatron's tensor-parallel linears (TP-aware).
+"""Multi-adapter LoRA wrappers for Megatron's tensor-parallel linears (TP- and SP-aware).
 
 Each wrapper keeps the built base linear and adds, per adapter, ``Y += s_a·drop_a(X)·A_aᵀ·B_aᵀ``
 on that adapter's token segment (LoRAFusion, arXiv 2510.00206, Eq. 1). Sharding follows the
 base (DESIGN.md "LoRA wrapper"): a column-parallel base shards B on N and replicates A, and
 ``dS`` is all-reduced over the TP group in backward; a row-parallel base shards A on H and
-all-reduces the partial ``S`` in forward, with B replicated.
+all-reduces the partial ``S`` in forward, with B replicated. Under sequence parallelism the
+collectives on the small ``S`` (T × R) become an all-gather (column) or a reduce-scatter
+(row) over the sequence, matching the base's own (``docs/pipeline.md``).
 """
 
 from __future__ import annotations
@@ -19,19 +21,15 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
-from megatron_lorafusion.ops import (
-    AdapterLayout,
-    dropout_keep_mask,
-    lora_down_ref,
-    lora_linear,
-    lora_up_ref,
-)
+from megatron_lorafusion.ops import AdapterLayout, lora_down, lora_linear, lora_up
 
 
 class LayoutSource(Protocol):
@@ -142,7 +140,11 @@ def _merged_weight(wrapper: nn.Module, adapter_id: int) -> torch.Tensor:
 
 
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
-    """The layout set for this microbatch, checked against the wrapper and the input."""
+    """The layout set for this microbatch, checked against the wrapper and the input.
+
+    ``tokens`` is the microbatch's whole token count ``T`` (under sequence parallelism the
+    caller passes ``tp`` times the rows of a column wrapper's input).
+    """
     name = type(wrapper).__name__
     layout = wrapper.context.layout
     if layout is None:
@@ -156,44 +158,120 @@ def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
             f"with {wrapper.num_adapters}"
         )
     if layout.num_tokens != tokens:
+        scope = f"{tokens // wrapper.tp_size} rows × tp {wrapper.tp_size} (sequence parallel)"
+        detail = scope if wrapper.sequence_parallel and wrapper.is_column else f"{tokens} (s·b)"
         raise ValueError(
             f"{name}: the AdapterLayout covers {layout.num_tokens} tokens, the input has "
-            f"{tokens} (s·b)"
+            f"{detail}"
         )
     return layout
 
 
-def _check_base(base: nn.Module, name: str) -> None:
-    if getattr(base, "sequence_parallel", False):
-        raise NotImplementedError(
-            f"{name}: LoRA with sequence parallelism is not implemented yet; "
-            "build the model with sequence_parallel=False"
+def _sequence_shard(wrapper: nn.Module, layout: AdapterLayout) -> AdapterLayout:
+    """This TP rank's rows of ``layout`` under sequence parallelism (cached per layout).
+
+    Raises:
+        ValueError: when the microbatch's ``T`` is not a multiple of the TP size.
+    """
+    cached = wrapper._sequence_shard_cache
+    if cached is not None and cached[0] is layout:
+        return cached[1]
+    tokens, tp = layout.num_tokens, wrapper.tp_size
+    if tokens % tp:
+        raise ValueError(
+            f"{type(wrapper).__name__}: sequence parallelism needs a microbatch of a multiple "
+            f"of tp = {tp} tokens, got T = {tokens}; pad it (pack_microbatch(pad_to_multiple=tp))"
         )
+    rows = tokens // tp
+    rank = wrapper.tp_group.rank()
+    shard = layout.shard(rank * rows, (rank + 1) * rows)
+    wrapper._sequence_shard_cache = (layout, shard)
+    return shard
+
+
+def _setup_parallel(wrapper: nn.Module, base: nn.Module, tp_group, *, is_column: bool) -> None:
+    """TP group, TP size and sequence-parallel mode of a wrapper, taken from its base."""
+    name = type(wrapper).__name__
     if getattr(base, "is_expert", False):
         raise NotImplementedError(f"{name}: LoRA on MoE expert linears is not supported")
+    wrapper.tp_group = tp_group if tp_group is not None else base.tp_group
+    wrapper.tp_size = wrapper.tp_group.size()
+    wrapper.is_column = is_column
+    # Megatron's linears turn sequence_parallel off by themselves at TP = 1.
+    wrapper.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and (
+        wrapper.tp_size > 1
+    )
+    wrapper._sequence_shard_cache = None
 
 
-def _lora_forward(
-    wrapper: nn.Module,
-    input_: torch.Tensor,
-    args: tuple,
-    kwargs: dict,
-    *,
-    in_features: int,
-    in_shard: slice,
-    reduce_s,
-    gather_out: bool,
-):
+def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
+    """LoRA delta of a column-parallel linear: (T, N / tp) from this rank's input rows.
+
+    Without SP, ``x`` is (T, H) on every rank: ``S`` is computed whole, and its gradient is
+    all-reduced in backward (B is sharded on N, so each rank holds a partial ``dS``). With
+    SP, ``x`` is this rank's (T / tp, H) rows: ``S_local = drop(X_local)·Aᵀ`` with the shard
+    layout, all-gathered to (T, R) (backward: reduce-scatter of the partial ``dS``); ``A``
+    is replicated but each rank's ``dA`` covers only its rows, so the packed ``A`` goes
+    through copy-to-TP-region (backward: all-reduce of ``dA``, A × R × H per microbatch).
+    ``layout`` is the whole microbatch's.
+    """
+    group = wrapper.tp_group
+    down_layout = layout
+    if wrapper.sequence_parallel:
+        down_layout = _sequence_shard(wrapper, layout)
+        lora_a = copy_to_tensor_model_parallel_region(lora_a, group=group)
+    s = lora_down(x, lora_a, wrapper.dropouts, down_layout, layer_seed=wrapper.layer_seed,
+                  training=wrapper.training)  # (T or T / tp, R)
+    if wrapper.sequence_parallel:
+        s = gather_from_sequence_parallel_region(s, tensor_parallel_output_grad=True,
+                                                 group=group)  # (T, R)
+    elif wrapper.tp_size > 1:
+        s = copy_to_tensor_model_parallel_region(s, group=group)
+    return lora_up(s, lora_b, wrapper.scalings, layout)  # (T, N / tp)
+
+
+def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
+    """LoRA delta of a row-parallel linear from (T, H / tp): (T, N), or (T / tp, N) with SP.
+
+    The partial ``S = drop(X)·A_localᵀ`` (T, R) uses this rank's columns of the full-width
+    dropout mask. Without SP it is all-reduced (backward: copy). With SP it is
+    reduce-scattered over the sequence to this rank's (T / tp, R) rows (backward:
+    all-gather), and ``Δ = s·S_local·Bᵀ`` uses the shard layout; ``B`` is replicated but each
+    rank's ``dB`` covers only its rows, so the packed ``B`` goes through copy-to-TP-region
+    (backward: all-reduce of ``dB``). ``layout`` is the whole microbatch's.
+    """
+    group = wrapper.tp_group
+    s = lora_down(x, lora_a, wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
+                  training=wrapper.training, col_offset=wrapper.in_shard.start,
+                  full_width=wrapper.in_features)  # (T, R), partial over H
+    if not wrapper.sequence_parallel:
+        if wrapper.tp_size > 1:
+            s = reduce_from_tensor_model_parallel_region(s, group=group)
+        return lora_up(s, lora_b, wrapper.scalings, layout)  # (T, N)
+    s = reduce_scatter_to_sequence_parallel_region(s, group=group)  # (T / tp, R)
+    lora_b = copy_to_tensor_model_parallel_region(lora_b, group=group)
+    return lora_up(s, lora_b, wrapper.scalings, _sequence_shard(wrapper, layout))  # (T/tp, N)
+
+
+def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs: dict):
     """Base output plus the LoRA delta, shared by both wrappers.
 
-    ``reduce_s`` is the TP collective applied to ``S`` (T, R): copy-forward/all-reduce-backward
-    for column, all-reduce-forward/copy-backward for row. ``in_shard`` picks this rank's columns
-    of the full-width dropout mask, so TP ranks together apply exactly the TP = 1 mask.
+    With TP = 1 on CUDA this is one fused `lora_linear`; otherwise the base linear (with its
+    own TP / SP collectives) plus `lora_down` → collective → `lora_up` (`_column_delta`,
+    `_row_delta`), each op on its Triton kernels on CUDA and the torch reference elsewhere.
     """
     base = wrapper.base
     seq, batch = input_.shape[0], input_.shape[1]
-    x = _tokens_major(input_)  # (T, H_local)
-    layout = _current_layout(wrapper, x.shape[0])
+    x = _tokens_major(input_)  # (T, H_local), or (T / tp, H) for a column wrapper under SP
+    if wrapper.sequence_parallel and batch != 1:
+        raise ValueError(
+            f"{type(wrapper).__name__}: sequence parallelism needs packed inputs [s, 1, h] "
+            f"(b = 1), got shape {tuple(input_.shape)}"
+        )
+    gathers_rows = wrapper.sequence_parallel and wrapper.is_column
+    layout = _current_layout(wrapper, x.shape[0] * (wrapper.tp_size if gathers_rows else 1))
+    if wrapper.sequence_parallel:
+        _sequence_shard(wrapper, layout)  # checks T % tp before any collective
     lora_a, lora_b = _packed_factors(wrapper, layout, input_.dtype)  # (A,R,H_l), (A,N_l,R)
     if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs:
         # One fused multi-LoRA linear (the Triton path behind `lora_linear`).
@@ -212,18 +290,13 @@ def _lora_forward(
         )
         return _sequence_major(out, seq, batch), (base.bias if base.skip_bias_add else None)
     out, out_bias = base(input_, *args, **kwargs)
-    keep = None
-    if wrapper.training:
-        keep = dropout_keep_mask(
-            layout, wrapper.dropouts, in_features, wrapper.layer_seed, x.device
-        )
-        keep = None if keep is None else keep[:, in_shard]  # (T, H_local)
-    s = lora_down_ref(x, lora_a, wrapper.dropouts, layout, keep)  # (T, R)
-    s = reduce_s(s, group=wrapper.tp_group)
-    delta = lora_up_ref(s, lora_b, wrapper.scalings, layout)  # (T, N_local)
-    if gather_out:
-        delta = gather_from_tensor_model_parallel_region(delta, group=wrapper.tp_group)
-    return out + _sequence_major(delta, seq, batch), out_bias
+    if wrapper.is_column:
+        delta = _column_delta(wrapper, x, lora_a, lora_b, layout)  # (T, N / tp)
+        if base.gather_output and wrapper.tp_size > 1:
+            delta = gather_from_tensor_model_parallel_region(delta, group=wrapper.tp_group)
+    else:
+        delta = _row_delta(wrapper, x, lora_a, lora_b, layout)  # (T, N), or (T/tp, N) in SP
+    return out + _sequence_major(delta, out.shape[0], out.shape[1]), out_bias
 
 
 class LoRAColumnParallelLinear(nn.Module):
@@ -232,7 +305,10 @@ class LoRAColumnParallelLinear(nn.Module):
     ``A`` (r, H) is replicated on every TP rank, ``B`` (N / tp, r) holds this rank's output
     rows (the same rows, and partition stride, as the base weight). ``S = drop(X)·Aᵀ`` is
     identical on all ranks; its gradient is all-reduced over the TP group in backward, so every
-    rank gets the same ``dA``. Sequence parallelism is not supported yet.
+    rank gets the same ``dA``. Under sequence parallelism (the base's ``sequence_parallel``)
+    the input is this rank's ``T / tp`` token rows: ``S`` of those rows is all-gathered over
+    the TP group to (T, R) (reduce-scattered in backward) and ``dA`` is all-reduced, so every
+    rank still gets the whole ``dA`` (see ``docs/pipeline.md``).
 
     Args:
         base: the built linear; its forward returns ``(out, bias)``.
@@ -244,7 +320,7 @@ class LoRAColumnParallelLinear(nn.Module):
         tp_group: tensor-parallel group; defaults to ``base.tp_group``.
 
     Raises:
-        NotImplementedError: for a sequence-parallel or MoE-expert base.
+        NotImplementedError: for an MoE-expert base.
     """
 
     def __init__(
@@ -259,13 +335,11 @@ class LoRAColumnParallelLinear(nn.Module):
         tp_group: torch.distributed.ProcessGroup | None = None,
     ):
         super().__init__()
-        _check_base(base, type(self).__name__)
+        _setup_parallel(self, base, tp_group, is_column=True)
         self.base = base
         self.train(base.training)  # a new module defaults to training mode; follow the model
         self.context = context
         self.layer_seed = layer_seed
-        self.tp_group = tp_group if tp_group is not None else base.tp_group
-        self.tp_size = self.tp_group.size()
         out_local, in_features = base.weight.shape
         _init_factors(
             self,
@@ -299,21 +373,15 @@ class LoRAColumnParallelLinear(nn.Module):
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H]``, out ``[s, b, N / tp]``.
 
+        Under sequence parallelism the input is this rank's ``[T / tp, 1, H]`` rows of the
+        microbatch and the output ``[T, 1, N / tp]``.
+
         Raises:
             RuntimeError: when the context holds no layout.
-            ValueError: when the layout's token count is not ``s·b``.
+            ValueError: when the layout's token count is not ``s·b`` (``s·tp`` under SP),
+                or, under SP, when ``b != 1`` or ``T`` is not a multiple of ``tp``.
         """
-        in_features = self.base.weight.shape[1]
-        return _lora_forward(
-            self,
-            input_,
-            args,
-            kwargs,
-            in_features=in_features,
-            in_shard=slice(None),
-            reduce_s=copy_to_tensor_model_parallel_region,
-            gather_out=self.base.gather_output and self.tp_size > 1,
-        )
+        return _lora_forward(self, input_, args, kwargs)
 
     def merged_weight(self, adapter_id: int) -> torch.Tensor:
         """This rank's shard of ``W + s·B·A`` (N / tp, H) in the base weight's dtype."""
@@ -326,13 +394,15 @@ class LoRARowParallelLinear(nn.Module):
     ``A`` (r, H / tp) holds this rank's input columns, ``B`` (N, r) is replicated. The partial
     ``S`` of each rank is all-reduced in forward (its backward is a copy) and the LoRA output
     is added to the base output, which the base has already all-reduced. The base must take
-    parallel input (``input_is_parallel``), as in every Megatron block. Sequence parallelism
-    is not supported yet.
+    parallel input (``input_is_parallel``), as in every Megatron block. Under sequence
+    parallelism the partial ``S`` is reduce-scattered over the sequence instead (all-gathered
+    in backward), the delta covers this rank's ``T / tp`` rows like the base output, and
+    ``dB`` is all-reduced so every rank gets the whole ``dB``.
 
     Args: as `LoRAColumnParallelLinear`.
 
     Raises:
-        NotImplementedError: for a sequence-parallel, MoE-expert or non-parallel-input base.
+        NotImplementedError: for an MoE-expert or non-parallel-input base.
     """
 
     def __init__(
@@ -347,7 +417,7 @@ class LoRARowParallelLinear(nn.Module):
         tp_group: torch.distributed.ProcessGroup | None = None,
     ):
         super().__init__()
-        _check_base(base, type(self).__name__)
+        _setup_parallel(self, base, tp_group, is_column=False)
         if not base.input_is_parallel:
             raise NotImplementedError(
                 "LoRARowParallelLinear needs a base with input_is_parallel=True"
@@ -356,8 +426,6 @@ class LoRARowParallelLinear(nn.Module):
         self.train(base.training)  # a new module defaults to training mode; follow the model
         self.context = context
         self.layer_seed = layer_seed
-        self.tp_group = tp_group if tp_group is not None else base.tp_group
-        self.tp_size = self.tp_group.size()
         out_features, in_local = base.weight.shape
         self.in_features = in_local * self.tp_size
         rank = self.tp_group.rank()
@@ -393,20 +461,15 @@ class LoRARowParallelLinear(nn.Module):
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H / tp]``, out ``[s, b, N]``.
 
+        Under sequence parallelism the input is ``[T, 1, H / tp]`` and the output this rank's
+        ``[T / tp, 1, N]`` rows (reduce-scattered, like the base's).
+
         Raises:
             RuntimeError: when the context holds no layout.
-            ValueError: when the layout's token count is not ``s·b``.
+            ValueError: when the layout's token count is not ``s·b``, or, under SP, when
+                ``b != 1`` or ``T`` is not a multiple of ``tp``.
         """
-        return _lora_forward(
-            self,
-            input_,
-            args,
-            kwargs,
-            in_features=self.in_features,
-            in_shard=self.in_shard,
-            reduce_s=reduce_from_tensor_model_parallel_region,
-            gather_out=False,
-        )
+        return _lora_forward(self, input_, args, kwargs)
 
     def merged_weight(self, adapter_id: int) -> torch.Tensor:
         """This rank's shard of ``W + s·B·A`` (N, H / tp) in the base weight's dtype."""

@@ -18,6 +18,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lorafusion.config import ModelConfig
@@ -56,14 +60,19 @@ class _PortableRotaryEmbedding(RotaryEmbedding):
 
 
 def _transformer_config(
-    model_cfg: ModelConfig, tp_size: int, pp_size: int, params_dtype: torch.dtype
+    model_cfg: ModelConfig,
+    tp_size: int,
+    pp_size: int,
+    params_dtype: torch.dtype,
+    sequence_parallel: bool = False,
 ) -> TransformerConfig:
     """Megatron config of a Llama-like decoder whose code paths all run on CPU.
 
     ``use_cpu_initialization`` allocates on the CPU (the GPU path needs the CUDA RNG tracker)
     and ``perform_initialization=False`` leaves the weights to `_init_base_weights`. Every
     fusion is off because the fused kernels (bias+SwiGLU, RoPE, masked softmax, gradient
-    accumulation) are CUDA-only.
+    accumulation) are CUDA-only. ``sequence_parallel`` takes effect only when ``tp_size > 1``
+    (Megatron refuses it at TP = 1).
     """
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
@@ -81,6 +90,7 @@ def _transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
         pipeline_model_parallel_size=pp_size,
+        sequence_parallel=sequence_parallel and tp_size > 1,
         pipeline_dtype=params_dtype,  # dtype of the hidden states passed between stages
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -139,15 +149,46 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
             param.copy_(full)
 
 
+class _FrozenRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built like Megatron's norms, and allowed under sequence parallelism.
+
+    Megatron's torch-norm fallback (``WrappedTorchNorm``, used without Apex or Transformer
+    Engine) refuses sequence parallelism because each TP rank then sees ``T / tp`` rows, so
+    the weight's gradient is a partial sum needing an all-reduce it does not set up. Base
+    weights here are frozen (no gradient), so the plain norm is exact; the weight carries
+    Megatron's ``sequence_parallel`` mark all the same.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 **kwargs):
+        if config.normalization != "RMSNorm":
+            raise NotImplementedError(f"only RMSNorm is supported, got {config.normalization}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
 def get_gpt_lora_layer_spec() -> ModuleSpec:
     """The local GPT layer spec (RMSNorm) with `VarlenCoreAttention` as core attention.
 
     LoRA is not part of the spec: `apply_lora` wraps the built linears instead, so base
-    weights can be loaded first.
+    weights can be loaded first. Norms are `_FrozenRMSNorm` (sequence-parallel capable).
     """
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
+    spec.submodules.input_layernorm = _FrozenRMSNorm
+    spec.submodules.pre_mlp_layernorm = _FrozenRMSNorm
     return spec
+
+
+def _gpt_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder: `get_gpt_lora_layer_spec` layers, a `_FrozenRMSNorm` last.
+
+    Spelled out because Megatron's default final norm is its torch-norm fallback (see
+    `_FrozenRMSNorm`).
+    """
+    layer = get_gpt_lora_layer_spec()
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
+                                      layer_norm=_FrozenRMSNorm)
 
 
 def build_gpt_model(
@@ -157,6 +198,7 @@ def build_gpt_model(
     post_process: bool = True,
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    sequence_parallel: bool = False,
 ) -> GPTModel:
     """Build a frozen, randomly initialised Llama-like `GPTModel` on this rank.
 
@@ -174,6 +216,8 @@ def build_gpt_model(
         post_process: build the final norm and output layer (last pipeline stage).
         params_dtype: dtype of the frozen base weights.
         device: where the model is moved after building.
+        sequence_parallel: Megatron sequence parallelism (only when TP > 1): hidden states
+            outside the TP linears are ``[T / tp, 1, H]``, and ``T`` must be a multiple of TP.
 
     Returns:
         The model, in train mode, with every parameter's ``requires_grad`` False.
@@ -187,7 +231,8 @@ def build_gpt_model(
         from megatron_lorafusion.mcore.hf_import import build_hf_gpt_model
 
         return build_hf_gpt_model(model_cfg, pre_process=pre_process, post_process=post_process,
-                                  params_dtype=params_dtype, device=device)
+                                  params_dtype=params_dtype, device=device,
+                                  sequence_parallel=sequence_parallel)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_model needs Megatron's parallel state: call "
@@ -199,11 +244,12 @@ def build_gpt_model(
         tp_size=pg_collection.tp.size(),
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel,
     )
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_lora_layer_spec(),
+            transformer_layer_spec=_gpt_block_spec(config),
             vocab_size=model_cfg.vocab_size,
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=pre_process,

@@ -3,7 +3,8 @@
 Each rank of a ``PP × DP`` grid (TP ranks of a stage all do the same) walks its own action
 list. Activations and their gradients go point-to-point over `PipelineGroups`' two
 explicit groups; their shapes are never sent: every stage packs the microbatch from the plan
-itself, so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing). Data-parallel replicas
+itself, so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing; ``(T / tp, 1, H)``, this
+TP rank's rows, under sequence parallelism). Data-parallel replicas
 run the same microbatch stream on disjoint samples (`data_parallel_share`); when an
 adapter's global batch finishes on a stage, the stage all-reduces (sums) that adapter's
 gradients and summed loss in one bucket over its DP group, asynchronously, and steps the
@@ -56,7 +57,8 @@ class AdapterRun(Protocol):
 
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
 """``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
-``(T, 1, H)`` on a non-last stage, fp32 per-token loss ``(1, T)`` on the last stage."""
+``(T, 1, H)`` on a non-last stage, fp32 per-token loss ``(1, T)`` on the last stage. Under
+sequence parallelism the hidden states are ``(T / tp, 1, H)``; the loss stays ``(1, T)``."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,10 @@ class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
     def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
-                 hidden_size, activation_dtype, device, on_step, record_events, first_index):
+                 hidden_size, activation_dtype, device, on_step, record_events, first_index,
+                 sequence_shards):
         self.forward, self.make_batch = forward, make_batch
+        self.sequence_shards = sequence_shards
         self.adapters, self.params, self.g = adapters, params, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
@@ -142,8 +146,14 @@ class _Runner:
     # -- point to point --------------------------------------------------------------------
     def _post_recv(self, tokens: int, src: int,
                    group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor]:
-        # The shape comes from the plan (every stage packs the microbatch itself).
-        buf = torch.empty(tokens, 1, self.hidden, dtype=self.dtype, device=self.device)
+        # The shape comes from the plan (every stage packs the microbatch itself); under
+        # sequence parallelism a TP rank holds T / tp rows of the hidden states.
+        if tokens % self.sequence_shards:
+            raise ValueError(f"a microbatch of {tokens} tokens cannot be split over "
+                             f"{self.sequence_shards} sequence-parallel ranks; pad it to a "
+                             "multiple (pack_microbatch(pad_to_multiple=tp))")
+        rows = tokens // self.sequence_shards
+        buf = torch.empty(rows, 1, self.hidden, dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src=src, group=group), buf
 
     def _recv(self, tokens: int, src: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -305,6 +315,7 @@ def run_pipeline(
     on_step: Callable[[int, AdapterRun], None] | None = None,
     record_events: bool = False,
     first_index: int = 0,
+    sequence_shards: int = 1,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -328,6 +339,8 @@ def run_pipeline(
         record_events: time every operation (for `scripts/calibrate_simulator.py`).
         first_index: plan position of the stream's first microbatch (a segment of a run
             cut for checkpoints); ``make_batch`` and events get plan positions.
+        sequence_shards: the TP size under sequence parallelism, else 1: the activations
+            passed between stages hold ``T / sequence_shards`` token rows.
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -339,7 +352,8 @@ def run_pipeline(
     runner = _Runner(forward, make_batch, adapters, params, groups,
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
-                     record_events=record_events, first_index=first_index)
+                     record_events=record_events, first_index=first_index,
+                     sequence_shards=sequence_shards)
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)

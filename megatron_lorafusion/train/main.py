@@ -6,6 +6,7 @@ tokenised before any process group, model or output folder exists.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -107,6 +108,11 @@ def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
     return make_pipeline_groups(pp_ranks, dp_ranks, _COMM_TIMEOUT_S)
 
 
+def _sequence_shards(cfg: JobConfig) -> int:
+    """TP size when sequence parallelism is on (each TP rank holds T / tp rows), else 1."""
+    return cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
+
+
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
                    runs: list[AdapterRun], groups, device: torch.device, session) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
@@ -125,7 +131,7 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
                      global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
                      hidden_size=cfg.model.hidden_size,
                      activation_dtype=_DTYPES[cfg.train.precision], device=device,
-                     first_index=first_index)
+                     first_index=first_index, sequence_shards=_sequence_shards(cfg))
         session.save()
 
 
@@ -159,18 +165,24 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         init_model_parallel,
         packed_seq_params,
         parallel_sizes,
+        sequence_parallel_on_cpu,
     )
 
     device = _device(cfg)
+    shards = _sequence_shards(cfg)
     init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed,
                         timeout_s=_COMM_TIMEOUT_S)
+    cpu_sequence_parallel = contextlib.ExitStack()
     try:
+        if shards > 1:  # Megatron's SP collectives allocate on CUDA; let them run on gloo
+            cpu_sequence_parallel.enter_context(sequence_parallel_on_cpu(device))
         sizes = parallel_sizes()
         groups = _pipeline_groups(cfg, sizes)
         model = mcore.build_gpt_model(cfg.model, params_dtype=_DTYPES[cfg.train.precision],
                                       device=device,
                                       pre_process=groups is None or groups.is_first,
-                                      post_process=groups is None or groups.is_last)
+                                      post_process=groups is None or groups.is_last,
+                                      sequence_parallel=shards > 1)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
         runs = []
         for a, adapter in enumerate(cfg.adapters):
@@ -184,7 +196,8 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
 
         def make_batch(microbatch: Microbatch, index: int):
             return pack_microbatch(microbatch, datasets, orders, len(cfg.adapters), device,
-                                   dropout_seed=cfg.train.seed * 1_000_003 + index)
+                                   dropout_seed=cfg.train.seed * 1_000_003 + index,
+                                   pad_to_multiple=shards)
 
         def forward(batch) -> torch.Tensor:
             lora.layout = batch.layout
@@ -217,4 +230,5 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                             run.losses[-1], folder)
         return {run.name: run.losses for run in runs}
     finally:
+        cpu_sequence_parallel.close()
         destroy_model_parallel()

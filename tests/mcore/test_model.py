@@ -43,7 +43,8 @@ def test_build_gpt_model_is_deterministic_and_frozen(megatron_single_process):
 
     layer = model.decoder.layers[0]
     assert isinstance(layer.self_attention.core_attention, VarlenCoreAttention)
-    assert type(layer.input_layernorm).__name__ == "RMSNorm"
+    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm, model.decoder.final_layernorm):
+        assert isinstance(norm, torch.nn.RMSNorm), f"{type(norm).__name__} is not an RMSNorm"
     assert all(
         getattr(m, "bias", None) is None
         for m in model.modules()

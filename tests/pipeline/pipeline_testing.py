@@ -5,6 +5,7 @@
 pipeline runner and writes the gathered adapter weights. Tests compare the two.
 """
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -90,10 +91,11 @@ def make_job(num_stages: int, adapters=ADAPTERS) -> Job:
     return Job(datasets, orders, plan.microbatches, batch_tokens, num_stages)
 
 
-def make_batch_fn(job: Job, num_adapters: int):
+def make_batch_fn(job: Job, num_adapters: int, pad_to_multiple: int = 1):
     def make_batch(microbatch, index):
         return pack_microbatch(microbatch, job.datasets, job.orders, num_adapters, "cpu",
-                               dropout_seed=SEED * 1_000_003 + index)
+                               dropout_seed=SEED * 1_000_003 + index,
+                               pad_to_multiple=pad_to_multiple)
 
     return make_batch
 
@@ -151,50 +153,59 @@ def close_world() -> None:
         dist.destroy_process_group()
 
 
-def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0):
+def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
+                sequence_parallel: bool = False):
     """This rank's stage model, LoRA, adapter runs and pipeline groups."""
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
     from megatron_lorafusion.pipeline import make_pipeline_groups
 
     groups = make_pipeline_groups(*pipeline_and_data_ranks(), timeout_s)
-    model = build_gpt_model(MODEL, pre_process=groups.is_first,
-                            post_process=groups.is_last).train()
+    model = build_gpt_model(MODEL, pre_process=groups.is_first, post_process=groups.is_last,
+                            sequence_parallel=sequence_parallel).train()
     lora = apply_lora(model, adapters, seed=SEED)
     return model, lora, build_adapter_runs(lora, job, adapters), groups
 
 
-def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None):
+def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None,
+              sequence_shards: int = 1):
+    """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP."""
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(adapters))]
-    return run_pipeline(job.microbatches, forward,
-                        make_batch or make_batch_fn(job, len(adapters)), runs, params, groups,
+    make_batch = make_batch or make_batch_fn(job, len(adapters), sequence_shards)
+    return run_pipeline(job.microbatches, forward, make_batch, runs, params, groups,
                         global_batch_sizes=[a.global_batch_size for a in adapters],
                         hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
-                        device="cpu")
+                        device="cpu", sequence_shards=sequence_shards)
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
-    """Train the job once per ``(name, tp, pp)`` case on one rank of a ``world``-rank world.
+    """Train the job once per ``(name, tp, pp, sp)`` case on one rank of a ``world``-rank world.
+
+    ``sp`` turns on sequence parallelism (microbatches padded to a multiple of ``tp``).
 
     Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
     losses (``result.pt``) and a failing rank its traceback (``error_<rank>.txt``).
     """
-    from megatron_lorafusion.mcore.parallel import parallel_sizes
+    from megatron_lorafusion.mcore.parallel import parallel_sizes, sequence_parallel_on_cpu
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp in cases:
+    for name, tp, pp, sp in cases:
         casedir = os.path.join(workdir, name)
         os.makedirs(casedir, exist_ok=True)
         init_world(rank, world, casedir, tp, pp)
         try:
             job = make_job(pp)
             adapters = adapters_for(world // (tp * pp))
-            model, lora, runs, groups = build_stage(job, adapters)
-            run_stage(job, model, lora, runs, groups, adapters)
+            with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
+                model, lora, runs, groups = build_stage(job, adapters, sequence_parallel=sp)
+                modes = {w.sequence_parallel for w in lora.wrappers.values()}
+                assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
+                run_stage(job, model, lora, runs, groups, adapters,
+                          sequence_shards=tp if sp else 1)
             sizes = parallel_sizes()
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])

@@ -1,19 +1,32 @@
 """The pipeline runner over gloo (2-4 processes) against a one-process run of the same plan.
 
 After ``STEPS`` optimizer steps of 3 adapters with global batch sizes 2, 3 and 5, every
-adapter factor must equal the single-stage loop's, whatever the TP × PP × DP split
-(LoRA dropout on one adapter where DP does not move samples between packed rows).
+adapter factor must equal the single-stage loop's, whatever the TP × PP × DP split, with
+or without sequence parallelism (which pads microbatches to a multiple of TP with a loss-free
+sample; the one-process run packs none). LoRA dropout is on for one adapter where DP does
+not move samples between packed rows.
 """
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from pipeline_testing import adapters_for, make_job, parallel_worker, reference_run
+from pipeline_testing import (
+    ADAPTERS,
+    SEED,
+    adapters_for,
+    make_batch_fn,
+    make_job,
+    parallel_worker,
+    reference_run,
+)
 
 # dtype -> tolerances; TP, PP and DP only reorder fp32 sums (partials over H, vocab, samples).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
-CASES = {"pp2": (1, 2, 1), "dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp4": (1, 4, 1),
-         "pp2xdp2": (1, 2, 2), "tp2xpp2": (2, 2, 1)}  # name -> (tp, pp, dp)
+# name -> (tp, pp, dp, sequence parallel)
+CASES = {"pp2": (1, 2, 1, False), "dp2": (1, 1, 2, False), "tp2": (2, 1, 1, False),
+         "tp2sp": (2, 1, 1, True), "pp4": (1, 4, 1, False), "pp2xdp2": (1, 2, 2, False),
+         "tp2xpp2": (2, 2, 1, False), "tp2xpp2sp": (2, 2, 1, True),
+         "tp2xdp2sp": (2, 1, 2, True)}
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +34,8 @@ def parallel_runs(tmp_path_factory):
     """Every case, one spawn per world size (the cases of a world share its processes)."""
     workdir = tmp_path_factory.mktemp("parallel")
     by_world: dict[int, list] = {}
-    for name, (tp, pp, dp) in CASES.items():
-        by_world.setdefault(tp * pp * dp, []).append((name, tp, pp))
+    for name, (tp, pp, dp, sp) in CASES.items():
+        by_world.setdefault(tp * pp * dp, []).append((name, tp, pp, sp))
     for world, cases in by_world.items():
         mp.spawn(parallel_worker, args=(world, str(workdir), cases), nprocs=world, join=True)
     return workdir
@@ -31,7 +44,7 @@ def parallel_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_parallel_run_matches_one_process(megatron_single_process, parallel_runs, case):
-    tp, pp, dp = CASES[case]
+    tp, pp, dp, sp = CASES[case]
     casedir = parallel_runs / case
     errors = sorted(casedir.glob("error_*.txt"))
     assert not errors, "a worker failed:\n" + "\n".join(p.read_text() for p in errors)
@@ -40,11 +53,38 @@ def test_parallel_run_matches_one_process(megatron_single_process, parallel_runs
     result = torch.load(casedir / "result.pt")
     for a, adapter in enumerate(adapters):
         assert result["losses"][a] == pytest.approx(expected["losses"][a], rel=1e-5), (
-            f"adapter {adapter.name}: step losses differ at tp={tp} pp={pp} dp={dp}"
+            f"adapter {adapter.name}: step losses differ at tp={tp} pp={pp} dp={dp} sp={sp}"
         )
         assert result["states"][a].keys() == expected["states"][a].keys()
         for name, value in expected["states"][a].items():
             torch.testing.assert_close(
                 result["states"][a][name], value, **TOL[torch.float32],
-                msg=f"adapter {adapter.name} {name} after training at tp={tp} pp={pp} dp={dp}",
+                msg=f"adapter {adapter.name} {name} after training at {case}",
             )
+
+
+def test_sequence_parallel_cases_pad_odd_microbatches():
+    """Some SP case's plan has microbatches of odd T, so the padding runs end to end."""
+    odd = [name for name, (tp, pp, _, sp) in CASES.items() if sp and any(
+        sum(s.tokens for s in mb.samples) % tp for mb in make_job(pp).microbatches)]
+    assert odd, "no sequence-parallel case pads a microbatch"
+
+
+def test_sequence_parallel_padding_is_a_loss_free_sample():
+    job = make_job(2)
+    microbatch = next(mb for mb in job.microbatches if sum(s.tokens for s in mb.samples) % 2)
+    plain = make_batch_fn(job, len(ADAPTERS))(microbatch, 0)
+    padded = make_batch_fn(job, len(ADAPTERS), pad_to_multiple=2)(microbatch, 0)
+    tokens = plain.layout.num_tokens
+    assert padded.layout.num_tokens == tokens + 1
+    assert padded.loss_mask[0, tokens:].tolist() == [0.0], "the pad token must not be trained"
+    torch.testing.assert_close(padded.input_ids[:, :tokens], plain.input_ids)
+    torch.testing.assert_close(padded.loss_mask[:, :tokens], plain.loss_mask)
+    # Its own sequence (no token attends across), in the last adapter's segment.
+    assert padded.layout.cu_seqlens.tolist() == [*plain.layout.cu_seqlens.tolist(), tokens + 1]
+    last = microbatch.samples[-1].adapter
+    counts = plain.layout.token_counts()
+    counts[last] += 1
+    assert padded.layout.token_counts() == counts
+    assert padded.position_ids[0, tokens].item() == 0
+    assert padded.layout.dropout_seed == plain.layout.dropout_seed == SEED * 1_000_003
