@@ -205,6 +205,9 @@ class ParallelConfig:
     """Tensor parallel size."""
     pp: int = 1
     """Pipeline parallel size (stages)."""
+    defer_wgrad: bool = False
+    """Defer each LoRA down-projection's weight-gradient pass into pipeline idle time
+    (zero-bubble style; needs pp > 1; docs/pipeline.md has the measured gain)."""
 
 
 @dataclass(frozen=True)
@@ -417,6 +420,9 @@ def validate(cfg: JobConfig) -> list[str]:
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) < 1:
             p.append(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    if cfg.parallel.defer_wgrad and cfg.parallel.pp == 1:
+        p.append("parallel.defer_wgrad needs parallel.pp > 1 (one stage has no bubbles to "
+                 "fill), got pp=1")
     if cfg.parallel.tp >= 1 and m.vocab_size % cfg.parallel.tp:
         p.append(f"model.vocab_size must be divisible by parallel.tp ({cfg.parallel.tp}), "
                  f"got {m.vocab_size}")

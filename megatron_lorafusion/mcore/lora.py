@@ -9,6 +9,7 @@ all-reduces the partial ``S`` in forward, with B replicated.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
+from megatron_lorafusion.mcore.wgrad import WgradQueue, accumulate_lora_a_grads
 from megatron_lorafusion.ops import (
     AdapterLayout,
     dropout_keep_mask,
@@ -163,6 +165,12 @@ def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
     return layout
 
 
+def _defer_lora_a_grads(wrapper, queue: WgradQueue, x, keep, segments, grad_s) -> None:
+    """Backward hook on ``S``: queue ``dA`` (`mcore.wgrad`) instead of computing it now."""
+    queue.push(functools.partial(accumulate_lora_a_grads, dict(wrapper.lora_A), x,
+                                 grad_s.detach(), keep, wrapper.dropouts, segments))
+
+
 def _check_base(base: nn.Module, name: str) -> None:
     if getattr(base, "sequence_parallel", False):
         raise NotImplementedError(
@@ -195,7 +203,9 @@ def _lora_forward(
     x = _tokens_major(input_)  # (T, H_local)
     layout = _current_layout(wrapper, x.shape[0])
     lora_a, lora_b = _packed_factors(wrapper, layout, input_.dtype)  # (A,R,H_l), (A,N_l,R)
-    if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs:
+    queue = getattr(wrapper.context, "wgrad_queue", None)
+    defer = queue is not None and wrapper.training and torch.is_grad_enabled()
+    if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs and not defer:
         # One fused multi-LoRA linear (the Triton path behind `lora_linear`).
         bias = None if base.skip_bias_add else base.bias
         out = lora_linear(
@@ -218,7 +228,14 @@ def _lora_forward(
             layout, wrapper.dropouts, in_features, wrapper.layer_seed, x.device
         )
         keep = None if keep is None else keep[:, in_shard]  # (T, H_local)
-    s = lora_down_ref(x, lora_a, wrapper.dropouts, layout, keep)  # (T, R)
+    if defer:  # dA waits in the queue; this backward gives dX and dS only
+        s = lora_down_ref(x, lora_a.detach(), wrapper.dropouts, layout, keep)  # (T, R)
+        if not s.requires_grad:  # X needs no grad (first layer): make S a leaf to get dS
+            s = s.detach().requires_grad_()
+        s.register_hook(functools.partial(_defer_lora_a_grads, wrapper, queue, x.detach(), keep,
+                                          layout.segments()))
+    else:
+        s = lora_down_ref(x, lora_a, wrapper.dropouts, layout, keep)  # (T, R)
     s = reduce_s(s, group=wrapper.tp_group)
     delta = lora_up_ref(s, lora_b, wrapper.scalings, layout)  # (T, N_local)
     if gather_out:

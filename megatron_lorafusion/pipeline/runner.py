@@ -38,6 +38,7 @@ from megatron_lorafusion.planner import Microbatch
 
 if TYPE_CHECKING:
     from megatron_lorafusion.data import PackedBatch
+    from megatron_lorafusion.mcore import WgradQueue
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class _Stash:
     input_tensor: torch.Tensor | None
     output: torch.Tensor  # hidden (T, 1, H), or the scalar loss on the last stage
     tokens: int
+    adapters: tuple[int, ...]
     grad: tuple[dist.Work, torch.Tensor] | None = None  # posted receive of the output's grad
 
 
@@ -119,8 +121,10 @@ class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
     def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
-                 hidden_size, activation_dtype, device, on_step, record_events, first_index):
+                 hidden_size, activation_dtype, device, on_step, record_events, first_index,
+                 wgrad_queue):
         self.forward, self.make_batch = forward, make_batch
+        self.wgrad = wgrad_queue
         self.adapters, self.params, self.g = adapters, params, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
@@ -148,8 +152,14 @@ class _Runner:
 
     def _recv(self, tokens: int, src: int, group: dist.ProcessGroup) -> torch.Tensor:
         work, buf = self._post_recv(tokens, src, group)
-        work.wait()
+        self._wait(work)
         return buf
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a receive, running deferred weight-gradient passes while it is pending."""
+        while self.wgrad is not None and not work.is_completed() and self.wgrad.run_oldest():
+            pass
+        work.wait()
 
     def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         tensor = tensor.detach().contiguous()
@@ -161,6 +171,8 @@ class _Runner:
     def run(self, actions: Iterator[Action]) -> None:
         for action in actions:
             {"F": self._forward, "B": self._backward, "O": self._step}[action.kind](action)
+        if self.wgrad is not None:  # gradients of batches that straddle the end
+            self.wgrad.run_all()
         for a in sorted(self.state.pending):
             self._finish_step(a)
         for work, _ in self.state.sends:
@@ -189,7 +201,7 @@ class _Runner:
             waited = time.perf_counter() - before
             input_tensor.requires_grad_()
         output = self.forward(batch, input_tensor)
-        stash = _Stash(input_tensor, output, tokens)
+        stash = _Stash(input_tensor, output, tokens, share.adapters)
         if self.g.is_last:
             stash.output = self._adapter_loss(output, batch, share)
         else:
@@ -228,15 +240,19 @@ class _Runner:
         else:
             before = time.perf_counter()
             work, grad = stash.grad
-            work.wait()
+            self._wait(work)
             waited = time.perf_counter() - before
             torch.autograd.backward(stash.output, grad_tensors=grad)
         if not self.g.is_first:
             self._send(stash.input_tensor.grad, self.g.prev_rank, self.g.backward_group)
+        if self.wgrad is not None:
+            self.wgrad.seal(stash.adapters)
         self._event(action.microbatch, "B", start, time.perf_counter() - start - waited,
                     stash.tokens)
 
     def _step(self, action: Action) -> None:
+        if self.wgrad is not None:  # the step reads every gradient of its adapters
+            self.wgrad.run_for(action.finishes)
         for a in action.finishes:
             if a in self.state.pending:  # no forward of this replica read `a` since its last step
                 self._finish_step(a)
@@ -305,6 +321,7 @@ def run_pipeline(
     on_step: Callable[[int, AdapterRun], None] | None = None,
     record_events: bool = False,
     first_index: int = 0,
+    wgrad_queue: WgradQueue | None = None,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -328,6 +345,9 @@ def run_pipeline(
         record_events: time every operation (for `scripts/calibrate_simulator.py`).
         first_index: plan position of the stream's first microbatch (a segment of a run
             cut for checkpoints); ``make_batch`` and events get plan positions.
+        wgrad_queue: the `LoRAContext`'s queue when LoRA weight gradients are deferred
+            (``parallel.defer_wgrad``): run while this stage waits for a peer, before the
+            optimizer steps of the adapters a pass touched, and at the end of the call.
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -339,7 +359,8 @@ def run_pipeline(
     runner = _Runner(forward, make_batch, adapters, params, groups,
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
-                     record_events=record_events, first_index=first_index)
+                     record_events=record_events, first_index=first_index,
+                     wgrad_queue=wgrad_queue)
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
@@ -351,6 +372,8 @@ def run_pipeline(
         runner.state.sends.clear()
         runner.state.pending.clear()
         runner.state.stash.clear()  # and posted receives
+        if wgrad_queue is not None:
+            wgrad_queue.clear()
         raise
     _share_losses(adapters, groups)
     return runner.state.events

@@ -164,8 +164,13 @@ def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0):
     return model, lora, build_adapter_runs(lora, job, adapters), groups
 
 
-def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None):
+def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None,
+              defer_wgrad: bool = False):
+    from megatron_lorafusion.mcore import WgradQueue
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
+
+    if defer_wgrad:
+        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(adapters))]
@@ -173,11 +178,11 @@ def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch
                         make_batch or make_batch_fn(job, len(adapters)), runs, params, groups,
                         global_batch_sizes=[a.global_batch_size for a in adapters],
                         hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
-                        device="cpu")
+                        device="cpu", wgrad_queue=lora.wgrad_queue)
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
-    """Train the job once per ``(name, tp, pp)`` case on one rank of a ``world``-rank world.
+    """Train the job once per ``(name, tp, pp, defer_wgrad)`` case on one rank of a world.
 
     Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
@@ -186,7 +191,7 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     from megatron_lorafusion.mcore.parallel import parallel_sizes
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp in cases:
+    for name, tp, pp, defer_wgrad in cases:
         casedir = os.path.join(workdir, name)
         os.makedirs(casedir, exist_ok=True)
         init_world(rank, world, casedir, tp, pp)
@@ -194,7 +199,7 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
             job = make_job(pp)
             adapters = adapters_for(world // (tp * pp))
             model, lora, runs, groups = build_stage(job, adapters)
-            run_stage(job, model, lora, runs, groups, adapters)
+            run_stage(job, model, lora, runs, groups, adapters, defer_wgrad=defer_wgrad)
             sizes = parallel_sizes()
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])

@@ -13,7 +13,9 @@ from pipeline_testing import adapters_for, make_job, parallel_worker, reference_
 # dtype -> tolerances; TP, PP and DP only reorder fp32 sums (partials over H, vocab, samples).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 CASES = {"pp2": (1, 2, 1), "dp2": (1, 1, 2), "tp2": (2, 1, 1), "pp4": (1, 4, 1),
-         "pp2xdp2": (1, 2, 2), "tp2xpp2": (2, 2, 1)}  # name -> (tp, pp, dp)
+         "pp2xdp2": (1, 2, 2), "tp2xpp2": (2, 2, 1),
+         "pp4_defer_wgrad": (1, 4, 1)}  # name -> (tp, pp, dp)
+DEFER_WGRAD = {"pp4_defer_wgrad"}  # cases that defer LoRA A's weight gradients (zero-bubble)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,7 @@ def parallel_runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("parallel")
     by_world: dict[int, list] = {}
     for name, (tp, pp, dp) in CASES.items():
-        by_world.setdefault(tp * pp * dp, []).append((name, tp, pp))
+        by_world.setdefault(tp * pp * dp, []).append((name, tp, pp, name in DEFER_WGRAD))
     for world, cases in by_world.items():
         mp.spawn(parallel_worker, args=(world, str(workdir), cases), nprocs=world, join=True)
     return workdir
