@@ -160,3 +160,10 @@ def test_config_data_options_are_checked(tmp_path):
     assert "data.offline forbids hub datasets" in errors
     assert "adapters.0.dataset.template must be one of ['alpaca'] or a format string" in errors
     assert "adapters.0.dataset.template must be unset with messages_field" in errors
+
+
+def test_config_defer_wgrad_needs_several_stages(tmp_path):
+    job = _job(tmp_path, parallel={"pp": 1, "defer_wgrad": True})
+    assert "parallel.defer_wgrad needs parallel.pp > 1" in _errors(tmp_path, job)
+    job = _job(tmp_path, parallel={"pp": 2, "defer_wgrad": True})
+    assert load_config(_write(tmp_path, job)).parallel.defer_wgrad
