@@ -134,9 +134,16 @@ class _Runner:
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
 
-    def _event(self, k: int, kind: str, start: float, compute: float, tokens: int) -> None:
+    def _sync_for_timing(self) -> None:
+        """On a GPU, wait for queued kernels, so recorded times are device times (events only)."""
+        if self.record_events and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _event(self, k: int, kind: str, start: float, waited: float, tokens: int) -> None:
         if not self.record_events:
             return
+        self._sync_for_timing()
+        compute = time.perf_counter() - start - waited
         # perf_counter for durations, one time.time() offset so ranks share a time axis.
         offset = self.wall0 - self.t0
         k = k if kind == "O" else self.first_index + k
@@ -160,6 +167,7 @@ class _Runner:
         while self.wgrad is not None and not work.is_completed() and self.wgrad.run_oldest():
             pass
         work.wait()
+        self._sync_for_timing()  # a GPU wait blocks the stream, not the host: time it here
 
     def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         tensor = tensor.detach().contiguous()
@@ -210,7 +218,7 @@ class _Runner:
             # posted in forward order = the next stage's backward (send) order.
             stash.grad = self._post_recv(tokens, self.g.next_rank, self.g.backward_group)
         self.state.stash[k] = stash
-        self._event(k, "F", start, time.perf_counter() - start - waited, tokens)
+        self._event(k, "F", start, waited, tokens)
 
     def _adapter_loss(self, token_loss: torch.Tensor, batch: PackedBatch,
                       share: Microbatch) -> torch.Tensor:
@@ -247,8 +255,7 @@ class _Runner:
             self._send(stash.input_tensor.grad, self.g.prev_rank, self.g.backward_group)
         if self.wgrad is not None:
             self.wgrad.seal(stash.adapters)
-        self._event(action.microbatch, "B", start, time.perf_counter() - start - waited,
-                    stash.tokens)
+        self._event(action.microbatch, "B", start, waited, stash.tokens)
 
     def _step(self, action: Action) -> None:
         if self.wgrad is not None:  # the step reads every gradient of its adapters
@@ -288,7 +295,7 @@ class _Runner:
         run.scheduler.step()
         # Only the last stage computes losses; others record NaN until `_share_losses`.
         run.losses.append(float(pending.bucket[-1]) if self.g.is_last else float("nan"))
-        self._event(a, "O", start, time.perf_counter() - start, 0)
+        self._event(a, "O", start, 0.0, 0)
         if self.g.is_last and self.g.dp_rank == 0:
             logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name, len(run.losses),
                         run.losses[-1], run.scheduler.get_last_lr()[0])
@@ -342,7 +349,8 @@ def run_pipeline(
         activation_dtype: dtype of those activations (the model's compute dtype).
         device: where receive buffers live (the model's device).
         on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
-        record_events: time every operation (for `scripts/calibrate_simulator.py`).
+        record_events: time every operation (for `scripts/calibrate_simulator.py`); on a GPU
+            each operation and receive is then synchronized, so times are device times.
         first_index: plan position of the stream's first microbatch (a segment of a run
             cut for checkpoints); ``make_batch`` and events get plan positions.
         wgrad_queue: the `LoRAContext`'s queue when LoRA weight gradients are deferred
