@@ -15,7 +15,7 @@ it trains them three ways through the pipeline runner (`pipeline.run_pipeline`, 
     machine), no flush.
 
 Printed per strategy: useful tokens/s (padding not counted), each stage's measured bubble
-(1 − busy / makespan, busy from the runner's synchronized event times), peak memory, and
+(1 − busy / makespan, busy from the runner's CUDA-event times), peak memory, and
 the simulator's predicted bubble and makespan for the same microbatches, with the cost model
 of ``--cost-profile`` (the one-GPU per-layer profile by default).
 """

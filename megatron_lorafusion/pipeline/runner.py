@@ -109,6 +109,7 @@ class _State:
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     loss_sums: list[float] = field(default_factory=list)
     events: list[ComputeEvent] = field(default_factory=list)
+    gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
 
 
 def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch]):
@@ -134,21 +135,37 @@ class _Runner:
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
 
-    def _sync_for_timing(self) -> None:
-        """On a GPU, wait for queued kernels, so recorded times are device times (events only)."""
-        if self.record_events and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _gpu_mark(self) -> torch.cuda.Event | None:
+        """On a GPU with events on: a timing event on the compute stream (after any waits)."""
+        if not (self.record_events and self.device.type == "cuda"):
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
 
-    def _event(self, k: int, kind: str, start: float, waited: float, tokens: int) -> None:
+    def _event(self, k: int, kind: str, start: float, waited: float, tokens: int,
+               gpu_start: torch.cuda.Event | None = None) -> None:
         if not self.record_events:
             return
-        self._sync_for_timing()
-        compute = time.perf_counter() - start - waited
         # perf_counter for durations, one time.time() offset so ranks share a time axis.
         offset = self.wall0 - self.t0
         k = k if kind == "O" else self.first_index + k
-        self.state.events.append(ComputeEvent(k, kind, start + offset, compute,
-                                              time.perf_counter() + offset, tokens))
+        now = time.perf_counter()
+        if gpu_start is not None:  # device time, resolved once the run is done
+            self.state.gpu_events.append((k, kind, start + offset, gpu_start, self._gpu_mark(),
+                                          now + offset, tokens))
+            return
+        self.state.events.append(ComputeEvent(k, kind, start + offset, now - start - waited,
+                                              now + offset, tokens))
+
+    def _resolve_gpu_events(self) -> None:
+        if not self.state.gpu_events:
+            return
+        torch.cuda.synchronize(self.device)
+        for k, kind, start, first, last, end, tokens in self.state.gpu_events:
+            compute = first.elapsed_time(last) / 1e3
+            self.state.events.append(ComputeEvent(k, kind, start, compute, end, tokens))
+        self.state.gpu_events.clear()
 
     # -- point to point --------------------------------------------------------------------
     def _post_recv(self, tokens: int, src: int,
@@ -167,7 +184,6 @@ class _Runner:
         while self.wgrad is not None and not work.is_completed() and self.wgrad.run_oldest():
             pass
         work.wait()
-        self._sync_for_timing()  # a GPU wait blocks the stream, not the host: time it here
 
     def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         tensor = tensor.detach().contiguous()
@@ -188,6 +204,7 @@ class _Runner:
         self.state.sends.clear()
         for run, loss in zip(self.adapters, self.state.loss_sums, strict=True):
             run.pending_loss = loss  # this replica's part of an unfinished global batch
+        self._resolve_gpu_events()
 
     def _forward(self, action: Action) -> None:
         k = action.microbatch
@@ -208,6 +225,7 @@ class _Runner:
             input_tensor = self._recv(tokens, self.g.prev_rank, self.g.forward_group)
             waited = time.perf_counter() - before
             input_tensor.requires_grad_()
+        gpu_start = self._gpu_mark()  # the stream waited for the input before this point
         output = self.forward(batch, input_tensor)
         stash = _Stash(input_tensor, output, tokens, share.adapters)
         if self.g.is_last:
@@ -218,7 +236,7 @@ class _Runner:
             # posted in forward order = the next stage's backward (send) order.
             stash.grad = self._post_recv(tokens, self.g.next_rank, self.g.backward_group)
         self.state.stash[k] = stash
-        self._event(k, "F", start, waited, tokens)
+        self._event(k, "F", start, waited, tokens, gpu_start)
 
     def _adapter_loss(self, token_loss: torch.Tensor, batch: PackedBatch,
                       share: Microbatch) -> torch.Tensor:
@@ -244,18 +262,20 @@ class _Runner:
         start = time.perf_counter()
         waited = 0.0
         if self.g.is_last:
+            gpu_start = self._gpu_mark()
             stash.output.backward()
         else:
             before = time.perf_counter()
             work, grad = stash.grad
             self._wait(work)
             waited = time.perf_counter() - before
+            gpu_start = self._gpu_mark()
             torch.autograd.backward(stash.output, grad_tensors=grad)
         if not self.g.is_first:
             self._send(stash.input_tensor.grad, self.g.prev_rank, self.g.backward_group)
         if self.wgrad is not None:
             self.wgrad.seal(stash.adapters)
-        self._event(action.microbatch, "B", start, waited, stash.tokens)
+        self._event(action.microbatch, "B", start, waited, stash.tokens, gpu_start)
 
     def _step(self, action: Action) -> None:
         if self.wgrad is not None:  # the step reads every gradient of its adapters
@@ -283,6 +303,7 @@ class _Runner:
     def _finish_step(self, a: int) -> None:
         pending = self.state.pending.pop(a)
         start = time.perf_counter()
+        gpu_start = self._gpu_mark()
         if pending.work is not None:
             pending.work.wait()
             offset = 0
@@ -295,7 +316,7 @@ class _Runner:
         run.scheduler.step()
         # Only the last stage computes losses; others record NaN until `_share_losses`.
         run.losses.append(float(pending.bucket[-1]) if self.g.is_last else float("nan"))
-        self._event(a, "O", start, 0.0, 0)
+        self._event(a, "O", start, 0.0, 0, gpu_start)
         if self.g.is_last and self.g.dp_rank == 0:
             logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name, len(run.losses),
                         run.losses[-1], run.scheduler.get_last_lr()[0])
@@ -350,7 +371,8 @@ def run_pipeline(
         device: where receive buffers live (the model's device).
         on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
         record_events: time every operation (for `scripts/calibrate_simulator.py`); on a GPU
-            each operation and receive is then synchronized, so times are device times.
+            compute times are CUDA-event times on the compute stream, from after the
+            operation's receive to its end (no host synchronisation).
         first_index: plan position of the stream's first microbatch (a segment of a run
             cut for checkpoints); ``make_batch`` and events get plan positions.
         wgrad_queue: the `LoRAContext`'s queue when LoRA weight gradients are deferred
