@@ -212,6 +212,9 @@ class ParallelConfig:
     cost of an all-gather / reduce-scatter pair instead of each all-reduce. On by default, as
     Megatron users expect with TP; has no effect at ``tp = 1``. Microbatches are padded to a
     multiple of ``tp`` tokens with a loss-free sample."""
+    defer_wgrad: bool = False
+    """Defer each LoRA down-projection's weight-gradient pass into pipeline idle time
+    (zero-bubble style; needs pp > 1; docs/pipeline.md has the measured gain)."""
 
 
 @dataclass(frozen=True)
@@ -424,6 +427,13 @@ def validate(cfg: JobConfig) -> list[str]:
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) < 1:
             p.append(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
+    if cfg.parallel.defer_wgrad and cfg.parallel.pp == 1:
+        p.append("parallel.defer_wgrad needs parallel.pp > 1 (one stage has no bubbles to "
+                 "fill), got pp=1")
+    if cfg.parallel.defer_wgrad and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
+        p.append(f"parallel.defer_wgrad does not combine with parallel.sequence_parallel at "
+                 f"tp={cfg.parallel.tp} (the deferred dA would need a TP all-reduce); set one "
+                 "of them false")
     if cfg.parallel.tp >= 1 and m.vocab_size % cfg.parallel.tp:
         p.append(f"model.vocab_size must be divisible by parallel.tp ({cfg.parallel.tp}), "
                  f"got {m.vocab_size}")

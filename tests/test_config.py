@@ -172,3 +172,10 @@ def test_config_sequence_parallel_defaults_on_and_must_be_bool(tmp_path):
     job = _job(tmp_path, parallel={"sequence_paralel": True})
     assert ("parallel.sequence_paralel is not a known key; did you mean 'sequence_parallel'?"
             in _errors(tmp_path, job))
+
+
+def test_config_defer_wgrad_needs_several_stages(tmp_path):
+    job = _job(tmp_path, parallel={"pp": 1, "defer_wgrad": True})
+    assert "parallel.defer_wgrad needs parallel.pp > 1" in _errors(tmp_path, job)
+    job = _job(tmp_path, parallel={"pp": 2, "defer_wgrad": True})
+    assert load_config(_write(tmp_path, job)).parallel.defer_wgrad

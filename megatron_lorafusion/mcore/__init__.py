@@ -12,6 +12,7 @@ from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
 from megatron_lorafusion.mcore.hf_import import HFCheckpoint, build_hf_gpt_model, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
+from megatron_lorafusion.mcore.wgrad import WgradQueue
 
 __all__ = [
     "HFCheckpoint",
@@ -19,6 +20,7 @@ __all__ = [
     "LoRAContext",
     "LoRARowParallelLinear",
     "VarlenCoreAttention",
+    "WgradQueue",
     "apply_lora",
     "build_gpt_model",
     "build_hf_gpt_model",

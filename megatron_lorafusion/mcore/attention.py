@@ -1,10 +1,11 @@
 """Core attention for packed (THD) microbatches: causal within each sample, never across.
 
 A drop-in replacement for Megatron's local `DotProductAttention` (which rejects packed
-sequences). CUDA uses ``torch.nn.attention.varlen.varlen_attn`` for fp16/bf16 when available
-(15× faster than the per-sample loop on an H200, see shared/notes/stack.md); otherwise (CPU,
-fp32, attention dropout) each sample runs through ``F.scaled_dot_product_attention`` in a
-Python loop.
+sequences). For packed input it also applies RoPE (``rotary``, set by the model builders),
+per token and without host syncs, in place of Megatron's per-sample THD loop. CUDA uses
+``torch.nn.attention.varlen.varlen_attn`` for fp16/bf16 when available (15× faster than the
+per-sample loop on an H200, see shared/notes/stack.md); otherwise (CPU, fp32, attention
+dropout) each sample runs through ``F.scaled_dot_product_attention`` in a Python loop.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 def _repeat_kv(t: torch.Tensor, groups_per_head: int) -> torch.Tensor:
     """(T, ng, d) -> (T, np, d): query head j reads KV group j // groups_per_head (Megatron's)."""
     return t if groups_per_head == 1 else t.repeat_interleave(groups_per_head, dim=1)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of (T, heads, d) with (T, 1, d) tables, halves rotated (Megatron's layout)."""
+    first, second = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 def varlen_causal_attention_ref(
@@ -77,6 +84,11 @@ class VarlenCoreAttention(MegatronModule):
     only. Unpacked input (``packed_seq_params`` None): query ``[s, b, np, d]``, output
     ``[s, b, np·d]``, causal, plus the boolean ``attention_mask`` (True = masked out) if given.
     Heads are those of this TP rank (taken from the tensors).
+
+    Attributes:
+        rotary: the model's RoPE module (`mcore.model.set_rotary_embedding`); for packed
+            input, q and k arrive unrotated (its ``forward`` gave Megatron no table) and are
+            rotated here by position inside their sample. None: no RoPE.
     """
 
     def __init__(
@@ -112,6 +124,7 @@ class VarlenCoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.rotary: torch.nn.Module | None = None
 
     def forward(
         self,
@@ -137,6 +150,9 @@ class VarlenCoreAttention(MegatronModule):
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise NotImplementedError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
+        if self.rotary is not None:
+            cos, sin = self.rotary.packed_cos_sin(cu_q, query.shape[0], query.dtype)
+            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
         groups = query.shape[1] // key.shape[1]
         if (
             query.is_cuda

@@ -14,6 +14,7 @@ from torch import nn
 
 from megatron_lorafusion.config import TARGET_MODULES, AdapterConfig
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_lorafusion.mcore.wgrad import WgradQueue
 from megatron_lorafusion.ops import AdapterLayout
 
 # target -> (parent attribute in the layer, wrapper class); the order numbers the layer seeds.
@@ -37,10 +38,13 @@ class LoRAContext:
         adapters: the run's adapters; adapter id = position.
         wrappers: LoRA wrapper of each adapted linear, keyed by its global name
             (``decoder.layers.{global layer index}.self_attention.linear_qkv``, ...).
+        wgrad_queue: when set, training backwards defer each down-projection's weight
+            gradient into this queue (zero-bubble; `mcore.wgrad`); None computes it at once.
     """
 
     def __init__(self, adapters: Sequence[AdapterConfig], wrappers: dict[str, LoRAWrapper]):
         self.layout: AdapterLayout | None = None
+        self.wgrad_queue: WgradQueue | None = None
         self.adapters = tuple(adapters)
         self.wrappers = wrappers
 

@@ -28,6 +28,7 @@ from megatron_lorafusion.mcore.model import (
     _gpt_block_spec,
     _PortableRotaryEmbedding,
     _transformer_config,
+    set_rotary_embedding,
 )
 
 __all__ = ["HFCheckpoint", "build_hf_gpt_model", "load_hf_weights"]
@@ -249,7 +250,7 @@ def build_hf_gpt_model(
             rotary_base=model_cfg.rope_theta,
             pg_collection=pg_collection,
         )
-        model.rotary_pos_emb = _PortableRotaryEmbedding(
+        set_rotary_embedding(model, _PortableRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,
             rotary_base=model_cfg.rope_theta,
@@ -257,7 +258,7 @@ def build_hf_gpt_model(
             rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
             use_cpu_initialization=True,
             cp_group=pg_collection.cp,
-        )
+        ))
     load_hf_weights(model, model_cfg, pg_collection.tp.rank())
     model.requires_grad_(False)
     return model.to(device)

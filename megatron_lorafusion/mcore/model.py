@@ -35,6 +35,11 @@ class _PortableRotaryEmbedding(RotaryEmbedding):
     ``torch.cuda.current_device()`` on first use, which fails on a CPU-only machine; its
     ``forward`` is also ``lru_cache``d, which would keep embeddings on a stale device after
     ``model.to(...)``. This subclass recomputes the (tiny) table on every call instead.
+
+    Packed (THD) microbatches get no table from ``forward``: Megatron's THD RoPE loops over
+    the samples in Python with a host sync each (``.tolist()``, ``.item()``), twice per layer.
+    `VarlenCoreAttention` rotates q and k itself with `packed_cos_sin`, one table of every
+    token's position inside its sample, computed once per microbatch for all layers.
     """
 
     def __init__(self, **kwargs):
@@ -43,6 +48,7 @@ class _PortableRotaryEmbedding(RotaryEmbedding):
             raise NotImplementedError("interleaved or interpolated RoPE is not supported")
         inv_freq = self.__dict__.pop("inv_freq")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._packed_cache: tuple | None = None
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """(max_seq_len, 1, 1, head_dim) rotation angles of positions ``offset..``."""
@@ -56,7 +62,37 @@ class _PortableRotaryEmbedding(RotaryEmbedding):
         cp_group = cp_group if cp_group is not None else self.cp_group
         if cp_group is not None and cp_group.size() > 1:
             raise NotImplementedError("context parallelism is not supported")
+        if packed_seq:
+            return None  # the core attention applies `packed_cos_sin` instead
         return self.get_emb(max_seq_len, offset)
+
+    def packed_cos_sin(
+        self, cu_seqlens: torch.Tensor, tokens: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, 1, head_dim) cos and sin of each packed token's position in its sample.
+
+        No host sync (``tokens`` is known on the host). Cached for the last ``cu_seqlens``
+        tensor seen, so every layer of one forward shares one table.
+        """
+        cached = self._packed_cache
+        if cached is not None and cached[0] is cu_seqlens and cached[1] == dtype:
+            return cached[2]
+        starts = cu_seqlens[:-1].long()
+        lengths = cu_seqlens[1:].long() - starts
+        index = torch.arange(tokens, device=cu_seqlens.device)
+        positions = index - torch.repeat_interleave(starts, lengths, output_size=tokens)
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, head_dim)
+        table = (torch.cos(emb).to(dtype), torch.sin(emb).to(dtype))
+        self._packed_cache = (cu_seqlens, dtype, table)
+        return table
+
+
+def set_rotary_embedding(model: GPTModel, rotary: _PortableRotaryEmbedding) -> None:
+    """Give the model its RoPE module and every layer's core attention the same one."""
+    model.rotary_pos_emb = rotary
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention.rotary = rotary
 
 
 def _transformer_config(
@@ -259,13 +295,13 @@ def build_gpt_model(
             rotary_base=int(model_cfg.rope_theta),
             pg_collection=pg_collection,
         )
-        model.rotary_pos_emb = _PortableRotaryEmbedding(
+        set_rotary_embedding(model, _PortableRotaryEmbedding(
             kv_channels=config.kv_channels,
             rotary_percent=1.0,
             rotary_base=int(model_cfg.rope_theta),
             use_cpu_initialization=True,
             cp_group=pg_collection.cp,
-        )
+        ))
     _init_base_weights(model, model_cfg, pg_collection.tp.rank(), pg_collection.tp.size())
     model.requires_grad_(False)
     return model.to(device)

@@ -39,6 +39,7 @@ from megatron_lorafusion.planner import Microbatch
 
 if TYPE_CHECKING:
     from megatron_lorafusion.data import PackedBatch
+    from megatron_lorafusion.mcore import WgradQueue
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class _Stash:
     input_tensor: torch.Tensor | None
     output: torch.Tensor  # hidden (T, 1, H), or the scalar loss on the last stage
     tokens: int
+    adapters: tuple[int, ...]
     grad: tuple[dist.Work, torch.Tensor] | None = None  # posted receive of the output's grad
 
 
@@ -109,6 +111,7 @@ class _State:
     pending: dict[int, _PendingStep] = field(default_factory=dict)
     loss_sums: list[float] = field(default_factory=list)
     events: list[ComputeEvent] = field(default_factory=list)
+    gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
 
 
 def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch]):
@@ -122,9 +125,10 @@ class _Runner:
 
     def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
                  hidden_size, activation_dtype, device, on_step, record_events, first_index,
-                 sequence_shards):
+                 sequence_shards, wgrad_queue):
         self.forward, self.make_batch = forward, make_batch
         self.sequence_shards = sequence_shards
+        self.wgrad = wgrad_queue
         self.adapters, self.params, self.g = adapters, params, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
@@ -134,14 +138,37 @@ class _Runner:
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
 
-    def _event(self, k: int, kind: str, start: float, compute: float, tokens: int) -> None:
+    def _gpu_mark(self) -> torch.cuda.Event | None:
+        """On a GPU with events on: a timing event on the compute stream (after any waits)."""
+        if not (self.record_events and self.device.type == "cuda"):
+            return None
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def _event(self, k: int, kind: str, start: float, waited: float, tokens: int,
+               gpu_start: torch.cuda.Event | None = None) -> None:
         if not self.record_events:
             return
         # perf_counter for durations, one time.time() offset so ranks share a time axis.
         offset = self.wall0 - self.t0
         k = k if kind == "O" else self.first_index + k
-        self.state.events.append(ComputeEvent(k, kind, start + offset, compute,
-                                              time.perf_counter() + offset, tokens))
+        now = time.perf_counter()
+        if gpu_start is not None:  # device time, resolved once the run is done
+            self.state.gpu_events.append((k, kind, start + offset, gpu_start, self._gpu_mark(),
+                                          now + offset, tokens))
+            return
+        self.state.events.append(ComputeEvent(k, kind, start + offset, now - start - waited,
+                                              now + offset, tokens))
+
+    def _resolve_gpu_events(self) -> None:
+        if not self.state.gpu_events:
+            return
+        torch.cuda.synchronize(self.device)
+        for k, kind, start, first, last, end, tokens in self.state.gpu_events:
+            compute = first.elapsed_time(last) / 1e3
+            self.state.events.append(ComputeEvent(k, kind, start, compute, end, tokens))
+        self.state.gpu_events.clear()
 
     # -- point to point --------------------------------------------------------------------
     def _post_recv(self, tokens: int, src: int,
@@ -158,8 +185,14 @@ class _Runner:
 
     def _recv(self, tokens: int, src: int, group: dist.ProcessGroup) -> torch.Tensor:
         work, buf = self._post_recv(tokens, src, group)
-        work.wait()
+        self._wait(work)
         return buf
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a receive, running deferred weight-gradient passes while it is pending."""
+        while self.wgrad is not None and not work.is_completed() and self.wgrad.run_oldest():
+            pass
+        work.wait()
 
     def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         tensor = tensor.detach().contiguous()
@@ -171,6 +204,8 @@ class _Runner:
     def run(self, actions: Iterator[Action]) -> None:
         for action in actions:
             {"F": self._forward, "B": self._backward, "O": self._step}[action.kind](action)
+        if self.wgrad is not None:  # gradients of batches that straddle the end
+            self.wgrad.run_all()
         for a in sorted(self.state.pending):
             self._finish_step(a)
         for work, _ in self.state.sends:
@@ -178,6 +213,7 @@ class _Runner:
         self.state.sends.clear()
         for run, loss in zip(self.adapters, self.state.loss_sums, strict=True):
             run.pending_loss = loss  # this replica's part of an unfinished global batch
+        self._resolve_gpu_events()
 
     def _forward(self, action: Action) -> None:
         k = action.microbatch
@@ -198,8 +234,9 @@ class _Runner:
             input_tensor = self._recv(tokens, self.g.prev_rank, self.g.forward_group)
             waited = time.perf_counter() - before
             input_tensor.requires_grad_()
+        gpu_start = self._gpu_mark()  # the stream waited for the input before this point
         output = self.forward(batch, input_tensor)
-        stash = _Stash(input_tensor, output, tokens)
+        stash = _Stash(input_tensor, output, tokens, share.adapters)
         if self.g.is_last:
             stash.output = self._adapter_loss(output, batch, share)
         else:
@@ -208,7 +245,7 @@ class _Runner:
             # posted in forward order = the next stage's backward (send) order.
             stash.grad = self._post_recv(tokens, self.g.next_rank, self.g.backward_group)
         self.state.stash[k] = stash
-        self._event(k, "F", start, time.perf_counter() - start - waited, tokens)
+        self._event(k, "F", start, waited, tokens, gpu_start)
 
     def _adapter_loss(self, token_loss: torch.Tensor, batch: PackedBatch,
                       share: Microbatch) -> torch.Tensor:
@@ -234,19 +271,24 @@ class _Runner:
         start = time.perf_counter()
         waited = 0.0
         if self.g.is_last:
+            gpu_start = self._gpu_mark()
             stash.output.backward()
         else:
             before = time.perf_counter()
             work, grad = stash.grad
-            work.wait()
+            self._wait(work)
             waited = time.perf_counter() - before
+            gpu_start = self._gpu_mark()
             torch.autograd.backward(stash.output, grad_tensors=grad)
         if not self.g.is_first:
             self._send(stash.input_tensor.grad, self.g.prev_rank, self.g.backward_group)
-        self._event(action.microbatch, "B", start, time.perf_counter() - start - waited,
-                    stash.tokens)
+        if self.wgrad is not None:
+            self.wgrad.seal(stash.adapters)
+        self._event(action.microbatch, "B", start, waited, stash.tokens, gpu_start)
 
     def _step(self, action: Action) -> None:
+        if self.wgrad is not None:  # the step reads every gradient of its adapters
+            self.wgrad.run_for(action.finishes)
         for a in action.finishes:
             if a in self.state.pending:  # no forward of this replica read `a` since its last step
                 self._finish_step(a)
@@ -270,6 +312,7 @@ class _Runner:
     def _finish_step(self, a: int) -> None:
         pending = self.state.pending.pop(a)
         start = time.perf_counter()
+        gpu_start = self._gpu_mark()
         if pending.work is not None:
             pending.work.wait()
             offset = 0
@@ -282,7 +325,7 @@ class _Runner:
         run.scheduler.step()
         # Only the last stage computes losses; others record NaN until `_share_losses`.
         run.losses.append(float(pending.bucket[-1]) if self.g.is_last else float("nan"))
-        self._event(a, "O", start, time.perf_counter() - start, 0)
+        self._event(a, "O", start, 0.0, 0, gpu_start)
         if self.g.is_last and self.g.dp_rank == 0:
             logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name, len(run.losses),
                         run.losses[-1], run.scheduler.get_last_lr()[0])
@@ -316,6 +359,7 @@ def run_pipeline(
     record_events: bool = False,
     first_index: int = 0,
     sequence_shards: int = 1,
+    wgrad_queue: WgradQueue | None = None,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -336,11 +380,16 @@ def run_pipeline(
         activation_dtype: dtype of those activations (the model's compute dtype).
         device: where receive buffers live (the model's device).
         on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
-        record_events: time every operation (for `scripts/calibrate_simulator.py`).
+        record_events: time every operation (for `scripts/calibrate_simulator.py`); on a GPU
+            compute times are CUDA-event times on the compute stream, from after the
+            operation's receive to its end (no host synchronisation).
         first_index: plan position of the stream's first microbatch (a segment of a run
             cut for checkpoints); ``make_batch`` and events get plan positions.
         sequence_shards: the TP size under sequence parallelism, else 1: the activations
             passed between stages hold ``T / sequence_shards`` token rows.
+        wgrad_queue: the `LoRAContext`'s queue when LoRA weight gradients are deferred
+            (``parallel.defer_wgrad``): run while this stage waits for a peer, before the
+            optimizer steps of the adapters a pass touched, and at the end of the call.
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -353,7 +402,7 @@ def run_pipeline(
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
                      record_events=record_events, first_index=first_index,
-                     sequence_shards=sequence_shards)
+                     sequence_shards=sequence_shards, wgrad_queue=wgrad_queue)
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
@@ -365,6 +414,8 @@ def run_pipeline(
         runner.state.sends.clear()
         runner.state.pending.clear()
         runner.state.stash.clear()  # and posted receives
+        if wgrad_queue is not None:
+            wgrad_queue.clear()
         raise
     _share_losses(adapters, groups)
     return runner.state.events

@@ -22,8 +22,11 @@ from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sam
 __all__ = [
     "StrategyResult",
     "compare_strategies",
+    "default_samples_per_microbatch",
     "megatron_jobs",
+    "megatron_microbatches",
     "mlora_jobs",
+    "mlora_microbatches",
     "plan_jobs",
 ]
 
@@ -73,8 +76,11 @@ def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
     return [_job(mb.samples, mb.finishes, cost, plan.tile_height) for mb in plan.microbatches]
 
 
-def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
-    """Strategy (a): per adapter and global batch, FFD-packed microbatches; one group each."""
+def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
+    """Strategy (a) as runnable groups: per adapter and global batch, FFD-packed microbatches.
+
+    Each group is one pipeline run (a flush after it); its last microbatch steps the adapter.
+    """
     groups = []
     for a in range(problem.num_adapters):
         for j in range(problem.num_global_batches(a)):
@@ -82,22 +88,23 @@ def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
                 tuple(problem.global_batch(a, j)), (), {}, problem.capacity, problem.tile_height
             )
             bins = pack_ffd(segment)
-            groups.append(
-                [
-                    _job(b, (a,) if k == len(bins) - 1 else (), cost, problem.tile_height)
-                    for k, b in enumerate(bins)
-                ]
-            )
+            groups.append([Microbatch(tuple(b), (a,) if k == len(bins) - 1 else ())
+                           for k, b in enumerate(bins)])
     return groups
 
 
-def mlora_jobs(
-    problem: PlanProblem, cost: CostModel, samples_per_microbatch: int
-) -> tuple[list[Job], int]:
-    """Strategy (b): round-robin microbatches of ``samples_per_microbatch`` samples, padded.
+def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
+    """Strategy (a): the jobs of `megatron_microbatches`, one group per global batch."""
+    return [[_job(mb.samples, mb.finishes, cost, problem.tile_height) for mb in group]
+            for group in megatron_microbatches(problem)]
 
-    Returns:
-        The jobs (idle ones included) and the computed (padded) tokens.
+
+def mlora_microbatches(problem: PlanProblem, samples_per_microbatch: int) -> list[Microbatch]:
+    """Strategy (b) as a runnable stream: round-robin microbatches of one adapter's samples.
+
+    Each holds ``samples_per_microbatch`` samples of one adapter (the runner pads them to the
+    longest, see `scripts/bench_multi_gpu.py`); idle microbatches (no samples) are added only
+    where fewer than ``S`` adapters are left to separate an adapter's global batches.
     """
     k = samples_per_microbatch
     queues: list[list[tuple[list[Sample], bool]]] = []
@@ -108,25 +115,52 @@ def mlora_jobs(
             for i in range(0, len(batch), k):
                 chunks.append((batch[i : i + k], i + k >= len(batch)))
         queues.append(chunks)
-    jobs, computed, last_step, heads = [], 0, {}, [0] * problem.num_adapters
+    stream: list[Microbatch] = []
+    last_step: dict[int, int] = {}
+    heads = [0] * problem.num_adapters
     while any(h < len(q) for h, q in zip(heads, queues, strict=True)):
         for a in range(problem.num_adapters):
             if heads[a] == len(queues[a]):
                 continue
             samples, ends = queues[a][heads[a]]
             first_of_batch = heads[a] == 0 or queues[a][heads[a] - 1][1]
-            gap = len(jobs) - last_step.get(a, -problem.num_stages)
+            gap = len(stream) - last_step.get(a, -problem.num_stages)
             for _ in range(problem.num_stages - gap if first_of_batch else 0):
-                jobs.append(Job(0.0, 0.0))  # idle: too few adapters left to separate steps
-            longest = max(s.tokens for s in samples)
-            tokens = longest * len(samples)
-            fwd = cost.forward_ms(tokens, longest * longest * len(samples))
-            jobs.append(Job(fwd, fwd * cost.backward_ratio, (a,), (a,) if ends else (), a))
-            computed += tokens
+                stream.append(Microbatch(()))  # idle: too few adapters left to separate steps
+            stream.append(Microbatch(tuple(samples), (a,) if ends else ()))
             if ends:
-                last_step[a] = len(jobs) - 1
+                last_step[a] = len(stream) - 1
             heads[a] += 1
+    return stream
+
+
+def mlora_jobs(
+    problem: PlanProblem, cost: CostModel, samples_per_microbatch: int
+) -> tuple[list[Job], int]:
+    """Strategy (b): the jobs of `mlora_microbatches`, every sample padded to the longest.
+
+    Returns:
+        The jobs (idle ones included) and the computed (padded) tokens.
+    """
+    jobs, computed = [], 0
+    for mb in mlora_microbatches(problem, samples_per_microbatch):
+        if mb.is_idle:
+            jobs.append(Job(0.0, 0.0))
+            continue
+        longest = max(s.tokens for s in mb.samples)
+        tokens = longest * len(mb.samples)
+        fwd = cost.forward_ms(tokens, longest * longest * len(mb.samples))
+        jobs.append(Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes,
+                        mb.samples[0].adapter))
+        computed += tokens
     return jobs, computed
+
+
+def default_samples_per_microbatch(problem: PlanProblem) -> int:
+    """Strategy (b)'s fixed size: capacity / mean sample length (about ``capacity`` tokens)."""
+    useful = sum(sum(x) for x in problem.lengths)
+    n_samples = sum(len(x) for x in problem.lengths)
+    return max(1, round(problem.capacity * n_samples / useful))
 
 
 def compare_strategies(
@@ -145,9 +179,8 @@ def compare_strategies(
         Results in the order megatron, mlora, ours.
     """
     useful = sum(sum(x) for x in problem.lengths)
-    n_samples = sum(len(x) for x in problem.lengths)
     if samples_per_microbatch is None:
-        samples_per_microbatch = max(1, round(problem.capacity * n_samples / useful))
+        samples_per_microbatch = default_samples_per_microbatch(problem)
     tile = problem.tile_height
     groups = megatron_jobs(problem, cost)
     mega_tokens = 0

@@ -122,16 +122,20 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
     taken), then every rank saves its shard. Each cut costs one fill and drain of the
     pipeline, about ``(S - 1) × (t_F + t_B)`` of idle time per stage.
     """
+    from megatron_lorafusion.mcore import WgradQueue
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(runs))]
+    if cfg.parallel.defer_wgrad:
+        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
     for first_index, segment in session.segments(stream):
         run_pipeline(segment, forward, make_batch, runs, params, groups,
                      global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
                      hidden_size=cfg.model.hidden_size,
                      activation_dtype=_DTYPES[cfg.train.precision], device=device,
-                     first_index=first_index, sequence_shards=_sequence_shards(cfg))
+                     first_index=first_index, sequence_shards=_sequence_shards(cfg),
+                     wgrad_queue=lora.wgrad_queue)
         session.save()
 
 

@@ -146,3 +146,33 @@ def test_varlen_attention_cuda_path_matches_reference(dtype):
     torch.testing.assert_close(out, expected, **tol, msg="varlen_attn forward != reference")
     for name, g, e in zip("qkv", grads, expected_grads, strict=True):
         torch.testing.assert_close(g, e, **tol, msg=f"varlen_attn d{name} != reference")
+
+
+def test_packed_rope_skips_megatrons_per_sample_loop(tiny_model, monkeypatch):
+    # Megatron's THD RoPE loops over samples with host syncs; the core attention rotates
+    # instead, from one table per microbatch shared by every layer.
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def per_sample_loop(*args, **kwargs):
+        raise AssertionError("Megatron's THD RoPE ran on a packed microbatch")
+
+    monkeypatch.setattr(rope_utils, "_apply_rotary_pos_emb_thd", per_sample_loop)
+    context = _lora_model(tiny_model)
+    batch = make_packed_batch([0, 1, 2], [5, 9, 4], 3, seed=4)
+    rotary = tiny_model.rotary_pos_emb
+    tables = []
+    real = rotary.packed_cos_sin
+
+    def recording(*args, **kwargs):
+        table = real(*args, **kwargs)
+        tables.append(table)
+        return table
+
+    monkeypatch.setattr(rotary, "packed_cos_sin", recording)
+    with torch.no_grad():
+        run_model(tiny_model, context, batch)
+    assert len(tables) == len(tiny_model.decoder.layers)
+    assert all(t[0] is tables[0][0] for t in tables), "layers must share one cos/sin table"
+    positions = torch.cat([torch.arange(n) for n in batch.lengths])
+    expected = torch.cos(positions[:, None].float() * rotary.inv_freq[None, :])
+    torch.testing.assert_close(tables[0][0][:, 0, : rotary.inv_freq.numel()], expected)

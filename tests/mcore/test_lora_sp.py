@@ -33,6 +33,7 @@ LAYER_SEED = 5
 
 class _Context:
     layout = None
+    wgrad_queue = None
 
 
 def _full(seed: int, *shape: int) -> torch.Tensor:

@@ -168,9 +168,13 @@ def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
 
 
 def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None,
-              sequence_shards: int = 1):
+              sequence_shards: int = 1, defer_wgrad: bool = False):
     """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP."""
+    from megatron_lorafusion.mcore import WgradQueue
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
+
+    if defer_wgrad:
+        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(adapters))]
@@ -178,13 +182,15 @@ def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch
     return run_pipeline(job.microbatches, forward, make_batch, runs, params, groups,
                         global_batch_sizes=[a.global_batch_size for a in adapters],
                         hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
-                        device="cpu", sequence_shards=sequence_shards)
+                        device="cpu", sequence_shards=sequence_shards,
+                        wgrad_queue=lora.wgrad_queue)
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
-    """Train the job once per ``(name, tp, pp, sp)`` case on one rank of a ``world``-rank world.
+    """Train the job once per ``(name, tp, pp, sp, defer_wgrad)`` case on one rank of a world.
 
-    ``sp`` turns on sequence parallelism (microbatches padded to a multiple of ``tp``).
+    ``sp`` turns on sequence parallelism (microbatches padded to a multiple of ``tp``);
+    ``defer_wgrad`` defers LoRA A's weight gradients into idle time (zero-bubble).
 
     Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
@@ -193,7 +199,7 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     from megatron_lorafusion.mcore.parallel import parallel_sizes, sequence_parallel_on_cpu
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp, sp in cases:
+    for name, tp, pp, sp, defer_wgrad in cases:
         casedir = os.path.join(workdir, name)
         os.makedirs(casedir, exist_ok=True)
         init_world(rank, world, casedir, tp, pp)
@@ -205,7 +211,7 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
                 modes = {w.sequence_parallel for w in lora.wrappers.values()}
                 assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
                 run_stage(job, model, lora, runs, groups, adapters,
-                          sequence_shards=tp if sp else 1)
+                          sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad)
             sizes = parallel_sizes()
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])

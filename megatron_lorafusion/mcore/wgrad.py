@@ -1,0 +1,129 @@
+"""Deferred LoRA weight gradients: each microbatch's zero-bubble "W" pass, run in idle time.
+
+With a `WgradQueue` on the `LoRAContext`, a LoRA wrapper's backward computes the input
+gradient and ``dS`` (the gradient of ``S = drop(X)·Aᵀ``, T × R) but not
+``dA = dSᵀ·drop(X)``, the pass over X that only the down-projection's weight gradient needs.
+That pass waits in the queue, holding X, ``dS`` and the dropout mask, until the pipeline
+runner runs it: while its stage waits for a peer, before an optimizer step of an adapter it
+touches, when more than ``max_pending`` microbatches wait, and at the end of a run. ``dB``
+comes from the same pass over dY as ``dS`` and is never deferred. docs/pipeline.md has the
+measurements that decide whether to turn it on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["WgradQueue", "accumulate_lora_a_grads"]
+
+
+@dataclass
+class _Pass:
+    """The deferred work of one microbatch's backward on this stage."""
+
+    adapters: frozenset[int]
+    work: list[Callable[[], None]]
+
+
+class WgradQueue:
+    """FIFO of deferred ``dA`` passes, one entry per microbatch backward.
+
+    Wrappers `push` work during a backward; the runner `seal`s it with the microbatch's
+    adapters right after that backward and later runs it (`run_oldest`, `run_for`,
+    `run_all`).
+
+    Args:
+        max_pending: microbatches whose passes may wait (their X stays alive); sealing one
+            more runs the oldest. The stage count keeps memory at 1F1B's in-flight level.
+
+    Raises:
+        ValueError: when ``max_pending < 1``.
+    """
+
+    def __init__(self, max_pending: int):
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.max_pending = max_pending
+        self._open: list[Callable[[], None]] = []
+        self._passes: deque[_Pass] = deque()
+
+    def __len__(self) -> int:
+        """Sealed passes waiting to run."""
+        return len(self._passes)
+
+    def push(self, work: Callable[[], None]) -> None:
+        """Add one layer's deferred work to the backward in progress."""
+        self._open.append(work)
+
+    def seal(self, adapters: Iterable[int]) -> None:
+        """Close the finished backward's work into one pass tagged with its adapters."""
+        if self._open:
+            self._passes.append(_Pass(frozenset(adapters), self._open))
+            self._open = []
+        while len(self._passes) > self.max_pending:
+            self.run_oldest()
+
+    def run_oldest(self) -> bool:
+        """Run the oldest pass; False when none waits."""
+        if not self._passes:
+            return False
+        for work in self._passes.popleft().work:
+            work()
+        return True
+
+    def run_for(self, adapters: Iterable[int]) -> None:
+        """Run, oldest first, every pass that touched one of ``adapters`` (before a step)."""
+        wanted = frozenset(adapters)
+        keep: deque[_Pass] = deque()
+        while self._passes:
+            item = self._passes.popleft()
+            if item.adapters & wanted:
+                for work in item.work:
+                    work()
+            else:
+                keep.append(item)
+        self._passes = keep
+
+    def run_all(self) -> None:
+        """Run every waiting pass, oldest first."""
+        while self.run_oldest():
+            pass
+
+    def clear(self) -> None:
+        """Drop all waiting work (after a failed run)."""
+        self._open.clear()
+        self._passes.clear()
+
+
+def accumulate_lora_a_grads(
+    params: dict[str, torch.nn.Parameter],
+    x: torch.Tensor,
+    grad_s: torch.Tensor,
+    keep_mask: torch.Tensor | None,
+    dropouts: list[float],
+    segments: list[tuple[int, int, int]],
+) -> None:
+    """``A_a.grad += dS[seg_a]ᵀ·drop_a(X[seg_a])`` for each adapter segment with factors.
+
+    Args:
+        params: adapter id (str) -> its ``lora_A`` parameter (r_a, H_local).
+        x: (T, H_local) the layer's input, as saved in forward.
+        grad_s: (T, R) gradient of ``S`` (TP-reduced where the wrapper reduces it).
+        keep_mask: (T, H_local) dropout keep-mask, or None without dropout.
+        dropouts: (A,) dropout probability per adapter.
+        segments: ``(adapter, start, end)`` rows of each adapter (`AdapterLayout.segments`).
+    """
+    for adapter, start, end in segments:
+        param = params.get(str(adapter))
+        if param is None:
+            continue
+        x_seg = x[start:end]
+        p = dropouts[adapter]
+        if keep_mask is not None and p > 0:
+            x_seg = x_seg * keep_mask[start:end] / (1.0 - p)
+        grad = (grad_s[start:end, : param.shape[0]].t() @ x_seg).to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad + grad

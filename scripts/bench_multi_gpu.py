@@ -1,0 +1,212 @@
+"""Multi-GPU pipeline run: Megatron-style, mLoRA-style and our schedule on the same samples.
+
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m scripts.bench_multi_gpu --pp 2
+
+Every rank builds its stage of a Llama-3.1-8B-shaped model (random bf16 weights; ``--layers``
+to shorten it), four adapters (r = 16, dropout 0.1, every linear) and, per length
+distribution, the same samples (random tokens, lengths from `planner.distributions`). Then
+it trains them three ways through the pipeline runner (`pipeline.run_pipeline`, NCCL):
+
+(a) Megatron-style: one adapter at a time, each global batch FFD-packed and run as its own
+    pipeline (a flush per optimizer step);
+(b) mLoRA-style: adapters round-robin, a fixed number of one adapter's samples per
+    microbatch, each sample padded to the longest (no packing);
+(c) ours: the planner's packed multi-adapter stream (greedy planner: PuLP is not on the GPU
+    machine), no flush.
+
+Printed per strategy: useful tokens/s (padding not counted), each stage's measured bubble
+(1 − busy / makespan, busy from the runner's CUDA-event times), peak memory, and
+the simulator's predicted bubble and makespan for the same microbatches, with the cost model
+of ``--cost-profile`` (the one-GPU per-layer profile by default).
+"""
+
+import argparse
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, DatasetConfig, ModelConfig
+from megatron_lorafusion.data import TokenizedSample, pack_microbatch
+from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+from megatron_lorafusion.mcore.parallel import (
+    destroy_model_parallel,
+    init_model_parallel,
+    pipeline_and_data_ranks,
+)
+from megatron_lorafusion.pipeline import gpt_stage_forward, make_pipeline_groups, run_pipeline
+from megatron_lorafusion.planner import CostModel, compare_strategies, plan_microbatches
+from megatron_lorafusion.planner.baselines import (
+    default_samples_per_microbatch,
+    megatron_microbatches,
+    mlora_microbatches,
+)
+from megatron_lorafusion.planner.commands import problem_from_args
+from megatron_lorafusion.train import AdapterRun, build_optimizer
+
+REPO = Path(__file__).resolve().parents[1]
+ADAPTERS = 4
+
+
+class _Identity:
+    """``orders[a][i] == i``: training order = dataset order."""
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _datasets(problem, vocab: int, seed: int) -> list[list[TokenizedSample]]:
+    rng = random.Random(seed)
+    out = []
+    for lengths in problem.lengths:
+        rows = []
+        for n in lengths:
+            ids = tuple(rng.randrange(vocab) for _ in range(n))
+            rows.append(TokenizedSample(ids, ids[1:] + (0,), (1,) * n))
+        out.append(rows)
+    return out
+
+
+def _packed_make_batch(datasets, device):
+    """Our packing: the samples back to back, no padding."""
+
+    def make_batch(mb, index):
+        return pack_microbatch(mb, datasets, [_Identity()] * len(datasets), ADAPTERS, device,
+                               dropout_seed=index)
+
+    return make_batch
+
+
+def _padded_make_batch(datasets, device):
+    """mLoRA-style packing: every sample of a microbatch padded (loss mask 0) to the longest."""
+
+    def make_batch(mb, index):
+        longest = max(s.tokens for s in mb.samples)
+        rows: list[dict[int, TokenizedSample]] = [{} for _ in datasets]
+        for s in mb.samples:
+            row = datasets[s.adapter][s.index]
+            pad = (0,) * (longest - len(row.input_ids))
+            rows[s.adapter][s.index] = TokenizedSample(
+                row.input_ids + pad, row.labels + pad, row.loss_mask + pad)
+        return pack_microbatch(mb, rows, [_Identity()] * len(datasets), ADAPTERS, device,
+                               dropout_seed=index)
+
+    return make_batch
+
+
+def _train(streams, make_batch, model, lora, adapters, problem, groups, hidden, device):
+    """Run the streams (a drain after each) with fresh optimizers; (seconds, busy seconds)."""
+    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(ADAPTERS)]
+    runs = []
+    for a, adapter in enumerate(adapters):
+        optimizer, scheduler = build_optimizer(params[a], adapter, problem.num_global_batches(a))
+        batch_tokens = [sum(s.tokens for s in problem.global_batch(a, j))
+                        for j in range(problem.num_global_batches(a))]
+        runs.append(AdapterRun(adapter.name, optimizer, scheduler, batch_tokens))
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    busy = 0.0
+    for stream in streams:
+        events = run_pipeline(stream, forward, make_batch, runs, params, groups,
+                              global_batch_sizes=problem.global_batch_sizes,
+                              hidden_size=hidden,
+                              activation_dtype=torch.bfloat16 if device.type == "cuda"
+                              else torch.float32,
+                              device=device, record_events=True)
+        busy += sum(e.compute_s for e in events)
+    _sync(device)
+    dist.barrier()
+    return time.perf_counter() - start, busy
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--samples", type=int, default=64, help="samples per adapter")
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--capacity", type=int, default=8192, help="tokens per microbatch")
+    parser.add_argument("--lengths", nargs="+", default=["xsum", "heterogeneous"])
+    parser.add_argument("--cost-profile", default=str(REPO / "docs/profiles/stage_cost_s2.json"))
+    parser.add_argument("--preset", default="llama3.1-8b", help="model shape (tiny: CPU check)")
+    parser.add_argument("--device", default="cuda", help="cpu: a gloo dry run of the script")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    init_model_parallel(1, args.pp, device, seed=0)
+    rank = dist.get_rank()
+    model_cfg = ModelConfig(**{**MODEL_PRESETS[args.preset], "num_layers": args.layers,
+                               "max_position_embeddings": args.capacity})
+    adapters = [AdapterConfig(name=f"a{i}", rank=16, alpha=32, dropout=0.1,
+                              global_batch_size=args.global_batch_size,
+                              dataset=DatasetConfig(path="unused")) for i in range(ADAPTERS)]
+    groups = make_pipeline_groups(*pipeline_and_data_ranks(), 600.0)
+    model = build_gpt_model(model_cfg, pre_process=groups.is_first,
+                            post_process=groups.is_last,
+                            params_dtype=torch.bfloat16 if cuda else torch.float32,
+                            device=device)
+    lora = apply_lora(model, adapters, seed=0)
+    cost = CostModel.from_profile(args.cost_profile)
+    rows = []
+    try:
+        for dist_name in args.lengths:
+            problem, _ = problem_from_args(argparse.Namespace(
+                lengths=dist_name, adapters=ADAPTERS, samples=args.samples, seed=0,
+                capacity=args.capacity, tile_height=64, long_samples="truncate",
+                global_batch_size=args.global_batch_size, stages=args.pp))
+            datasets = _datasets(problem, model_cfg.vocab_size, seed=1)
+            plan = plan_microbatches(problem, "greedy")
+            k = default_samples_per_microbatch(problem)
+            sims = {r.name: r for r in compare_strategies(problem, plan, cost, k)}
+            packed = _packed_make_batch(datasets, device)
+            strategies = {  # mLoRA pads its samples; the others pack them
+                "megatron": (megatron_microbatches(problem), packed),
+                "mlora": ([mlora_microbatches(problem, k)], _padded_make_batch(datasets, device)),
+                "ours": ([list(plan.microbatches)], packed),
+            }
+            useful = sum(map(sum, problem.lengths))
+            for name, (streams, make_batch) in strategies.items():
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                seconds, busy = _train(streams, make_batch, model, lora, adapters, problem,
+                                       groups, model_cfg.hidden_size, device)
+                bubbles = [None] * dist.get_world_size()
+                dist.all_gather_object(bubbles, 1.0 - busy / seconds)
+                peaks = [None] * dist.get_world_size()
+                dist.all_gather_object(
+                    peaks, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+                sim = sims[name]
+                rows.append((dist_name, name, useful / seconds, bubbles, max(peaks),
+                             sim.sim.bubble_ratio, sim.sim.makespan_ms / 1e3, seconds,
+                             sim.microbatches))
+    finally:
+        if rank == 0:
+            gpu = torch.cuda.get_device_name() if cuda else "CPU"
+            print(f"# {gpu} x {dist.get_world_size()} | torch "
+                  f"{torch.__version__} | {args.preset} shape, {args.layers} layers, PP = "
+                  f"{args.pp}, {'bf16' if cuda else 'fp32'}, {ADAPTERS} adapters r=16 p=0.1, "
+                  f"{args.samples} samples per adapter, global batch "
+                  f"{args.global_batch_size}, capacity {args.capacity} | "
+                  f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
+            print("| lengths | strategy | microbatches | useful tokens/s | measured bubble per "
+                  "stage % | simulated bubble % | run s | simulated s | peak GiB |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for d, name, tps, bub, peak, sim_bub, sim_s, secs, mbs in rows:
+                per_stage = " / ".join(f"{100 * b:.1f}" for b in bub)
+                print(f"| {d} | {name} | {mbs} | {tps:,.0f} | {per_stage} | "
+                      f"{100 * sim_bub:.1f} | {secs:.2f} | {sim_s:.2f} | {peak:.1f} |")
+        destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()
