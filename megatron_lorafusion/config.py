@@ -210,8 +210,9 @@ class ParallelConfig:
     (norms, residuals, activations passed between pipeline stages) each TP rank holds
     ``T / tp`` of a microbatch's ``T`` tokens, cutting that activation memory by ``tp`` at the
     cost of an all-gather / reduce-scatter pair instead of each all-reduce. On by default, as
-    Megatron users expect with TP; has no effect at ``tp = 1``. Microbatches are padded to a
-    multiple of ``tp`` tokens with a loss-free sample."""
+    Megatron users expect with TP; has no effect at ``tp = 1`` or on CPU runs (Megatron's
+    sequence-parallel collectives need CUDA). Microbatches are padded to a multiple of ``tp``
+    tokens with a loss-free sample."""
     defer_wgrad: bool = False
     """Defer each LoRA down-projection's weight-gradient pass into pipeline idle time
     (zero-bubble style; needs pp > 1; docs/pipeline.md has the measured gain)."""

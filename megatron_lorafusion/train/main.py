@@ -6,7 +6,6 @@ tokenised before any process group, model or output folder exists.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from collections.abc import Iterator
@@ -108,13 +107,24 @@ def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
     return make_pipeline_groups(pp_ranks, dp_ranks, _COMM_TIMEOUT_S)
 
 
-def _sequence_shards(cfg: JobConfig) -> int:
-    """TP size when sequence parallelism is on (each TP rank holds T / tp rows), else 1."""
-    return cfg.parallel.tp if cfg.parallel.sequence_parallel and cfg.parallel.tp > 1 else 1
+def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
+    """TP size when sequence parallelism is on (each TP rank holds T / tp rows), else 1.
+
+    CPU runs go without it: Megatron's sequence-parallel collectives allocate their outputs
+    on the current CUDA device.
+    """
+    if not (cfg.parallel.sequence_parallel and cfg.parallel.tp > 1):
+        return 1
+    if device.type != "cuda":
+        logger.info("parallel.sequence_parallel: off on %s (Megatron's sequence-parallel "
+                    "collectives need CUDA); tp=%d runs without it", device, cfg.parallel.tp)
+        return 1
+    return cfg.parallel.tp
 
 
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
-                   runs: list[AdapterRun], groups, device: torch.device, session) -> None:
+                   runs: list[AdapterRun], groups, device: torch.device, session,
+                   shards: int) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
     The stream is cut at the checkpoint points (`ResumeSession.segments`): each segment is
@@ -134,7 +144,7 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
                      global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
                      hidden_size=cfg.model.hidden_size,
                      activation_dtype=_DTYPES[cfg.train.precision], device=device,
-                     first_index=first_index, sequence_shards=_sequence_shards(cfg),
+                     first_index=first_index, sequence_shards=shards,
                      wgrad_queue=lora.wgrad_queue)
         session.save()
 
@@ -169,17 +179,13 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         init_model_parallel,
         packed_seq_params,
         parallel_sizes,
-        sequence_parallel_on_cpu,
     )
 
     device = _device(cfg)
-    shards = _sequence_shards(cfg)
+    shards = _sequence_shards(cfg, device)
     init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed,
                         timeout_s=_COMM_TIMEOUT_S)
-    cpu_sequence_parallel = contextlib.ExitStack()
     try:
-        if shards > 1:  # Megatron's SP collectives allocate on CUDA; let them run on gloo
-            cpu_sequence_parallel.enter_context(sequence_parallel_on_cpu(device))
         sizes = parallel_sizes()
         groups = _pipeline_groups(cfg, sizes)
         model = mcore.build_gpt_model(cfg.model, params_dtype=_DTYPES[cfg.train.precision],
@@ -221,7 +227,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                          on_microbatch=session.after_microbatch)
             else:
                 _run_pipelined(cfg, checked_stream(planner, problem), model, lora, make_batch,
-                               runs, groups, device, session)
+                               runs, groups, device, session, shards)
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
         if is_writer:
@@ -234,5 +240,4 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                             run.losses[-1], folder)
         return {run.name: run.losses for run in runs}
     finally:
-        cpu_sequence_parallel.close()
         destroy_model_parallel()

@@ -145,8 +145,7 @@ def _check_wrapper(kind: str, rank: int) -> None:
 
 def _sp_worker(rank: int, workdir: str) -> None:
     from megatron.core import parallel_state
-
-    from megatron_lorafusion.mcore.parallel import sequence_parallel_on_cpu
+    from sp_testing import sequence_parallel_on_cpu
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(workdir, "store"), TP)

@@ -196,7 +196,9 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
     losses (``result.pt``) and a failing rank its traceback (``error_<rank>.txt``).
     """
-    from megatron_lorafusion.mcore.parallel import parallel_sizes, sequence_parallel_on_cpu
+    from sp_testing import sequence_parallel_on_cpu
+
+    from megatron_lorafusion.mcore.parallel import parallel_sizes
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
     for name, tp, pp, sp, defer_wgrad in cases:
