@@ -11,7 +11,6 @@ collectives on the small ``S`` (T × R) become an all-gather (column) or a reduc
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -30,15 +29,8 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
-from megatron_lorafusion.mcore.wgrad import WgradQueue, accumulate_lora_a_grads
-from megatron_lorafusion.ops import (
-    AdapterLayout,
-    dropout_keep_mask,
-    fused_dropout_keep_mask,
-    lora_down,
-    lora_linear,
-    lora_up,
-)
+from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
+from megatron_lorafusion.ops import AdapterLayout, lora_linear, lora_up
 
 
 class LayoutSource(Protocol):
@@ -218,49 +210,6 @@ def _setup_parallel(wrapper: nn.Module, base: nn.Module, tp_group, *, is_column:
     wrapper._sequence_shard_cache = None
 
 
-def _down(wrapper, x: torch.Tensor, lora_a: torch.Tensor, layout: AdapterLayout,
-          col_offset: int = 0, full_width: int | None = None) -> torch.Tensor:
-    """``S = drop(X)·Aᵀ`` (T, R) by `lora_down`, or with A's gradient deferred.
-
-    With a `WgradQueue` on the context (training), ``A`` enters detached, so this backward
-    gives dX and ``dS`` only; a hook on ``S`` queues ``dA = dSᵀ·drop(X)`` for the runner
-    (`mcore.wgrad`), which regenerates the dropout mask when it runs it.
-    """
-    queue = wrapper.context.wgrad_queue
-    if queue is None or not wrapper.training or not torch.is_grad_enabled():
-        return lora_down(x, lora_a, wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
-                         training=wrapper.training, col_offset=col_offset,
-                         full_width=full_width)
-    if wrapper.sequence_parallel and wrapper.is_column:
-        raise NotImplementedError(
-            f"{type(wrapper).__name__}: deferred LoRA weight gradients do not combine with "
-            "sequence parallelism (each rank's dA covers its rows only and would need a TP "
-            "all-reduce inside the deferred pass); set parallel.sequence_parallel=false"
-        )
-    s = lora_down(x, lora_a.detach(), wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
-                  training=True, col_offset=col_offset, full_width=full_width)
-    if not s.requires_grad:  # X needs no gradient (first layer): make S a leaf to get dS
-        s = s.detach().requires_grad_()
-    width = full_width or x.shape[1]
-    s.register_hook(functools.partial(_defer_lora_a_grads, wrapper, queue, x.detach(), layout,
-                                      slice(col_offset, col_offset + x.shape[1]), width))
-    return s
-
-
-def _defer_lora_a_grads(wrapper, queue: WgradQueue, x: torch.Tensor, layout: AdapterLayout,
-                        columns: slice, width: int, grad_s: torch.Tensor) -> None:
-    """Backward hook on ``S``: queue ``dA`` instead of computing it now."""
-
-    def lora_a_grads() -> None:
-        draw = fused_dropout_keep_mask if x.is_cuda else dropout_keep_mask  # lora_down's mask
-        keep = draw(layout, wrapper.dropouts, width, wrapper.layer_seed, x.device)
-        keep = None if keep is None else keep[:, columns]
-        accumulate_lora_a_grads(dict(wrapper.lora_A), x, grad_s.detach(), keep,
-                                wrapper.dropouts, layout.segments())
-
-    queue.push(lora_a_grads)
-
-
 def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
     """LoRA delta of a column-parallel linear: (T, N / tp) from this rank's input rows.
 
@@ -277,7 +226,7 @@ def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Te
     if wrapper.sequence_parallel:
         down_layout = _sequence_shard(wrapper, layout)
         lora_a = copy_to_tensor_model_parallel_region(lora_a, group=group)
-    s = _down(wrapper, x, lora_a, down_layout)  # (T or T / tp, R)
+    s = down_projection(wrapper, x, lora_a, down_layout)  # (T or T / tp, R)
     if wrapper.sequence_parallel:
         s = gather_from_sequence_parallel_region(s, tensor_parallel_output_grad=True,
                                                  group=group)  # (T, R)
@@ -297,8 +246,8 @@ def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tenso
     (backward: all-reduce of ``dB``). ``layout`` is the whole microbatch's.
     """
     group = wrapper.tp_group
-    s = _down(wrapper, x, lora_a, layout, col_offset=wrapper.in_shard.start,
-              full_width=wrapper.in_features)  # (T, R), partial over H
+    s = down_projection(wrapper, x, lora_a, layout, col_offset=wrapper.in_shard.start,
+                        full_width=wrapper.in_features)  # (T, R), partial over H
     if not wrapper.sequence_parallel:
         if wrapper.tp_size > 1:
             s = reduce_from_tensor_model_parallel_region(s, group=group)
