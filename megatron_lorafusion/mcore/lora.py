@@ -133,18 +133,6 @@ def _packed_factors(
     return torch.stack(rows_a), torch.stack(rows_b)
 
 
-def _merged_weight(wrapper: nn.Module, adapter_id: int) -> torch.Tensor:
-    """This rank's shard of ``W + s·B·A`` in the base weight's dtype (fp32 arithmetic)."""
-    if not 0 <= adapter_id < wrapper.num_adapters:
-        raise ValueError(f"adapter_id must lie in [0, {wrapper.num_adapters}), got {adapter_id}")
-    weight = wrapper.base.weight.detach()
-    key = str(adapter_id)
-    if key not in wrapper.lora_A:
-        return weight.clone()
-    delta = wrapper.scalings[adapter_id] * (wrapper.lora_B[key] @ wrapper.lora_A[key])
-    return (weight.float() + delta.detach()).to(weight.dtype)
-
-
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
     """The layout set for this microbatch, checked against the wrapper and the input.
 
@@ -305,7 +293,40 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     return out + _sequence_major(delta, out.shape[0], out.shape[1]), out_bias
 
 
-class LoRAColumnParallelLinear(nn.Module):
+class _LoRAWrapper(nn.Module):
+    """What both wrappers share: the base's weight and bias, and merged weights."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The frozen base weight, this rank's shard."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The base bias, if any."""
+        return self.base.bias
+
+    def backward_dw(self) -> None:
+        """Delegate Megatron's delayed weight-gradient hook to the base."""
+        self.base.backward_dw()
+
+    def merged_weight(self, adapter_id: int) -> torch.Tensor:
+        """This rank's shard of ``W + s·B·A``, shaped like the base weight, in its dtype.
+
+        Raises:
+            ValueError: for an ``adapter_id`` outside ``[0, A)``.
+        """
+        if not 0 <= adapter_id < self.num_adapters:
+            raise ValueError(f"adapter_id must lie in [0, {self.num_adapters}), got {adapter_id}")
+        weight = self.base.weight.detach()
+        key = str(adapter_id)
+        if key not in self.lora_A:
+            return weight.clone()
+        delta = self.scalings[adapter_id] * (self.lora_B[key] @ self.lora_A[key])
+        return (weight.float() + delta.detach()).to(weight.dtype)  # fp32 arithmetic
+
+
+class LoRAColumnParallelLinear(_LoRAWrapper):
     """Multi-adapter LoRA on a `ColumnParallelLinear`; under TP, **B is sharded** on N.
 
     ``A`` (r, H) is replicated on every TP rank, ``B`` (N / tp, r) holds this rank's output
@@ -362,20 +383,6 @@ class LoRAColumnParallelLinear(nn.Module):
         for param in self.lora_B.values():
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=stride)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The frozen base weight (N / tp, H)."""
-        return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        """The base bias, if any."""
-        return self.base.bias
-
-    def backward_dw(self) -> None:
-        """Delegate Megatron's delayed weight-gradient hook to the base."""
-        self.base.backward_dw()
-
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H]``, out ``[s, b, N / tp]``.
 
@@ -389,12 +396,8 @@ class LoRAColumnParallelLinear(nn.Module):
         """
         return _lora_forward(self, input_, args, kwargs)
 
-    def merged_weight(self, adapter_id: int) -> torch.Tensor:
-        """This rank's shard of ``W + s·B·A`` (N / tp, H) in the base weight's dtype."""
-        return _merged_weight(self, adapter_id)
 
-
-class LoRARowParallelLinear(nn.Module):
+class LoRARowParallelLinear(_LoRAWrapper):
     """Multi-adapter LoRA on a `RowParallelLinear`; under TP, **A is sharded** on H.
 
     ``A`` (r, H / tp) holds this rank's input columns, ``B`` (N, r) is replicated. The partial
@@ -450,20 +453,6 @@ class LoRARowParallelLinear(nn.Module):
         for param in self.lora_A.values():
             set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1, stride=1)
 
-    @property
-    def weight(self) -> torch.Tensor:
-        """The frozen base weight (N, H / tp)."""
-        return self.base.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        """The base bias, if any."""
-        return self.base.bias
-
-    def backward_dw(self) -> None:
-        """Delegate Megatron's delayed weight-gradient hook to the base."""
-        self.base.backward_dw()
-
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H / tp]``, out ``[s, b, N]``.
 
@@ -476,7 +465,3 @@ class LoRARowParallelLinear(nn.Module):
                 ``b != 1`` or ``T`` is not a multiple of ``tp``.
         """
         return _lora_forward(self, input_, args, kwargs)
-
-    def merged_weight(self, adapter_id: int) -> torch.Tensor:
-        """This rank's shard of ``W + s·B·A`` (N, H / tp) in the base weight's dtype."""
-        return _merged_weight(self, adapter_id)
