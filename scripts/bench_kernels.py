@@ -17,7 +17,6 @@ import triton.testing
 
 from megatron_lorafusion.ops import (
     AdapterLayout,
-    dropout_keep_mask,
     fused_dropout_keep_mask,
     fused_lora_linear,
     lora_linear_ref,
@@ -65,14 +64,20 @@ def fused_fn(prob, design):
     return fn
 
 
+def _eager_keep_mask(prob, hidden, device):
+    """A fresh ``torch.rand`` mask per call, as PEFT's nn.Dropout draws (None without dropout)."""
+    if not any(p > 0 for p in prob["dropouts"]):
+        return None
+    p_rows = torch.tensor(prob["dropouts"], device=device)[prob["layout"].row_adapter(device)]
+    return torch.rand(p_rows.numel(), hidden, device=device) >= p_rows[:, None]
+
+
 def ref_fn(prob, keep=None, draw_mask=True):
     """Eager reference; ``draw_mask`` draws its own torch mask inside (as PEFT's nn.Dropout)."""
     hidden = prob["x"].shape[1]
 
     def fn(x, lora_a, lora_b):
-        mask = keep
-        if draw_mask:
-            mask = dropout_keep_mask(prob["layout"], prob["dropouts"], hidden, 3, x.device)
+        mask = _eager_keep_mask(prob, hidden, x.device) if draw_mask else keep
         return lora_linear_ref(x, prob["weight"], None, lora_a, lora_b, prob["scalings"],
                                prob["dropouts"], prob["layout"], mask)
     return fn

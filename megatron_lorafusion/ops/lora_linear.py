@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (microbatch, layer) seeds apart
+from megatron_lorafusion.ops.philox import philox_keep_mask
 
 
 def dropout_keep_mask(
@@ -27,14 +26,16 @@ def dropout_keep_mask(
 ) -> torch.Tensor | None:
     """Draw the LoRA-input dropout mask of one layer for one microbatch.
 
-    The mask depends only on ``(layout.dropout_seed, layer_seed)`` and the rows' place in the
-    whole microbatch (``layout.row_offset``), so activation recompute regenerates it exactly
-    and a `AdapterLayout.shard` gets the rows of the unsharded mask.
+    The same counter-based Philox mask the fused kernels draw (`ops.philox`), so both paths
+    drop the same elements. It depends only on ``(layout.dropout_seed, layer_seed)`` and the
+    rows' place in the whole microbatch (``layout.row_offset``), so activation recompute
+    regenerates it exactly and a `AdapterLayout.shard` gets the rows of the unsharded mask;
+    a tensor-parallel shard of the columns slices them from the full-width mask.
 
     Args:
         layout: the microbatch's adapter layout.
         dropouts: (A,) dropout probability of each adapter, in [0, 1).
-        hidden: ``H``, the layer's in-features.
+        hidden: ``H``, the layer's (full) in-features.
         layer_seed: a number unique to the layer (its index in the model).
         device: device of the mask.
 
@@ -45,13 +46,12 @@ def dropout_keep_mask(
     counts = layout.token_counts()
     if not any(dropouts[a] > 0 and counts[a] > 0 for a in range(layout.num_adapters)):
         return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed((layout.dropout_seed * _SEED_MIX + layer_seed) % (2**63))
-    p_rows = torch.tensor(list(dropouts), dtype=torch.float32)[layout.row_adapter("cpu")]
-    # Rows before a shard's first row are drawn and dropped, so a shard gets its rows' mask.
-    draws = torch.rand(layout.row_offset + layout.num_tokens, hidden, generator=generator,
-                       device=device)[layout.row_offset:]
-    return draws >= p_rows.to(device)[:, None]
+    # Drop threshold round(p·65536) per row, rounded in fp32 as the kernels do.
+    p = torch.tensor(list(dropouts), dtype=torch.float32)
+    thresholds = (p * 65536.0 + 0.5).to(torch.int64)[layout.row_adapter("cpu")]
+    rows = torch.arange(layout.num_tokens, device=device) + layout.row_offset
+    seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
+    return philox_keep_mask(seed, rows, hidden, thresholds.to(device))
 
 
 def lora_down_ref(
@@ -178,9 +178,9 @@ def lora_linear(
     """Multi-LoRA linear over adapter-major packed tokens (see `lora_linear_ref`).
 
     On CUDA (with Triton) this runs `fused_lora_linear`; elsewhere the torch reference.
-    Dropout is active only when ``training``; its mask comes from
-    ``(layout.dropout_seed, layer_seed)``: `dropout_keep_mask` (torch generator) on the
-    reference path, `fused_dropout_keep_mask` (Philox) on the fused path.
+    Dropout is active only when ``training``; its mask is the Philox mask of
+    ``(layout.dropout_seed, layer_seed)``, the same on both paths (`dropout_keep_mask` on the
+    reference path, drawn inside the kernels on the fused path).
 
     Returns:
         (T, N) output in ``x``'s dtype.

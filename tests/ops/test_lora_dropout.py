@@ -1,11 +1,17 @@
 """`fused_dropout_keep_mask`: deterministic in its seeds, right density, no mask at p = 0,
-and the mask the fused kernels apply (checked through `lora_shrink`)."""
+the mask the fused kernels apply (checked through `lora_shrink`), and the same mask as the
+torch reference's `dropout_keep_mask` (`ops.philox`)."""
 
 import numpy as np
 import pytest
 import torch
 
-from megatron_lorafusion.ops import fused_dropout_keep_mask, lora_shrink, lora_shrink_ref
+from megatron_lorafusion.ops import (
+    dropout_keep_mask,
+    fused_dropout_keep_mask,
+    lora_shrink,
+    lora_shrink_ref,
+)
 from megatron_lorafusion.ops._utils import mixed_seed
 
 
@@ -94,3 +100,20 @@ def test_fused_dropout_keep_mask_shard_gets_rows_of_whole(start, end, device, ma
     nested = shard.shard(1, end - start)
     got = fused_dropout_keep_mask(nested, dropouts, 40, layer_seed=4, device=device)
     assert torch.equal(got, whole[start + 1:end]), "a shard of a shard adds its offsets"
+
+
+@pytest.mark.parametrize(("counts", "width", "dropouts", "seed"), [
+    ([30, 21], 44, [0.3, 0.3], 6),
+    ([50, 0, 30], 40, [0.3, 0.5, 0.2], 9),
+    ([17, 5, 64], 264, [0.1, 0.0, 0.9], 2**40 + 7),  # seed above 32 bits, p = 0 and 0.9
+])
+def test_reference_mask_is_the_fused_mask(counts, width, dropouts, seed, device, make_layout):
+    # The torch Philox of the reference path and the kernels' Triton Philox, bit for bit
+    # (the fused one is pinned to a NumPy oracle above), whole and on a row shard.
+    layout = make_layout(counts, device, seed=seed)
+    fused = fused_dropout_keep_mask(layout, dropouts, width, layer_seed=5, device=device)
+    ref = dropout_keep_mask(layout, dropouts, width, layer_seed=5, device=device)
+    assert torch.equal(ref, fused.bool()), "the reference and fused masks differ"
+    shard = layout.shard(3, layout.num_tokens - 2)
+    assert torch.equal(dropout_keep_mask(shard, dropouts, width, 5, device), ref[3:-2]), (
+        "a shard of the reference mask must be its rows of the whole")
