@@ -183,21 +183,6 @@ def _sequence_shard(wrapper: nn.Module, layout: AdapterLayout) -> AdapterLayout:
     return shard
 
 
-def _setup_parallel(wrapper: nn.Module, base: nn.Module, tp_group, *, is_column: bool) -> None:
-    """TP group, TP size and sequence-parallel mode of a wrapper, taken from its base."""
-    name = type(wrapper).__name__
-    if getattr(base, "is_expert", False):
-        raise NotImplementedError(f"{name}: LoRA on MoE expert linears is not supported")
-    wrapper.tp_group = tp_group if tp_group is not None else base.tp_group
-    wrapper.tp_size = wrapper.tp_group.size()
-    wrapper.is_column = is_column
-    # Megatron's linears turn sequence_parallel off by themselves at TP = 1.
-    wrapper.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and (
-        wrapper.tp_size > 1
-    )
-    wrapper._sequence_shard_cache = None
-
-
 def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
     """LoRA delta of a column-parallel linear: (T, N / tp) from this rank's input rows.
 
@@ -294,7 +279,26 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
 
 
 class _LoRAWrapper(nn.Module):
-    """What both wrappers share: the base's weight and bias, and merged weights."""
+    """What both wrappers share: the base, its TP / SP mode, its weight and merged weights."""
+
+    def __init__(self, base: nn.Module, context: LayoutSource, layer_seed: int,
+                 tp_group: torch.distributed.ProcessGroup | None, *, is_column: bool):
+        super().__init__()
+        name = type(self).__name__
+        if getattr(base, "is_expert", False):
+            raise NotImplementedError(f"{name}: LoRA on MoE expert linears is not supported")
+        self.base = base
+        self.train(base.training)  # a new module defaults to training mode; follow the model
+        self.context = context
+        self.layer_seed = layer_seed
+        self.tp_group = tp_group if tp_group is not None else base.tp_group
+        self.tp_size = self.tp_group.size()
+        self.is_column = is_column
+        # Megatron's linears turn sequence_parallel off by themselves at TP = 1.
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and (
+            self.tp_size > 1
+        )
+        self._sequence_shard_cache = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -361,12 +365,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         layer_seed: int,
         tp_group: torch.distributed.ProcessGroup | None = None,
     ):
-        super().__init__()
-        _setup_parallel(self, base, tp_group, is_column=True)
-        self.base = base
-        self.train(base.training)  # a new module defaults to training mode; follow the model
-        self.context = context
-        self.layer_seed = layer_seed
+        super().__init__(base, context, layer_seed, tp_group, is_column=True)
         out_local, in_features = base.weight.shape
         _init_factors(
             self,
@@ -425,16 +424,11 @@ class LoRARowParallelLinear(_LoRAWrapper):
         layer_seed: int,
         tp_group: torch.distributed.ProcessGroup | None = None,
     ):
-        super().__init__()
-        _setup_parallel(self, base, tp_group, is_column=False)
         if not base.input_is_parallel:
             raise NotImplementedError(
                 "LoRARowParallelLinear needs a base with input_is_parallel=True"
             )
-        self.base = base
-        self.train(base.training)  # a new module defaults to training mode; follow the model
-        self.context = context
-        self.layer_seed = layer_seed
+        super().__init__(base, context, layer_seed, tp_group, is_column=False)
         out_features, in_local = base.weight.shape
         self.in_features = in_local * self.tp_size
         rank = self.tp_group.rank()
