@@ -236,6 +236,34 @@ if triton is not None:
         return c0, c1, c2, c3
 
     @triton.jit
+    def _philox_words(seed, rows, cols, D):
+        """The four (BLOCK_T, BLOCK_D // 8) uint32 Philox words behind the tile ``rows × cols``.
+
+        Counter ``t·ceil(D/8) + d // 8`` covers columns ``8·(d // 8) ..+8`` of row ``t``; its words
+        ``r0..r3`` hold their eight 16-bit draws, column ``8g + j`` taking half ``j % 2`` (low
+        first) of word ``(r0, r2, r1, r3)[j // 2]`` (the order `_keep_from_words` joins them in).
+        """
+        BLOCK_D: tl.constexpr = cols.shape[0]
+        groups = (cols // 8).reshape(BLOCK_D // 8, 8)  # (G, 8): one counter per 8 columns
+        group = tl.max(groups, axis=1)
+        counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
+        return philox4x32(counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed,
+                          _PHILOX_ROUNDS)
+
+    @triton.jit
+    def _drop_threshold(p):
+        """16-bit draws below this are dropped: ``p`` rounded to 1/65536."""
+        return (p * 65536.0 + 0.5).to(tl.uint32)
+
+    @triton.jit
+    def _keep_from_words(r0, r1, r2, r3, p, BLOCK_D: tl.constexpr):
+        """(BLOCK_T, BLOCK_D) keep-mask from the words of `_philox_words`."""
+        BLOCK_T: tl.constexpr = r0.shape[0]
+        words = tl.join(tl.join(r0, r1), tl.join(r2, r3)).reshape(BLOCK_T, BLOCK_D // 8, 4)
+        halves = tl.join(words & 0xFFFF, words >> 16)  # (BLOCK_T, G, 4, 2), 16-bit draws
+        return halves.reshape(BLOCK_T, BLOCK_D) >= _drop_threshold(p)
+
+    @triton.jit
     def keep_mask_tile(seed, rows, cols, D, p):
         """Dropout keep-mask of the tile ``rows × cols`` of a ``(T, D)`` input (True keeps).
 
@@ -245,31 +273,34 @@ if triton is not None:
         whose column blocks start at multiples of 8 regenerates the same mask. The drop
         threshold is ``p`` rounded to 1/65536 (keep probability off by at most 2⁻¹⁷).
         """
-        BLOCK_T: tl.constexpr = rows.shape[0]
-        BLOCK_D: tl.constexpr = cols.shape[0]
-        groups = (cols // 8).reshape(BLOCK_D // 8, 8)  # (G, 8): one counter per 8 columns
-        group = tl.max(groups, axis=1)
-        counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
-        lo = counters.to(tl.uint32)
-        hi = (counters >> 32).to(tl.uint32)
-        r0, r1, r2, r3 = philox4x32(lo, hi, seed, _PHILOX_ROUNDS)
-        words = tl.join(tl.join(r0, r1), tl.join(r2, r3)).reshape(BLOCK_T, BLOCK_D // 8, 4)
-        halves = tl.join(words & 0xFFFF, words >> 16)  # (BLOCK_T, G, 4, 2), 16-bit draws
-        draws = halves.reshape(BLOCK_T, BLOCK_D)
-        threshold = (p * 65536.0 + 0.5).to(tl.uint32)
-        return draws >= threshold
+        r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
+        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0])
 
     @triton.jit
-    def pack_keep_bits(keep):
-        """(BLOCK_T, BLOCK_D) bool keep-mask → (BLOCK_T, BLOCK_D // 8) uint8, bit ``d % 8``."""
-        BLOCK_T: tl.constexpr = keep.shape[0]
-        BLOCK_D: tl.constexpr = keep.shape[1]
-        bits = keep.to(tl.int32).reshape(BLOCK_T, BLOCK_D // 8, 8) << tl.arange(0, 8)[None, None, :]
-        return tl.sum(bits, axis=2).to(tl.uint8)
+    def _word_keep_bits(word, threshold):
+        """Keep bits of the two 16-bit draws of ``word``: bit 0 the low half, bit 1 the high."""
+        low = ((word & 0xFFFF) >= threshold).to(tl.uint32)
+        high = ((word >> 16) >= threshold).to(tl.uint32)
+        return low | (high << 1)
+
+    @triton.jit
+    def keep_mask_and_bits_tile(seed, rows, cols, D, p):
+        """`keep_mask_tile` and the same mask packed, from one draw.
+
+        Returns the (BLOCK_T, BLOCK_D) keep-mask and (BLOCK_T, BLOCK_D // 8) uint8 bits, bit
+        ``j`` of byte ``g`` keeping column ``8g + j`` of the tile. The bytes are built from
+        the Philox words, one per counter, without reshuffling the tile (packing the unpacked
+        mask cost more than the draws, docs/kernels.md).
+        """
+        r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
+        threshold = _drop_threshold(p)
+        bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
+                | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
+        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0]), bits.to(tl.uint8)
 
     @triton.jit
     def unpack_keep_bits(packed, BLOCK_D: tl.constexpr):
-        """Inverse of `pack_keep_bits`: (BLOCK_T, BLOCK_D // 8) uint8 → (BLOCK_T, BLOCK_D) bool."""
+        """(BLOCK_T, BLOCK_D // 8) uint8 of `keep_mask_and_bits_tile` → (BLOCK_T, BLOCK_D) bool."""
         BLOCK_T: tl.constexpr = packed.shape[0]
         bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
         return bits.reshape(BLOCK_T, BLOCK_D) != 0

@@ -18,7 +18,7 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 if triton is not None:
     import triton.language as tl
 
-    from megatron_lorafusion.ops._utils import keep_mask_tile, pack_keep_bits
+    from megatron_lorafusion.ops._utils import keep_mask_and_bits_tile, keep_mask_tile
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_shrink_kernel(
@@ -50,13 +50,15 @@ if triton is not None:
             if HAS_DROPOUT:
                 # No run-time `if p > 0` here: a branch in the loop body stops Triton from
                 # pipelining the loads; p = 0 keeps everything anyway.
-                keep = keep_mask_tile(seed, mask_rows, cols + col_off, mask_d, p)
-                z = tl.where(keep, z, 0.0)
                 if WRITE_BITS:
+                    keep, bits = keep_mask_and_bits_tile(seed, mask_rows, cols + col_off, mask_d,
+                                                         p)
                     groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
                     tl.store(bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
-                             pack_keep_bits(keep),
-                             mask=row_ok[:, None] & (groups < stride_bt)[None, :])
+                             bits, mask=row_ok[:, None] & (groups < stride_bt)[None, :])
+                else:
+                    keep = keep_mask_tile(seed, mask_rows, cols + col_off, mask_d, p)
+                z = tl.where(keep, z, 0.0)
             m = tl.load(m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
                         mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
             acc = tl.dot(z, m, acc, input_precision=DOT_PRECISION)
@@ -81,8 +83,8 @@ _TILE_CONFIGS = [
 
 def _hopper_config(key: tuple) -> TileConfig:
     _, _, block_r = key  # key = (T, D, BLOCK_R)
-    if block_r <= 64:
-        return _TILE_CONFIGS[1]
+    # 32x128: with dropout 0.065 / 0.208 ms against 0.078 / 0.249 for 32x256 at T = 16384,
+    # H = 4096 / 14336 (H200, docs/kernels.md); without dropout the tiles tie.
     if block_r <= 128:
         return _TILE_CONFIGS[2]
     return _TILE_CONFIGS[4]

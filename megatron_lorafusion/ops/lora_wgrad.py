@@ -113,8 +113,14 @@ _REDUCE_BLOCK_D = 64
 
 
 def _hopper_config(key: tuple) -> TileConfig:
-    _, _, block_r = key  # key = (T, D, BLOCK_R)
+    _, width, block_r, mask = key  # key = (T, D, BLOCK_R, "none" | "drawn" | "bits")
     if block_r <= 32:
+        # Swept on the H200 with the fused expand at T = 16384, H = 4096 and 14336
+        # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs.
+        if mask == "drawn":
+            return _TILE_CONFIGS[4] if width < 8192 else _TILE_CONFIGS[5]
+        if mask == "bits" and width >= 8192:
+            return _TILE_CONFIGS[3]
         return _TILE_CONFIGS[1]
     # Each pipeline stage holds a Z tile and a (block_t, BLOCK_R) tile of S: at BLOCK_R = 256
     # in fp32, 64-row tiles need 3 × 80 KiB of shared memory, over Hopper's 227 KiB
@@ -241,7 +247,8 @@ def _lora_wgrad_launch(
             BLOCK_D=_REDUCE_BLOCK_D, BLOCK_R=block_r,
         )
 
-    key = (tokens, width, block_r)
+    mask = "none" if dropouts is None else "bits" if keep_bits is not None else "drawn"
+    key = (tokens, width, block_r, mask)
     cfg = _utils.pick_config("lora_wgrad", key, z.device, _hopper_config, _TILE_CONFIGS, run)
     run(cfg)
     return out
