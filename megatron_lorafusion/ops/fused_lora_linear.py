@@ -4,8 +4,9 @@
 ``S' = s·drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206, Sec. 4):
 
 - forward: ``S'`` by `lora_shrink` (dropout fused, one pass over X); then the frozen product
-  with the LoRA term, ``Y = S'·Bᵀ + b`` by `lora_expand` followed by cuBLAS ``Y += X·Wᵀ``
-  (``addmm_``, beta = 1: Y is written by the expand and read once as C);
+  with the LoRA term, either in one Triton GEMM that adds ``S'·Bᵀ + b`` in its epilogue
+  (`lora_gemm`, the default on Hopper) or as ``Y = S'·Bᵀ + b`` by `lora_expand` followed by
+  cuBLAS ``Y += X·Wᵀ`` (``addmm_``, beta = 1: Y is written by the expand and read once as C);
 - backward: ``dS' = s·dY·B`` and ``dB = dYᵀ·S'`` from one pass over dY (`lora_up_bwd`), then one
   pass over X (`lora_wgrad` with its fused expand) gives ``dA = dS'ᵀ·drop(X)`` and the LoRA
   part of dX, ``mask⊙(dS'·A)/(1−p)``, drawing the mask once; cuBLAS adds ``dY·W`` onto it
@@ -26,7 +27,7 @@ import torch
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
-from megatron_lorafusion.ops.lora_gemm import lora_gemm
+from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_kernel_runs
 from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
 from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
 from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
@@ -34,6 +35,21 @@ from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
 # Save the dropout mask as bits (H/8 bytes per token) in the forward and read it in the backward,
 # instead of regenerating it twice from the seed; docs/kernels.md has the measurements.
 _SAVE_MASK_BITS = False
+# Where the frozen GEMM runs: "cublas" both ways, "triton" both ways (LoRA term in the
+# epilogue), "triton_fwd" the Triton GEMM forward and cuBLAS backward; "auto" picks one.
+_DESIGNS = ("auto", "cublas", "triton", "triton_fwd")
+
+
+def _resolve_design(design: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The design ``"auto"`` stands for; other designs are returned as they are.
+
+    The TMA GEMM forward where it runs (Hopper, TMA-aligned strides): it beat or tied cuBLAS
+    + expand on the H200 (docs/kernels.md). cuBLAS elsewhere, where only the plain Triton
+    GEMM would run, 25-35 % behind cuBLAS.
+    """
+    if design != "auto":
+        return design
+    return "triton_fwd" if tma_kernel_runs(x, weight.t()) else "cublas"
 
 
 def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
@@ -58,12 +74,12 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
         bits = None
-        if dropouts is not None and _SAVE_MASK_BITS and design == "cublas":
+        if dropouts is not None and _SAVE_MASK_BITS:
             bits = torch.empty(x.shape[0], (x.shape[1] + 7) // 8, dtype=torch.uint8,
                                device=x.device)  # (T, ceil(H / 8)) packed keep-mask
         s = _lora_shrink_launch(x, lora_a, scales, dropouts, layout, seed, keep_bits=bits)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
-        if design == "triton":
+        if design in ("triton", "triton_fwd"):
             y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
         else:
             y = _lora_expand_launch(s, b_t, bias, None, layout, seed)
@@ -115,7 +131,7 @@ def fused_lora_linear(
     *,
     layer_seed: int = 0,
     training: bool = True,
-    design: str = "cublas",
+    design: str = "auto",
 ) -> torch.Tensor:
     """Fused multi-LoRA linear (same function as `lora_linear_ref`, Triton + cuBLAS).
 
@@ -134,8 +150,10 @@ def fused_lora_linear(
             microbatch (``layout.row_offset``) for a sharded layout.
         training: dropout only when True; all-zero dropouts take a path with no mask.
         design: ``"cublas"`` (LoRA term written first, cuBLAS accumulates the frozen
-            product onto it) or ``"triton"`` (Triton GEMM with the LoRA term in its
-            epilogue). docs/kernels.md has the H200 numbers behind the default.
+            product onto it), ``"triton"`` (Triton GEMM with the LoRA term in its
+            epilogue, forward and dX) or ``"triton_fwd"`` (the Triton GEMM in the forward,
+            cuBLAS in the backward); ``"auto"`` runs ``"triton_fwd"`` on Hopper when TMA can
+            describe the operands, else ``"cublas"``. docs/kernels.md has the H200 numbers.
 
     Returns:
         (T, N) output in ``x``'s dtype.
@@ -153,8 +171,8 @@ def fused_lora_linear(
             f"scalings has {len(scalings)} and dropouts {len(dropouts)} entries, "
             f"expected A={layout.num_adapters}"
         )
-    if design not in ("cublas", "triton"):
-        raise ValueError(f"design must be 'cublas' or 'triton', got {design!r}")
+    if design not in _DESIGNS:
+        raise ValueError(f"design must be one of {_DESIGNS}, got {design!r}")
     if any(not 0.0 <= p < 1.0 for p in dropouts):
         raise ValueError(f"dropouts must lie in [0, 1), got {list(dropouts)}")
     device = str(x.device)
@@ -164,5 +182,6 @@ def fused_lora_linear(
     drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     return LoRALinearFunction.apply(
-        x, weight, bias, lora_a, lora_b, scales, drop, layout, seed, design
+        x, weight, bias, lora_a, lora_b, scales, drop, layout, seed,
+        _resolve_design(design, x, weight),
     )

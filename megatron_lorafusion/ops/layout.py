@@ -34,7 +34,7 @@ class AdapterLayout:
     max_seqlen: int
     dropout_seed: int = 0
     row_offset: int = 0
-    _device_cache: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)  # derived values, host and device
 
     @classmethod
     def from_samples(
@@ -113,12 +113,16 @@ class AdapterLayout:
 
     @property
     def num_tokens(self) -> int:
-        """``T``, tokens in the microbatch."""
-        return int(self.seg_offsets[-1])
+        """``T``, tokens in the microbatch (cached: every launcher checks it)."""
+        if "num_tokens" not in self._cache:
+            self._cache["num_tokens"] = int(self.seg_offsets[-1])
+        return self._cache["num_tokens"]
 
     def token_counts(self) -> list[int]:
-        """Tokens of each adapter in this microbatch, a list of ``A`` ints."""
-        return torch.diff(self.seg_offsets).tolist()
+        """Tokens of each adapter in this microbatch, a list of ``A`` ints (cached)."""
+        if "token_counts" not in self._cache:
+            self._cache["token_counts"] = tuple(torch.diff(self.seg_offsets).tolist())
+        return list(self._cache["token_counts"])
 
     def segments(self) -> list[tuple[int, int, int]]:
         """``(adapter, start, end)`` for each adapter with at least one token."""
@@ -129,11 +133,11 @@ class AdapterLayout:
     def row_adapter(self, device: torch.device | str) -> torch.Tensor:
         """(T,) int64 adapter id of each token row, cached per device."""
         key = ("row_adapter", str(device))
-        if key not in self._device_cache:
+        if key not in self._cache:
             counts = torch.diff(self.seg_offsets)
             rows = torch.repeat_interleave(torch.arange(self.num_adapters), counts)
-            self._device_cache[key] = rows.to(device)
-        return self._device_cache[key]
+            self._cache[key] = rows.to(device)
+        return self._cache[key]
 
     def tiles(self, block: int, device: torch.device | str) -> torch.Tensor:
         """(n_tiles, 3) int32 ``(adapter, row_start, row_end)`` tiles of at most ``block`` rows.
@@ -149,21 +153,21 @@ class AdapterLayout:
         if block <= 0:
             raise ValueError(f"tile height must be positive, got block={block}")
         key = ("tiles", block, str(device))
-        if key not in self._device_cache:
+        if key not in self._cache:
             rows = []
             for adapter, start, end in self.segments():
                 for row in range(start, end, block):
                     rows.append((adapter, row, min(row + block, end)))
             table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
-            self._device_cache[key] = table.to(device)
-        return self._device_cache[key]
+            self._cache[key] = table.to(device)
+        return self._cache[key]
 
     def tile_ranges(self, block: int, device: torch.device | str) -> torch.Tensor:
         """(A + 1,) int32 offsets of each adapter's tiles in `tiles` (``block`` rows), cached."""
         key = ("tile_ranges", block, str(device))
-        if key not in self._device_cache:
+        if key not in self._cache:
             counts = (torch.diff(self.seg_offsets) + block - 1) // block
             offsets = torch.zeros(self.num_adapters + 1, dtype=torch.int32)
             offsets[1:] = torch.cumsum(counts, 0)
-            self._device_cache[key] = offsets.to(device)
-        return self._device_cache[key]
+            self._cache[key] = offsets.to(device)
+        return self._cache[key]

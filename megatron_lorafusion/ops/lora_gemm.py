@@ -278,19 +278,26 @@ _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops 
 _AUTO_KERNEL = "tma"
 
 
-def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
     """True when TMA descriptors can cover ``z``, ``w`` and ``out``.
 
     TMA needs a unit stride in one dimension, 16-byte aligned bases and 16-byte aligned
-    strides in the other (so ``D·itemsize`` and ``K·itemsize`` multiples of 16).
+    strides in the other (so ``D·itemsize`` and ``K·itemsize`` multiples of 16). ``out``
+    None stands for the fresh contiguous (T, D) output `lora_gemm` allocates.
     """
     def aligned(t: torch.Tensor, other_stride: int) -> bool:
         return t.data_ptr() % 16 == 0 and (other_stride * t.element_size()) % 16 == 0
 
     w_ok = (w.stride(1) == 1 and aligned(w, w.stride(0))) or (
         w.stride(0) == 1 and aligned(w, w.stride(1)))
-    return (z.stride(1) == 1 and aligned(z, z.stride(0)) and w_ok
-            and out.stride(1) == 1 and aligned(out, out.stride(0)))
+    out_ok = ((w.shape[1] * z.element_size()) % 16 == 0 if out is None
+              else out.stride(1) == 1 and aligned(out, out.stride(0)))
+    return z.stride(1) == 1 and aligned(z, z.stride(0)) and w_ok and out_ok
+
+
+def tma_kernel_runs(z: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when ``lora_gemm(z, w, ...)`` with ``kernel="auto"`` runs the TMA kernel."""
+    return _AUTO_KERNEL == "tma" and _utils.is_hopper(z.device) and tma_supported(z, w)
 
 
 def _launch_plain(z, w, s, m, bias, dropouts, layout, seed, out, cfg, col_offset=0, mask_d=None):
@@ -374,7 +381,7 @@ def _choose_kernel(kernel: str, z, w, out) -> str:
         )
     if kernel != "auto":
         return kernel
-    if _AUTO_KERNEL == "tma" and _utils.is_hopper(z.device) and tma_supported(z, w, out):
+    if tma_kernel_runs(z, w):
         return "tma"
     return "plain"
 

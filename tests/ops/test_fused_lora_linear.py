@@ -33,7 +33,7 @@ CASES = {
     "many_adapters": ([(3 * a) % 7 for a in range(64)], [1 + a % 9 for a in range(64)],
                       [0.5 + a % 3 for a in range(64)], [0.1 * (a % 3) for a in range(64)], 16, 24),
 }
-DESIGNS = ["cublas", "triton"]
+DESIGNS = ["cublas", "triton", "triton_fwd"]
 
 
 def _inputs(case, dtype, device, make_layout, make_lora, seed=0):
@@ -173,6 +173,19 @@ def test_fused_lora_linear_rejects_bad_inputs(device, make_layout, make_lora):
     big_b = torch.zeros(4, weight.shape[0], 300, dtype=x.dtype, device=device)
     with pytest.raises(NotImplementedError, match="rank"):
         fused_lora_linear(x, weight, bias, big_a, big_b, scalings, dropouts, layout)
+
+
+def test_auto_design_is_the_tma_forward_only_on_hopper(device):
+    """``design="auto"``: the TMA GEMM forward on Hopper with aligned strides, else cuBLAS."""
+    module = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+    x = torch.zeros(32, 64, dtype=torch.float16, device=device)
+    weight = torch.zeros(48, 64, dtype=torch.float16, device=device)
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    assert module._resolve_design("auto", x, weight) == ("triton_fwd" if hopper else "cublas")
+    x_odd = torch.zeros(32, 60, dtype=torch.float16, device=device)  # 120-byte rows
+    weight_odd = torch.zeros(48, 60, dtype=torch.float16, device=device)
+    assert module._resolve_design("auto", x_odd, weight_odd) == "cublas"
+    assert module._resolve_design("triton", x, weight) == "triton"
 
 
 @pytest.mark.gpu
