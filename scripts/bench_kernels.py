@@ -22,13 +22,15 @@ from megatron_lorafusion.ops import (
     lora_linear_ref,
 )
 from megatron_lorafusion.ops.lora_expand import lora_expand
-from megatron_lorafusion.ops.lora_gemm import _TILE_CONFIGS as GEMM_CONFIGS
 from megatron_lorafusion.ops.lora_gemm import lora_gemm
 from megatron_lorafusion.ops.lora_shrink import lora_shrink
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad
 
 FUSED_MODULE = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
-GEMM_MODULE = sys.modules["megatron_lorafusion.ops.lora_gemm"]
+SHRINK_MODULE = sys.modules["megatron_lorafusion.ops.lora_shrink"]
+WGRAD_MODULE = sys.modules["megatron_lorafusion.ops.lora_wgrad"]
+UP_BWD_MODULE = sys.modules["megatron_lorafusion.ops.lora_up_bwd"]
 TOKENS = (8192, 16384)
 SHAPES = ((4096, 4096), (4096, 14336), (14336, 4096))  # (H, N): Llama-3.1-8B projections
 ADAPTERS = (1, 4)
@@ -256,7 +258,7 @@ def check_correctness(tokens, shapes):
         want = grads(w32, ref_fn(w32, keep, draw_mask=False), cast=torch.float32)
         torch16 = grads(prob, ref_fn(prob, keep, draw_mask=False))
         t16 = "/".join(f"{rel_err(g, w):.1e}" for g, w in zip(torch16, want, strict=True))
-        for design in ("cublas", "triton"):
+        for design in ("cublas", "triton", "triton_fwd"):
             try:
                 got = grads(prob, fused_fn(prob, design))
                 again = grads(prob, fused_fn(prob, design))
@@ -276,41 +278,66 @@ def check_correctness(tokens, shapes):
     return ok
 
 
+def _tile(cfg) -> str:
+    return f"{cfg.block_t}x{cfg.block_d} w{cfg.num_warps} s{cfg.num_stages}"
+
+
 def components(tokens, hidden, out, adapters=4, p=0.1):
-    """Time each kernel alone (forward pieces and backward pieces), ms."""
+    """Time each kernel of the default path alone (and the shrink's tiles with dropout), ms."""
     prob = make_problem(tokens, hidden, out, adapters, p)
     layout, x, weight = prob["layout"], prob["x"], prob["weight"]
     lora_a, lora_b, dy = prob["lora_a"], prob["lora_b"], prob["grad_y"]
     scales = torch.full((adapters,), 2.0, device="cuda")
     drop = torch.full((adapters,), p, device="cuda")
-    s = lora_shrink(x, lora_a, scales, drop, layout, 1)
+    bits = torch.empty(tokens, (hidden + 7) // 8, dtype=torch.uint8, device="cuda")
+    s = lora_shrink(x, lora_a, scales, drop, layout, 1, keep_bits=bits)
     b_t = lora_b.transpose(1, 2)
-    delta = lora_expand(s, b_t, None, None, layout, 1)
+    grad_a_t = torch.empty_like(lora_a).transpose(1, 2)
     flops = 2 * tokens * hidden * out
+
+    def at_tile(module, cfg, fn):
+        """``fn`` with ``module``'s Hopper tile forced to ``cfg``."""
+        def run():
+            module._hopper_config, saved = (lambda key: cfg), module._hopper_config
+            try:
+                fn()
+            finally:
+                module._hopper_config = saved
+        return run
+
+    def wgrad(dropouts, keep_bits=None):
+        return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, keep_bits,
+                                  expand_m=lora_a, expand_out=torch.empty_like(x))
+
     rows = [
         ("F.linear X·Wᵀ", lambda: F.linear(x, weight), flops),
-        ("clone of Y (T×N copy)", lambda: delta.clone(), 0),
-        ("clone + addmm_ (C = LoRA term)", lambda: delta.clone().addmm_(x, weight.t()), flops),
         ("dY·W (torch.mm)", lambda: dy @ weight, flops),
+        ("TMA lora_gemm X·Wᵀ + S'·Bᵀ", lambda: lora_gemm(x, weight.t(), s, b_t, None, None,
+                                                          layout, 1), flops),
         ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),
-        ("shrink X p=0.1", lambda: lora_shrink(x, lora_a, scales, drop, layout, 1), 0),
-        ("shrink dY", lambda: lora_shrink(dy, b_t, scales, None, layout, 1), 0),
+        (f"shrink X p={p}", lambda: lora_shrink(x, lora_a, scales, drop, layout, 1), 0),
+        (f"shrink X p={p}, writing the mask bits",
+         lambda: lora_shrink(x, lora_a, scales, drop, layout, 1, keep_bits=bits), 0),
+        *[(f"shrink X p={q}, tile {_tile(cfg)}",
+           at_tile(SHRINK_MODULE, cfg, lambda q=q: lora_shrink(x, lora_a, scales,
+                                                               drop if q else None, layout, 1)),
+           0)
+          for q in (0, p) for cfg in SHRINK_MODULE._TILE_CONFIGS[1:]],
         ("expand Y (write T×N)", lambda: lora_expand(s, b_t, None, None, layout, 1), 0),
-        ("expand dX p=0.1", lambda: lora_expand(s, lora_a, None, drop, layout, 1), 0),
-        ("wgrad dB (dY)", lambda: lora_wgrad(dy, s, torch.empty_like(lora_b), None, layout, 1), 0),
-        ("wgrad dA (X, p=0.1)",
-         lambda: lora_wgrad(x, s, torch.empty_like(lora_a).transpose(1, 2), drop, layout, 1), 0),
-        ("wgrad dA + expand dX in one pass (X, p=0.1)",
-         lambda: lora_wgrad(x, s, torch.empty_like(lora_a).transpose(1, 2), drop, layout, 1,
-                            expand_m=lora_a, expand_out=torch.empty_like(x)), 0),
+        ("lora_up_bwd: dS' and dB, one pass over dY",
+         lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False), 0),
+        *[(f"lora_up_bwd, tile {_tile(cfg)}",
+           at_tile(UP_BWD_MODULE, cfg,
+                   lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)), 0)
+          for cfg in UP_BWD_MODULE._TILE_CONFIGS[1:]],
+        ("wgrad dA + expand dX, p=0", wgrad(None), 0),
+        (f"wgrad dA + expand dX, p={p}, mask drawn", wgrad(drop), 0),
+        (f"wgrad dA + expand dX, p={p}, mask from bits", wgrad(drop, bits), 0),
+        *[(f"wgrad dA + expand dX, {how}, tile {_tile(cfg)}", at_tile(WGRAD_MODULE, cfg, fn), 0)
+          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)),
+                          (f"p={p} bits", wgrad(drop, bits)))
+          for cfg in WGRAD_MODULE._TILE_CONFIGS[1:]],
     ]
-    for cfg in GEMM_CONFIGS[1:]:
-        rows.append((f"lora_gemm fwd {cfg}",
-                     lambda cfg=cfg: lora_gemm(x, weight.t(), s, b_t, None, None, layout, 1, cfg),
-                     flops))
-        rows.append((f"lora_gemm dX p=0.1 {cfg}",
-                     lambda cfg=cfg: lora_gemm(dy, weight, s, lora_a, None, drop, layout, 1, cfg),
-                     flops))
     print(f"\n## Components (T={tokens}, H={hidden}, N={out}, A={adapters}, r={RANK})\n")
     print("| kernel | median ms | TFLOP/s |")
     print("|---|---|---|")
@@ -328,40 +355,46 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
 
 def timings(tokens_list, shapes, csv_path):
-    print("\n## Forward + backward, median ms (p20–p80 for fused), bf16, r=16\n")
-    print("| T | H | N | A | p | frozen | ref (eager) | fused | fused, mask bits "
-          "| fused triton | augK copy | augK no-copy | fused/frozen | ref/fused | triton/frozen "
-          "| graphed frozen | graphed fused | graphed fused/frozen |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    auto = FUSED_MODULE._resolve_design("auto", torch.empty(16, 16, device="cuda",
+                                                            dtype=torch.bfloat16),
+                                        torch.empty(16, 16, device="cuda", dtype=torch.bfloat16))
+    print(f"\n## Forward + backward, median ms (p20–p80 for auto), bf16, r={RANK}; "
+          f"auto = {auto} here\n")
+    print("| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto | auto, mask bits "
+          "| augK copy | augK no-copy | cublas/frozen | triton/frozen | auto/frozen "
+          "| bits/frozen | ref/auto | graphed frozen | graphed auto | graphed auto/frozen |")
+    print("|" + "---|" * 21)
     rows = []
     for tokens in tokens_list:
         for hidden, out in shapes:
             for adapters in ADAPTERS:
                 for p in DROPOUTS:
                     prob = make_problem(tokens, hidden, out, adapters, p)
-                    frozen = bench(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
-                    ref = bench(*fwd_bwd(prob, ref_fn(prob)))
-                    cub = bench(*fwd_bwd(prob, fused_fn(prob, "cublas")))
-                    tri = bench(*fwd_bwd(prob, fused_fn(prob, "triton")))
-                    bits = "-"
+                    frozen = bench(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))[0]
+                    ref = bench(*fwd_bwd(prob, ref_fn(prob)))[0]
+                    cub = bench(*fwd_bwd(prob, fused_fn(prob, "cublas")))[0]
+                    tri = bench(*fwd_bwd(prob, fused_fn(prob, "triton")))[0]
+                    fused = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))
+                    bits = float("nan")
                     if p > 0:
                         FUSED_MODULE._SAVE_MASK_BITS = True
-                        bits = f"{bench(*fwd_bwd(prob, fused_fn(prob, 'cublas')))[0]:.3f}"
+                        bits = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))[0]
                         FUSED_MODULE._SAVE_MASK_BITS = False
                     g_frozen = bench_graph(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
-                    g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "cublas")))
+                    g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "auto")))
                     if p == 0:
                         aug_c = bench(*fwd_bwd(prob, augk_fn(prob, copy=True)))[0]
                         aug_n = bench(*fwd_bwd(prob, augk_fn(prob, copy=False)))[0]
                         aug = f"{aug_c:.3f} | {aug_n:.3f}"
                     else:
                         aug = "- | -"
-                    row = [tokens, hidden, out, adapters, p, frozen[0], ref[0], cub[0], tri[0]]
+                    row = [tokens, hidden, out, adapters, p, frozen, ref, cub, tri, fused[0], bits]
                     rows.append(row)
-                    print(f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen[0]:.3f} "
-                          f"| {ref[0]:.3f} | {cub[0]:.3f} ({cub[1]:.3f}–{cub[2]:.3f}) "
-                          f"| {bits} | {tri[0]:.3f} | {aug} | {cub[0] / frozen[0]:.3f} "
-                          f"| {ref[0] / cub[0]:.2f} | {tri[0] / frozen[0]:.3f} "
+                    print(f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen:.3f} "
+                          f"| {ref:.3f} | {cub:.3f} | {tri:.3f} "
+                          f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {bits:.3f} | {aug} "
+                          f"| {cub / frozen:.3f} | {tri / frozen:.3f} | {fused[0] / frozen:.3f} "
+                          f"| {bits / frozen:.3f} | {ref / fused[0]:.2f} "
                           f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
                           flush=True)
                     del prob
@@ -380,11 +413,10 @@ def memory(tokens=8192, hidden=4096, out=4096):
     prob = make_problem(tokens, hidden, out, 4, 0.1)
     for name, fn, lora in (("frozen linear", frozen_fn(prob), False),
                            ("reference (eager)", ref_fn(prob), True),
-                           ("fused (mask regenerated, default)", fused_fn(prob, "cublas"), True),
-                           ("fused triton (mask regenerated)", fused_fn(prob, "triton"), True)):
+                           ("fused, mask regenerated (default)", fused_fn(prob, "auto"), True)):
         print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
     FUSED_MODULE._SAVE_MASK_BITS = True
-    print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'cublas')):.0f} |")
+    print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'auto')):.0f} |")
     FUSED_MODULE._SAVE_MASK_BITS = False
 
 
@@ -393,6 +425,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one token count, one shape")
     parser.add_argument("--csv", default=None, help="append timing rows to this CSV file")
     parser.add_argument("--skip-components", action="store_true")
+    parser.add_argument("--components-only", action="store_true",
+                        help="only the per-kernel times, at T=16384 and every (H, N)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device")
@@ -400,11 +434,14 @@ def main(argv=None):
           f"triton {triton.__version__}")
     shapes = SHAPES[:1] if args.quick else SHAPES
     tokens_list = TOKENS[:1] if args.quick else TOKENS
-    ok = check_correctness(8192, shapes)
+    if args.components_only:
+        for hidden, out in shapes:
+            components(tokens_list[-1], hidden, out)
+        return
+    ok = all([check_correctness(tokens, shapes) for tokens in tokens_list])
     if not args.skip_components:
-        components(8192, 4096, 4096)
-        if not args.quick:
-            components(16384, 4096, 14336)
+        for hidden, out in shapes:
+            components(tokens_list[-1], hidden, out)
     memory()
     timings(tokens_list, shapes, args.csv)
     if not ok:

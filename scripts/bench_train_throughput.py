@@ -8,16 +8,20 @@ every linear adapted) with each adapter's AdamW step after every 4 microbatches:
 
 - ``frozen``: the base model alone (the LoRA wrappers swapped out), its embedding output
   requiring grad, so backward computes every input gradient as training would;
-- ``ours``: the fused multi-LoRA path with the packed per-token RoPE;
+- ``ours``: the fused multi-LoRA path with the packed per-token RoPE (``design="auto"``);
+- ``ours, design=cublas`` / ``ours, mask bits saved``: the same with the frozen GEMMs in
+  cuBLAS both ways, or with the dropout mask saved as bits for the backward (docs/kernels.md);
 - ``ours, Megatron THD RoPE``: the same with Megatron's per-sample RoPE loop restored.
 
-Wall time (host included, no CUDA graphs) after one warm-up microbatch; tokens/s counts the
-packed tokens. The mission's references (same GPU, measured): transformers + PEFT 8.6k
-tokens/s, 1.65× its own frozen forward + backward.
+Wall time (host included, no CUDA graphs) after a warm-up pass over the same microbatches;
+tokens/s counts the packed tokens. The mission's references (same GPU, measured):
+transformers + PEFT 8.6k tokens/s, 1.65× its own frozen forward + backward.
 """
 
 import argparse
+import contextlib
 import random
+import sys
 import time
 
 import torch
@@ -32,6 +36,18 @@ from megatron_lorafusion.mcore.parallel import (
 from megatron_lorafusion.ops import AdapterLayout
 
 ADAPTERS = 4
+FUSED = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+
+
+@contextlib.contextmanager
+def _setting(module, name: str, value):
+    """Set ``module.name`` to ``value`` for the block (a variant of the fused op)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 def _microbatch(tokens: int, vocab: int, seed: int, device) -> tuple:
@@ -52,7 +68,8 @@ def _microbatch(tokens: int, vocab: int, seed: int, device) -> tuple:
 
 
 def _run(model, lora, batches, optimizers, steps_every: int) -> float:
-    """Seconds for forward + backward of every microbatch (and the steps), after a warm-up."""
+    """Seconds for forward + backward of every microbatch (and the steps), after a warm-up
+    pass over the same microbatches."""
 
     def one(k: int, batch) -> None:
         ids, pos, layout = batch
@@ -64,7 +81,8 @@ def _run(model, lora, batches, optimizers, steps_every: int) -> float:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-    one(0, batches[0])
+    for k, batch in enumerate(batches):  # warm-up: every layout's kernels compiled and tiled
+        one(k, batch)
     _sync()
     start = time.perf_counter()
     for k, batch in enumerate(batches):
@@ -119,6 +137,10 @@ def main() -> None:
                       for a in range(ADAPTERS)]
         results = {}
         results["ours"] = _run(model, lora, batches, optimizers, 4)
+        with _setting(FUSED, "_resolve_design", lambda design, x, weight: "cublas"):
+            results["ours, design=cublas"] = _run(model, lora, batches, optimizers, 4)
+        with _setting(FUSED, "_SAVE_MASK_BITS", True):
+            results["ours, mask bits saved"] = _run(model, lora, batches, optimizers, 4)
         _megatron_rope(model, True)
         results["ours, Megatron THD RoPE"] = _run(model, lora, batches, optimizers, 4)
         _megatron_rope(model, False)
