@@ -32,16 +32,22 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def host_us(fn, calls: int) -> float:
-    """Host µs per call of ``fn`` while the GPU sleeps; NaN when the GPU woke up too early."""
-    fn()
+def host_us(fn, calls: int, make_arg=None) -> float:
+    """Host µs per call of ``fn`` while the GPU sleeps; NaN when the GPU woke up too early.
+
+    ``make_arg``, when given, builds each call's argument beforehand, untimed (a forward's
+    output, to time its backward alone).
+    """
+    args = [make_arg() if make_arg else None for _ in range(calls + 1)]
+    run = fn if make_arg else (lambda _: fn())
+    run(args[0])
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
     awake = torch.cuda.Event()
     awake.record()
     start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    for arg in args[1:]:
+        run(arg)
     elapsed = time.perf_counter() - start
     asleep = not awake.query()
     torch.cuda.synchronize()
@@ -93,9 +99,12 @@ def main(argv=None):
         F.linear(x, weight).backward(grad_y)
 
     def fused_forward():
+        return fused_lora_linear(x, weight, None, lora_a, lora_b, scalings, dropouts, layout,
+                                 layer_seed=3)
+
+    def fused_forward_no_grad():
         with torch.no_grad():
-            fused_lora_linear(x, weight, None, lora_a, lora_b, scalings, dropouts, layout,
-                              layer_seed=3)
+            fused_forward()
 
     variants = [
         ("empty Triton kernel, 1 argument", lambda: _empty_kernel[(1,)](x)),
@@ -107,7 +116,7 @@ def main(argv=None):
         ("lora_up_bwd", lambda: lora_up_bwd(grad_y, s, lora_b.detach(), scales, layout,
                                             scale_db=False)),
         ("lora_wgrad", lambda: lora_wgrad(x.detach(), s, grad_a_t, drops, layout, 3)),
-        ("fused forward, no grad (cublas)", fused_forward),
+        ("fused forward, no grad (auto)", fused_forward_no_grad),
         ("fused forward + backward, cublas", fused("cublas")),
         ("fused forward + backward, triton_fwd", fused("triton_fwd")),
         ("fused forward + backward, triton", fused("triton")),
@@ -116,9 +125,16 @@ def main(argv=None):
           f"A={args.adapters}, p={args.dropout}; the GPU asleep meanwhile)\n")
     print("| call | host µs |")
     print("|---|---|")
-    for name, fn in variants:
+    variants += [  # (name, fn, make_arg): forward and backward apart
+        ("F.linear forward, grad on (frozen)", lambda: F.linear(x, weight)),
+        ("F.linear backward alone (frozen)", lambda y: y.backward(grad_y),
+         lambda: F.linear(x, weight)),
+        ("fused forward, grad on (auto)", fused_forward),
+        ("fused backward alone (auto)", lambda y: y.backward(grad_y), fused_forward),
+    ]
+    for name, fn, *make_arg in variants:
         try:
-            print(f"| {name} | {host_us(fn, args.calls):.1f} |", flush=True)
+            print(f"| {name} | {host_us(fn, args.calls, *make_arg):.1f} |", flush=True)
         except Exception as exc:  # noqa: BLE001 - report the variant, keep the others
             print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:120]} |", flush=True)
         x.grad = lora_a.grad = lora_b.grad = None
