@@ -113,8 +113,9 @@ def test_fused_lora_linear_without_input_grad(device, make_layout, make_lora):
         torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=lambda m, n=name: n + m)
 
 
+@pytest.mark.parametrize("design", DESIGNS)
 def test_fused_lora_linear_saved_bits_equal_regenerated_mask(
-    device, make_layout, make_lora, monkeypatch
+    design, device, make_layout, make_lora, monkeypatch
 ):
     """The backward reads the forward's mask bits or regenerates the mask: same gradients."""
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
@@ -124,7 +125,7 @@ def test_fused_lora_linear_saved_bits_equal_regenerated_mask(
     def run():
         return _grads(
             lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts,
-                                                 layout, layer_seed=8),
+                                                 layout, layer_seed=8, design=design),
             x, lora_a, lora_b, grad_y,
         )
 
@@ -134,7 +135,7 @@ def test_fused_lora_linear_saved_bits_equal_regenerated_mask(
     monkeypatch.setattr(module, "_SAVE_MASK_BITS", False)
     regenerated = run()
     for name, a, b in zip(["y", "dx", "da", "db"], with_bits, regenerated, strict=True):
-        assert torch.equal(a, b), f"{name}: saved mask bits and regenerated mask disagree"
+        assert torch.equal(a, b), f"{design} {name}: saved mask bits and regenerated mask disagree"
 
 
 def test_fused_lora_linear_backward_is_bitwise_repeatable(device, make_layout, make_lora):
