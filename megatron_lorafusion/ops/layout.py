@@ -34,7 +34,7 @@ class AdapterLayout:
     max_seqlen: int
     dropout_seed: int = 0
     row_offset: int = 0
-    _cache: dict = field(default_factory=dict, repr=False)  # derived values, host and device
+    _cache: dict = field(default_factory=dict, init=False, repr=False)  # derived, host and device
 
     @classmethod
     def from_samples(

@@ -3,6 +3,8 @@
 Tolerances: float64 everywhere, so differences are only summation order.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,14 @@ def test_layout_shard_rejects_rows_outside_the_microbatch():
     layout = AdapterLayout.from_samples([0], [8], 1)
     with pytest.raises(ValueError, match=r"shard rows \[4, 9\) must lie in \[0, 8\]"):
         layout.shard(4, 9)
+
+
+def test_layout_cached_counts_follow_its_own_segments():
+    """Counts are cached per layout; a layout derived by `dataclasses.replace` starts afresh."""
+    layout = AdapterLayout.from_samples([0, 1, 1], [3, 4, 2], 2)
+    assert (layout.token_counts(), layout.num_tokens) == ([3, 6], 9)
+    layout.token_counts().append(7)  # callers get a copy
+    assert layout.token_counts() == [3, 6]
+    other = dataclasses.replace(layout, seg_offsets=torch.tensor([0, 5, 9]))
+    assert (other.token_counts(), other.num_tokens) == ([5, 4], 9)
+    assert not torch.equal(layout.tiles(4, "cpu"), other.tiles(4, "cpu"))
