@@ -9,6 +9,7 @@ benchmarked alone by `scripts.bench_lora_gemm`.
 import argparse
 import csv
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -283,7 +284,7 @@ def _tile(cfg) -> str:
 
 
 def components(tokens, hidden, out, adapters=4, p=0.1):
-    """Time each kernel of the default path alone (and the shrink's tiles with dropout), ms."""
+    """Time each kernel of the default path alone, and the shrink, up_bwd and wgrad tiles, ms."""
     prob = make_problem(tokens, hidden, out, adapters, p)
     layout, x, weight = prob["layout"], prob["x"], prob["weight"]
     lora_a, lora_b, dy = prob["lora_a"], prob["lora_b"], prob["grad_y"]
@@ -297,12 +298,12 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
     def at_tile(module, cfg, fn):
         """``fn`` with ``module``'s Hopper tile forced to ``cfg``."""
+        def forced(key):
+            return cfg
+
         def run():
-            module._hopper_config, saved = (lambda key: cfg), module._hopper_config
-            try:
+            with mock.patch.object(module, "_hopper_config", forced):
                 fn()
-            finally:
-                module._hopper_config = saved
         return run
 
     def wgrad(dropouts, keep_bits=None):
@@ -377,9 +378,8 @@ def timings(tokens_list, shapes, csv_path):
                     fused = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))
                     bits = float("nan")
                     if p > 0:
-                        FUSED_MODULE._SAVE_MASK_BITS = True
-                        bits = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))[0]
-                        FUSED_MODULE._SAVE_MASK_BITS = False
+                        with mock.patch.object(FUSED_MODULE, "_SAVE_MASK_BITS", True):
+                            bits = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))[0]
                     g_frozen = bench_graph(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
                     g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "auto")))
                     if p == 0:
@@ -415,9 +415,8 @@ def memory(tokens=8192, hidden=4096, out=4096):
                            ("reference (eager)", ref_fn(prob), True),
                            ("fused, mask regenerated (default)", fused_fn(prob, "auto"), True)):
         print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
-    FUSED_MODULE._SAVE_MASK_BITS = True
-    print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'auto')):.0f} |")
-    FUSED_MODULE._SAVE_MASK_BITS = False
+    with mock.patch.object(FUSED_MODULE, "_SAVE_MASK_BITS", True):
+        print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'auto')):.0f} |")
 
 
 def main(argv=None):
