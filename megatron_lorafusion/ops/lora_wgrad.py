@@ -128,13 +128,15 @@ def _hopper_config(key: tuple) -> TileConfig:
     return _TILE_CONFIGS[3] if block_r <= 128 else _TILE_CONFIGS[5]
 
 
-def _chunk_rows(tokens: int, width: int, cfg: TileConfig, device: torch.device) -> int:
-    """Rows per chunk: a multiple of ``block_t`` giving ~4 programs per SM."""
+def _chunk_rows(
+    tokens: int, width: int, cfg: TileConfig, device: torch.device, programs_per_sm: int
+) -> int:
+    """Rows per chunk: a multiple of ``block_t`` giving ~``programs_per_sm`` programs per SM."""
     if device.type != "cuda":
         return 2 * cfg.block_t  # interpreter: several chunks per adapter
     sms = _utils.sm_count(device.index)
     d_tiles = _utils.cdiv(width, cfg.block_d)
-    rows = _utils.cdiv(tokens * d_tiles, _PROGRAMS_PER_SM * sms)
+    rows = _utils.cdiv(tokens * d_tiles, programs_per_sm * sms)
     return max(cfg.block_t, _utils.cdiv(rows, cfg.block_t) * cfg.block_t)
 
 
@@ -226,7 +228,7 @@ def _lora_wgrad_launch(
     ex = expand_out if expand_out is not None else s
 
     def run(cfg: TileConfig) -> None:
-        chunk = _chunk_rows(tokens, width, cfg, z.device)
+        chunk = _chunk_rows(tokens, width, cfg, z.device, _PROGRAMS_PER_SM)
         chunks = layout.tiles(chunk, z.device)
         ranges = layout.tile_ranges(chunk, z.device)
         part = torch.empty(chunks.shape[0], width, block_r, dtype=torch.float32, device=z.device)
