@@ -3,6 +3,7 @@
 Run as ``python -m scripts.bench_dropout_mask`` on a GPU. docs/kernels.md quotes its table
 (the choice of the fused path's mask RNG and of regenerating vs saving mask bits).
 """
+import argparse
 import functools
 import time
 
@@ -12,7 +13,16 @@ import triton.language as tl
 import triton.testing
 
 from megatron_lorafusion.ops import AdapterLayout
-from megatron_lorafusion.ops._utils import keep_mask_tile
+from megatron_lorafusion.ops._utils import (
+    _PHILOX_ROUNDS,
+    _drop_threshold,
+    _philox_words,
+    _word_keep_bits,
+    keep_mask_and_bits_tile,
+    keep_mask_tile,
+    philox4x32,
+    unpack_keep_bits,
+)
 from megatron_lorafusion.ops.lora_shrink import lora_shrink
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad
 
@@ -27,6 +37,33 @@ def _lowbias32(x):
     return x
 
 
+@triton.jit
+def _keep_mask_bytes(seed, rows, cols, D, p):
+    """Keep-mask from 8-bit draws: one Philox call per 16 columns (byte m of word q keys
+    column 16g + 4q + m), threshold p rounded to 1/256."""
+    BLOCK_D: tl.constexpr = cols.shape[0]
+    BLOCK_T: tl.constexpr = rows.shape[0]
+    group = tl.max((cols // 16).reshape(BLOCK_D // 16, 16), axis=1)
+    counters = rows.to(tl.int64)[:, None] * ((D + 15) // 16) + group[None, :]
+    r0, r1, r2, r3 = philox4x32(counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed,
+                                _PHILOX_ROUNDS)
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3)).reshape(BLOCK_T, BLOCK_D // 16, 4)
+    draws = tl.join(tl.join(words & 0xFF, (words >> 16) & 0xFF),
+                    tl.join((words >> 8) & 0xFF, words >> 24))
+    return draws.reshape(BLOCK_T, BLOCK_D) >= (p * 256.0 + 0.5).to(tl.uint32)
+
+
+@triton.jit
+def _keep_mask_via_bits(seed, rows, cols, D, p):
+    """The shipped mask, built as packed bits from the Philox words and then unpacked."""
+    r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
+    threshold = _drop_threshold(p)
+    bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
+            | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
+    bits = bits.to(tl.uint8)
+    return unpack_keep_bits(bits, cols.shape[0]), bits
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _study(x_ptr, a_ptr, out_ptr, bits_ptr, seed, D, R, p, MODE: tl.constexpr,
            BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -39,6 +76,9 @@ def _study(x_ptr, a_ptr, out_ptr, bits_ptr, seed, D, R, p, MODE: tl.constexpr,
         z = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :])
         if MODE == 1:
             keep = keep_mask_tile(seed, rows, cols, D, p)
+            z = tl.where(keep, z, 0.0)
+        elif MODE == 7:
+            keep = _keep_mask_bytes(seed, rows, cols, D, p)
             z = tl.where(keep, z, 0.0)
         elif MODE == 6:
             if p > 0:
@@ -63,33 +103,41 @@ def _study(x_ptr, a_ptr, out_ptr, bits_ptr, seed, D, R, p, MODE: tl.constexpr,
             bits = (b[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
             keep = bits.reshape(BLOCK_T, BLOCK_D) != 0
             z = tl.where(keep, z, 0.0)
-        elif MODE == 5:
-            keep = keep_mask_tile(seed, rows, cols, D, p)
+        elif MODE == 5 or MODE == 9:
+            if MODE == 5:
+                keep, packed = keep_mask_and_bits_tile(seed, rows, cols, D, p)
+            else:
+                keep, packed = _keep_mask_via_bits(seed, rows, cols, D, p)
             z = tl.where(keep, z, 0.0)
-            k = keep.to(tl.int32).reshape(BLOCK_T, BLOCK_D // 8, 8)
-            k = k << tl.arange(0, 8)[None, None, :]
-            packed = tl.sum(k, axis=2).to(tl.uint8)
             g = d0 // 8 + tl.arange(0, BLOCK_D // 8)
             tl.store(bits_ptr + rows.to(tl.int64)[:, None] * (D // 8) + g[None, :], packed)
+        elif MODE == 8:
+            keep, _ = _keep_mask_via_bits(seed, rows, cols, D, p)
+            z = tl.where(keep, z, 0.0)
         m = tl.load(a_ptr + ranks[None, :] * D + cols[:, None], mask=(ranks < R)[None, :],
                     other=0.0)
         acc = tl.dot(z, m, acc)
     tl.store(out_ptr + rows[:, None] * BLOCK_R + ranks[None, :], acc)
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--modes", type=int, nargs="+", default=[0, 1, 8, 7, 6, 2, 3, 4, 5, 9],
+                        help="mask variants to time (the MODE numbers of `_study`)")
+    args = parser.parse_args(argv)
     print("# rng study", torch.cuda.get_device_name(), triton.__version__)
     names = {0: "no mask", 1: "philox8 (shipped)", 6: "philox8 + run-time if p>0",
              2: "2x lowbias32 hash", 3: "tl.randint 7 rounds per elem", 4: "read packed bits",
-             5: "philox8 + write bits"}
+             5: "philox8 + write bits (shipped)", 7: "philox16, 8-bit draws",
+             8: "philox8 via packed bits", 9: "philox8 via packed bits + write bits"}
     for T, H in ((16384, 4096), (16384, 14336)):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         a = torch.randn(16, H, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(T, 16, device="cuda", dtype=torch.float32)
         bits = torch.randint(0, 255, (T, H // 8), device="cuda", dtype=torch.uint8)
-        for cfg in ((32, 256, 4, 3), (64, 128, 4, 3), (32, 128, 4, 4)):
+        for cfg in ((64, 128, 4, 3), (32, 128, 4, 4)):
             bt, bd, w, s = cfg
-            for mode in (0, 1, 6, 2, 3, 4, 5):
+            for mode in args.modes:
                 fn = functools.partial(
                     _study[(T // bt,)], x, a, out, bits, 12345678901, H, 16, 0.1, MODE=mode,
                     BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=16, num_warps=w, num_stages=s,
@@ -97,7 +145,7 @@ def main():
                 try:
                     fn()
                     torch.cuda.synchronize()
-                    ms = triton.testing.do_bench(fn)
+                    ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
                     print(f"| T={T} H={H} | {cfg} | {names[mode]} | {ms:.4f} ms "
                           f"| {T * H * 2 / ms / 1e9:.2f} TB/s of X |", flush=True)
                 except Exception as exc:  # noqa: BLE001 - report and go on

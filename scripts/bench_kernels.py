@@ -284,7 +284,12 @@ def _tile(cfg) -> str:
 
 
 def components(tokens, hidden, out, adapters=4, p=0.1):
-    """Time each kernel of the default path alone, and the shrink, up_bwd and wgrad tiles, ms."""
+    """GPU time of each kernel of the default path alone, and of the tile choices, ms.
+
+    Timed from a CUDA graph (`triton.testing.do_bench_cudagraph`): these calls take 50-140 µs
+    of host time, as long as the smaller kernels themselves, so eager timings of one call
+    measure the host.
+    """
     prob = make_problem(tokens, hidden, out, adapters, p)
     layout, x, weight = prob["layout"], prob["x"], prob["weight"]
     lora_a, lora_b, dy = prob["lora_a"], prob["lora_b"], prob["grad_y"]
@@ -294,6 +299,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
     s = lora_shrink(x, lora_a, scales, drop, layout, 1, keep_bits=bits)
     b_t = lora_b.transpose(1, 2)
     grad_a_t = torch.empty_like(lora_a).transpose(1, 2)
+    grad_x = torch.zeros_like(x)
     flops = 2 * tokens * hidden * out
 
     def at_tile(module, cfg, fn):
@@ -306,6 +312,13 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
                 fn()
         return run
 
+    def per_sm_run(module, per_sm, fn):
+        """``fn`` with ``module``'s chunks sized for ``per_sm`` programs per SM."""
+        def run():
+            with mock.patch.object(module, "_PROGRAMS_PER_SM", per_sm):
+                fn()
+        return run
+
     def wgrad(dropouts, keep_bits=None):
         return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, keep_bits,
                                   expand_m=lora_a, expand_out=torch.empty_like(x))
@@ -313,6 +326,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
     rows = [
         ("F.linear X·Wᵀ", lambda: F.linear(x, weight), flops),
         ("dY·W (torch.mm)", lambda: dy @ weight, flops),
+        ("dX += dY·W (addmm_, reads C)", lambda: grad_x.addmm_(dy, weight), flops),
         ("TMA lora_gemm X·Wᵀ + S'·Bᵀ", lambda: lora_gemm(x, weight.t(), s, b_t, None, None,
                                                           layout, 1), flops),
         ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),
@@ -331,6 +345,10 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
            at_tile(UP_BWD_MODULE, cfg,
                    lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)), 0)
           for cfg in UP_BWD_MODULE._TILE_CONFIGS[1:]],
+        *[(f"lora_up_bwd, {per_sm} programs per SM",
+           per_sm_run(UP_BWD_MODULE, per_sm,
+                      lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)), 0)
+          for per_sm in (1, 2, 4)],
         ("wgrad dA + expand dX, p=0", wgrad(None), 0),
         (f"wgrad dA + expand dX, p={p}, mask drawn", wgrad(drop), 0),
         (f"wgrad dA + expand dX, p={p}, mask from bits", wgrad(drop, bits), 0),
@@ -338,14 +356,18 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
           for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)),
                           (f"p={p} bits", wgrad(drop, bits)))
           for cfg in WGRAD_MODULE._TILE_CONFIGS[1:]],
+        *[(f"wgrad dA + expand dX, {how}, {per_sm} programs per SM",
+           per_sm_run(WGRAD_MODULE, per_sm, fn), 0)
+          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
+          for per_sm in (1, 2, 8)],
     ]
     print(f"\n## Components (T={tokens}, H={hidden}, N={out}, A={adapters}, r={RANK})\n")
-    print("| kernel | median ms | TFLOP/s |")
+    print("| kernel | median ms (graphed) | TFLOP/s |")
     print("|---|---|---|")
     for name, fn, flops in rows:
         try:
             fn()
-            ms = triton.testing.do_bench(fn, quantiles=QUANTILES)[0]
+            ms = triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
         except Exception as exc:  # noqa: BLE001 - report a config that fails, keep going
             print(f"| {name} | failed: {type(exc).__name__}: {str(exc)[:80]} | |")
             continue
