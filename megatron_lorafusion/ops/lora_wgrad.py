@@ -116,10 +116,11 @@ def _hopper_config(key: tuple) -> TileConfig:
     _, width, block_r, mask = key  # key = (T, D, BLOCK_R, "none" | "drawn" | "bits")
     if block_r <= 32:
         # Swept on the H200 with the fused expand at T = 16384, H = 4096 and 14336
-        # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs.
+        # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs;
+        # reading it as bits wants 64 x 64 at both widths.
         if mask == "drawn":
             return _TILE_CONFIGS[4] if width < 8192 else _TILE_CONFIGS[5]
-        if mask == "bits" and width >= 8192:
+        if mask == "bits":
             return _TILE_CONFIGS[3]
         return _TILE_CONFIGS[1]
     # Each pipeline stage holds a Z tile and a (block_t, BLOCK_R) tile of S: at BLOCK_R = 256
