@@ -5,6 +5,7 @@ the frozen linear and the fused op (``design="auto"``) under `torch.profiler` an
 kernel's device time per forward + backward (µs, the mean over the profiled steps), the sum
 over kernels, and the sum's ratio to the frozen one. Kernel sums leave out launch gaps and
 host time: they are the GPU-only cost, to set against `bench_kernels`' end-to-end ratios.
+The two are profiled in alternating rounds, so both see the same clock and power states.
 """
 
 import argparse
@@ -16,28 +17,37 @@ from torch.profiler import ProfilerActivity, profile
 
 from scripts.bench_kernels import SHAPES, TOKENS, frozen_fn, fused_fn, fwd_bwd, make_problem
 
-STEPS = 10
+ROUNDS = 5
+STEPS_PER_ROUND = 2
 NAME_CHARS = 70
 
 
-def kernel_times(step, leaves) -> dict[str, float]:
-    """Device µs per step of each kernel that ``step`` launches, by kernel name."""
-    for _ in range(3):
-        step()  # compile and pick configs outside the profile
+def _run(step, leaves, steps: int) -> None:
+    for _ in range(steps):
+        step()
         for leaf in leaves:
             leaf.grad = None
+
+
+def kernel_times(*variants) -> list[dict[str, float]]:
+    """Device µs per step of each kernel, by kernel name, for each ``(step, leaves)`` variant.
+
+    The variants are profiled in ``ROUNDS`` alternating rounds of ``STEPS_PER_ROUND`` steps.
+    """
+    for step, leaves in variants:
+        _run(step, leaves, 3)  # compile and pick configs outside the profile
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-            for leaf in leaves:
-                leaf.grad = None
-        torch.cuda.synchronize()
-    times: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
-            times[event.name[:NAME_CHARS]] += event.device_time / STEPS
-    return dict(times)
+    times: list[dict[str, float]] = [defaultdict(float) for _ in variants]
+    steps = ROUNDS * STEPS_PER_ROUND
+    for _ in range(ROUNDS):
+        for (step, leaves), acc in zip(variants, times, strict=True):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                _run(step, leaves, STEPS_PER_ROUND)
+                torch.cuda.synchronize()
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+                    acc[event.name[:NAME_CHARS]] += event.device_time / steps
+    return [dict(acc) for acc in times]
 
 
 def main(argv=None) -> None:
@@ -53,8 +63,8 @@ def main(argv=None) -> None:
         for hidden, out in SHAPES:
             for p in (0.1, 0.0):
                 prob = make_problem(tokens, hidden, out, args.adapters, p)
-                frozen = kernel_times(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
-                fused = kernel_times(*fwd_bwd(prob, fused_fn(prob, "auto")))
+                frozen, fused = kernel_times(fwd_bwd(prob, frozen_fn(prob), with_lora=False),
+                                             fwd_bwd(prob, fused_fn(prob, "auto")))
                 print(f"\n### T={tokens} H={hidden} N={out} A={args.adapters} p={p}\n")
                 print("| kernel | frozen µs | fused µs |")
                 print("|---|---|---|")
