@@ -15,9 +15,8 @@ import triton.testing
 from megatron_lorafusion.ops import AdapterLayout
 from megatron_lorafusion.ops._utils import (
     _PHILOX_ROUNDS,
-    _drop_threshold,
     _philox_words,
-    _word_keep_bits,
+    keep_bits_from_words,
     keep_mask_and_bits_tile,
     keep_mask_tile,
     philox4x32,
@@ -57,10 +56,7 @@ def _keep_mask_bytes(seed, rows, cols, D, p):
 def _keep_mask_via_bits(seed, rows, cols, D, p):
     """The shipped mask, built as packed bits from the Philox words and then unpacked."""
     r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
-    threshold = _drop_threshold(p)
-    bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
-            | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
-    bits = bits.to(tl.uint8)
+    bits = keep_bits_from_words(r0, r1, r2, r3, p)
     return unpack_keep_bits(bits, cols.shape[0]), bits
 
 

@@ -302,22 +302,20 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
     grad_x = torch.zeros_like(x)
     flops = 2 * tokens * hidden * out
 
-    def at_tile(module, cfg, fn):
-        """``fn`` with ``module``'s Hopper tile forced to ``cfg``."""
-        def forced(key):
-            return cfg
-
+    def patched(module, attr, value, fn):
+        """``fn`` run with ``module.attr`` set to ``value``."""
         def run():
-            with mock.patch.object(module, "_hopper_config", forced):
+            with mock.patch.object(module, attr, value):
                 fn()
         return run
+
+    def at_tile(module, cfg, fn):
+        """``fn`` with ``module``'s Hopper tile forced to ``cfg``."""
+        return patched(module, "_hopper_config", lambda key: cfg, fn)
 
     def per_sm_run(module, per_sm, fn):
         """``fn`` with ``module``'s chunks sized for ``per_sm`` programs per SM."""
-        def run():
-            with mock.patch.object(module, "_PROGRAMS_PER_SM", per_sm):
-                fn()
-        return run
+        return patched(module, "_PROGRAMS_PER_SM", per_sm, fn)
 
     def wgrad(dropouts, keep_bits=None):
         return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, keep_bits,

@@ -284,6 +284,18 @@ if triton is not None:
         return low | (high << 1)
 
     @triton.jit
+    def keep_bits_from_words(r0, r1, r2, r3, p):
+        """(BLOCK_T, G) uint8 keep bits of the words of `_philox_words`.
+
+        Bit ``j`` of byte ``g`` keeps column ``8g + j``, in the ``(r0, r2, r1, r3)`` word order
+        of `_keep_from_words`.
+        """
+        threshold = _drop_threshold(p)
+        bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
+                | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
+        return bits.to(tl.uint8)
+
+    @triton.jit
     def keep_mask_and_bits_tile(seed, rows, cols, D, p):
         """`keep_mask_tile` and the same mask packed, from one draw.
 
@@ -293,10 +305,8 @@ if triton is not None:
         mask cost more than the draws, docs/kernels.md).
         """
         r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
-        threshold = _drop_threshold(p)
-        bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
-                | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
-        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0]), bits.to(tl.uint8)
+        bits = keep_bits_from_words(r0, r1, r2, r3, p)
+        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0]), bits
 
     @triton.jit
     def unpack_keep_bits(packed, BLOCK_D: tl.constexpr):
