@@ -56,16 +56,9 @@ def _grads(fn, x, lora_a, lora_b, grad_y):
     return [y.detach()] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("design", DESIGNS)
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_lora_linear_matches_reference(case, design, dtype, device, make_layout, make_lora):
-    if case in ("rank_200", "many_adapters") and design == "triton" and device == "cpu":
-        pytest.skip("covered by the cublas design; the interpreter GEMM is slow on these")
-    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
-        case, dtype, device, make_layout, make_lora
-    )
-    keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)
+def _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep,
+                              grad_y, design, label):
+    """Fused output and gradients equal the fp32 reference run with mask ``keep``."""
     got = _grads(
         lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts, layout,
                                              layer_seed=5, design=design),
@@ -76,10 +69,24 @@ def test_fused_lora_linear_matches_reference(case, design, dtype, device, make_l
                                            dropouts, layout, keep),
         x.float(), lora_a.float(), lora_b.float(), grad_y.float(),
     )
-    atol, rtol = TOL[dtype]
+    atol, rtol = TOL[x.dtype]
     for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
         torch.testing.assert_close(g.float(), w, atol=atol, rtol=rtol,
-                                   msg=lambda m, n=name: f"{case}/{design}/{dtype} {n}: {m}")
+                                   msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_lora_linear_matches_reference(case, design, dtype, device, make_layout, make_lora):
+    if case in ("rank_200", "many_adapters") and design == "triton" and device == "cpu":
+        pytest.skip("covered by the cublas design; the interpreter GEMM is slow on these")
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
+        case, dtype, device, make_layout, make_lora
+    )
+    keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)
+    _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep,
+                              grad_y, design, f"{case}/{design}/{dtype}")
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -239,17 +246,5 @@ def test_fused_lora_linear_shard_uses_rows_of_whole_mask(design, dtype, device, 
     shard = layout.shard(start, end)
     keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)[start:end]
     x, grad_y = x[start:end].contiguous(), grad_y[start:end].contiguous()
-    got = _grads(
-        lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts, shard,
-                                             layer_seed=5, design=design),
-        x, lora_a, lora_b, grad_y,
-    )
-    want = _grads(
-        lambda x_, a_, b_: lora_linear_ref(x_, weight.float(), bias.float(), a_, b_, scalings,
-                                           dropouts, shard, keep),
-        x.float(), lora_a.float(), lora_b.float(), grad_y.float(),
-    )
-    atol, rtol = TOL[dtype]
-    for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
-        torch.testing.assert_close(g.float(), w, atol=atol, rtol=rtol,
-                                   msg=lambda m, n=name: f"shard/{design}/{dtype} {n}: {m}")
+    _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, shard, keep,
+                              grad_y, design, f"shard/{design}/{dtype}")
