@@ -40,6 +40,25 @@ if triton is not None:
         size = min(n_tiles - first, GROUP_M)
         return first + (t % per_group) % size, (t % per_group) // size
 
+    @triton.jit
+    def _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
+                       HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """``acc + drop(s·m)`` for one fp32 output tile ``acc``, the LoRA term of the epilogue.
+
+        ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``m`` (BLOCK_R, BLOCK_N) columns of the
+        adapter's ``Bᵀ`` (or ``A``). The dropout mask is regenerated from the seed, keyed by
+        whole-microbatch rows and full-width columns, so a shard draws its part of it.
+        """
+        if HAS_DROPOUT:
+            lora = tl.dot(s, m, input_precision=DOT_PRECISION)
+            if p > 0:
+                keep = keep_mask_tile(seed, row_offset + rows, col_offset + cols, mask_d, p)
+                lora = tl.where(keep, lora / (1.0 - p), 0.0)
+            acc += lora
+        else:
+            acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
+        return acc
+
     @triton.jit(do_not_specialize=["seed", "row_offset", "col_offset"])
     def _lora_gemm_kernel(
         z_ptr, w_ptr, s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, p_ptr, seed, row_offset,
@@ -81,16 +100,11 @@ if triton is not None:
         m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
                     + cols[None, :] * stride_md,
                     mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_N)
+        p = 0.0
         if HAS_DROPOUT:
-            lora = tl.dot(s, m, input_precision=DOT_PRECISION)
             p = tl.load(p_ptr + adapter)
-            if p > 0:
-                # Whole-microbatch rows and full-width columns: a shard draws its part.
-                keep = keep_mask_tile(seed, row_offset + rows, col_offset + cols, mask_d, p)
-                lora = tl.where(keep, lora / (1.0 - p), 0.0)
-            acc += lora
-        else:
-            acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
+        acc = _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
+                             HAS_DROPOUT, DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
@@ -114,16 +128,9 @@ if triton is not None:
                     + cols[None, :] * stride_md,
                     mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, SUB_N)
         rows = row_start + tl.arange(0, BLOCK_M)
-        if not HAS_LORA:
-            pass  # the bench's "GEMM alone": same kernel, no LoRA term
-        elif HAS_DROPOUT:
-            lora = tl.dot(s, m, input_precision=DOT_PRECISION)
-            if p > 0:
-                keep = keep_mask_tile(seed, row_offset + rows, col_offset + cols, mask_d, p)
-                lora = tl.where(keep, lora / (1.0 - p), 0.0)
-            acc += lora
-        else:
-            acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
+        if HAS_LORA:  # off only for the bench's "GEMM alone": same kernel, no LoRA term
+            acc = _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
+                                 HAS_DROPOUT, DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         val = acc.to(out_ptr.dtype.element_ty)
