@@ -12,9 +12,9 @@
   part of dX, ``mask⊙(dS'·A)/(1−p)``, drawing the mask once; cuBLAS adds ``dY·W`` onto it
   (``addmm_``). Weight gradients are reduced in a fixed order: no atomics, bitwise repeatable.
 
-Saved for backward: X, S' (T × R), the weights and, with dropout, the keep-mask as bits
-(T × H/8 bytes, written by the forward's shrink); with ``_SAVE_MASK_BITS`` off the backward
-regenerates the mask from the Philox seed ``(layout.dropout_seed, layer_seed)`` instead.
+Saved for backward: X, S' (T × R) and the weights; the backward regenerates the dropout mask
+from the Philox seed ``(layout.dropout_seed, layer_seed)`` (the default), or, with
+``_SAVE_MASK_BITS`` on, reads it as bits (T × H/8 bytes) written by the forward's shrink.
 docs/kernels.md records the designs measured on the H200 and why this one was kept.
 """
 
