@@ -37,12 +37,11 @@ def _lowbias32(x):
 
 
 @triton.jit
-def _keep_mask_bytes(seed, rows, cols, D, p):
+def _keep_mask_bytes(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
     """Keep-mask from 8-bit draws: one Philox call per 16 columns (byte m of word q keys
     column 16g + 4q + m), threshold p rounded to 1/256."""
-    BLOCK_D: tl.constexpr = cols.shape[0]
     BLOCK_T: tl.constexpr = rows.shape[0]
-    group = tl.max((cols // 16).reshape(BLOCK_D // 16, 16), axis=1)
+    group = col_start // 16 + tl.arange(0, BLOCK_D // 16)
     counters = rows.to(tl.int64)[:, None] * ((D + 15) // 16) + group[None, :]
     r0, r1, r2, r3 = philox4x32(counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed,
                                 _PHILOX_ROUNDS)
@@ -53,11 +52,11 @@ def _keep_mask_bytes(seed, rows, cols, D, p):
 
 
 @triton.jit
-def _keep_mask_via_bits(seed, rows, cols, D, p):
+def _keep_mask_via_bits(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
     """The shipped mask, built as packed bits from the Philox words and then unpacked."""
-    r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
+    r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
     bits = keep_bits_from_words(r0, r1, r2, r3, p)
-    return unpack_keep_bits(bits, cols.shape[0]), bits
+    return unpack_keep_bits(bits, BLOCK_D), bits
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -71,14 +70,14 @@ def _study(x_ptr, a_ptr, out_ptr, bits_ptr, seed, D, R, p, MODE: tl.constexpr,
         cols = d0 + tl.arange(0, BLOCK_D)
         z = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :])
         if MODE == 1:
-            keep = keep_mask_tile(seed, rows, cols, D, p)
+            keep = keep_mask_tile(seed, rows, d0, D, p, BLOCK_D)
             z = tl.where(keep, z, 0.0)
         elif MODE == 7:
-            keep = _keep_mask_bytes(seed, rows, cols, D, p)
+            keep = _keep_mask_bytes(seed, rows, d0, D, p, BLOCK_D)
             z = tl.where(keep, z, 0.0)
         elif MODE == 6:
             if p > 0:
-                keep = keep_mask_tile(seed, rows, cols, D, p)
+                keep = keep_mask_tile(seed, rows, d0, D, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
         elif MODE == 2:
             offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
@@ -101,14 +100,14 @@ def _study(x_ptr, a_ptr, out_ptr, bits_ptr, seed, D, R, p, MODE: tl.constexpr,
             z = tl.where(keep, z, 0.0)
         elif MODE == 5 or MODE == 9:
             if MODE == 5:
-                keep, packed = keep_mask_and_bits_tile(seed, rows, cols, D, p)
+                keep, packed = keep_mask_and_bits_tile(seed, rows, d0, D, p, BLOCK_D)
             else:
-                keep, packed = _keep_mask_via_bits(seed, rows, cols, D, p)
+                keep, packed = _keep_mask_via_bits(seed, rows, d0, D, p, BLOCK_D)
             z = tl.where(keep, z, 0.0)
             g = d0 // 8 + tl.arange(0, BLOCK_D // 8)
             tl.store(bits_ptr + rows.to(tl.int64)[:, None] * (D // 8) + g[None, :], packed)
         elif MODE == 8:
-            keep, _ = _keep_mask_via_bits(seed, rows, cols, D, p)
+            keep, _ = _keep_mask_via_bits(seed, rows, d0, D, p, BLOCK_D)
             z = tl.where(keep, z, 0.0)
         m = tl.load(a_ptr + ranks[None, :] * D + cols[:, None], mask=(ranks < R)[None, :],
                     other=0.0)

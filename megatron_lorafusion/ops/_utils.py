@@ -236,16 +236,18 @@ if triton is not None:
         return c0, c1, c2, c3
 
     @triton.jit
-    def _philox_words(seed, rows, cols, D):
-        """The four (BLOCK_T, BLOCK_D // 8) uint32 Philox words behind the tile ``rows × cols``.
+    def _philox_words(seed, rows, col_start, D, BLOCK_D: tl.constexpr):
+        """The four (BLOCK_T, BLOCK_D // 8) uint32 Philox words of ``rows`` × ``BLOCK_D`` columns.
 
+        The columns are ``col_start .. col_start + BLOCK_D``, ``col_start`` a multiple of 8.
         Counter ``t·ceil(D/8) + d // 8`` covers columns ``8·(d // 8) ..+8`` of row ``t``; its words
         ``r0..r3`` hold their eight 16-bit draws, column ``8g + j`` taking half ``j % 2`` (low
         first) of word ``(r0, r2, r1, r3)[j // 2]`` (the order `_keep_from_words` joins them in).
+        The counters' columns come from the scalar start, not from a column vector: reducing
+        a vector to one counter per eight columns cost a layout conversion (a shared-memory
+        round trip and two barriers) in every loop step.
         """
-        BLOCK_D: tl.constexpr = cols.shape[0]
-        groups = (cols // 8).reshape(BLOCK_D // 8, 8)  # (G, 8): one counter per 8 columns
-        group = tl.max(groups, axis=1)
+        group = col_start // 8 + tl.arange(0, BLOCK_D // 8)  # one counter per 8 columns
         counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
         return philox4x32(counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed,
                           _PHILOX_ROUNDS)
@@ -264,8 +266,11 @@ if triton is not None:
         return halves.reshape(BLOCK_T, BLOCK_D) >= _drop_threshold(p)
 
     @triton.jit
-    def keep_mask_tile(seed, rows, cols, D, p):
-        """Dropout keep-mask of the tile ``rows × cols`` of a ``(T, D)`` input (True keeps).
+    def keep_mask_tile(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
+        """(BLOCK_T, BLOCK_D) dropout keep-mask (True keeps) of a tile of a ``(T, D)`` input.
+
+        The tile is ``rows`` × columns ``col_start .. col_start + BLOCK_D``, ``col_start`` a
+        multiple of 8.
 
         One Philox call yields 128 random bits, cut into eight 16-bit draws for eight
         consecutive columns: 8× less integer work than one ``tl.rand`` per element.
@@ -273,8 +278,8 @@ if triton is not None:
         whose column blocks start at multiples of 8 regenerates the same mask. The drop
         threshold is ``p`` rounded to 1/65536 (keep probability off by at most 2⁻¹⁷).
         """
-        r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
-        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0])
+        r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
+        return _keep_from_words(r0, r1, r2, r3, p, BLOCK_D)
 
     @triton.jit
     def _word_keep_bits(word, threshold):
@@ -296,7 +301,7 @@ if triton is not None:
         return bits.to(tl.uint8)
 
     @triton.jit
-    def keep_mask_and_bits_tile(seed, rows, cols, D, p):
+    def keep_mask_and_bits_tile(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
         """`keep_mask_tile` and the same mask packed, from one draw.
 
         Returns the (BLOCK_T, BLOCK_D) keep-mask and (BLOCK_T, BLOCK_D // 8) uint8 bits, bit
@@ -304,9 +309,9 @@ if triton is not None:
         the Philox words, one per counter, without reshuffling the tile (packing the unpacked
         mask cost more than the draws, docs/kernels.md).
         """
-        r0, r1, r2, r3 = _philox_words(seed, rows, cols, D)
+        r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
         bits = keep_bits_from_words(r0, r1, r2, r3, p)
-        return _keep_from_words(r0, r1, r2, r3, p, cols.shape[0]), bits
+        return _keep_from_words(r0, r1, r2, r3, p, BLOCK_D), bits
 
     @triton.jit
     def unpack_keep_bits(packed, BLOCK_D: tl.constexpr):

@@ -33,7 +33,8 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         p = tl.load(p_ptr + adapter)
         # Rows keyed by their place in the whole microbatch, so a shard draws its rows' mask.
-        keep = keep_mask_tile(seed, rows + row_off, cols, D, p)  # p = 0 keeps all
+        keep = keep_mask_tile(seed, rows + row_off, tl.program_id(1) * BLOCK_D, D, p,
+                              BLOCK_D)  # p = 0 keeps all
         out = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(out, keep.to(tl.int8), mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 

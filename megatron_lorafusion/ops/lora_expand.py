@@ -60,8 +60,9 @@ if triton is not None:
                 )
                 keep = unpack_keep_bits(packed, BLOCK_D)
             else:
-                keep = keep_mask_tile(seed, rows + row_off, cols + col_off, mask_d, p)
-            acc = tl.where(keep, acc / (1.0 - p), 0.0)
+                keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
+                                      BLOCK_D)
+            acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]

@@ -41,19 +41,21 @@ if triton is not None:
         return first + (t % per_group) % size, (t % per_group) // size
 
     @triton.jit
-    def _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
+    def _add_lora_term(acc, s, m, p, seed, rows, col0, row_offset, col_offset, mask_d,
                        HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
         """``acc + drop(s·m)`` for one fp32 output tile ``acc``, the LoRA term of the epilogue.
 
         ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``m`` (BLOCK_R, BLOCK_N) columns of the
-        adapter's ``Bᵀ`` (or ``A``). The dropout mask is regenerated from the seed, keyed by
+        adapter's ``Bᵀ`` (or ``A``), ``col0`` the output column of ``acc``'s column 0. The
+        dropout mask is regenerated from the seed, keyed by
         whole-microbatch rows and full-width columns, so a shard draws its part of it.
         """
         if HAS_DROPOUT:
             lora = tl.dot(s, m, input_precision=DOT_PRECISION)
             if p > 0:
-                keep = keep_mask_tile(seed, row_offset + rows, col_offset + cols, mask_d, p)
-                lora = tl.where(keep, lora / (1.0 - p), 0.0)
+                keep = keep_mask_tile(seed, row_offset + rows, col_offset + col0, mask_d, p,
+                                      acc.shape[1])
+                lora = tl.where(keep, lora * (1.0 / (1.0 - p)), 0.0)
             acc += lora
         else:
             acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
@@ -103,8 +105,8 @@ if triton is not None:
         p = 0.0
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-        acc = _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
-                             HAS_DROPOUT, DOT_PRECISION)
+        acc = _add_lora_term(acc, s, m, p, seed, rows, pid_n * BLOCK_N, row_offset, col_offset,
+                             mask_d, HAS_DROPOUT, DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
@@ -129,7 +131,7 @@ if triton is not None:
                     mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, SUB_N)
         rows = row_start + tl.arange(0, BLOCK_M)
         if HAS_LORA:  # off only for the bench's "GEMM alone": same kernel, no LoRA term
-            acc = _add_lora_term(acc, s, m, p, seed, rows, cols, row_offset, col_offset, mask_d,
+            acc = _add_lora_term(acc, s, m, p, seed, rows, col0, row_offset, col_offset, mask_d,
                                  HAS_DROPOUT, DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]

@@ -51,13 +51,13 @@ if triton is not None:
                 # No run-time `if p > 0` here: a branch in the loop body stops Triton from
                 # pipelining the loads; p = 0 keeps everything anyway.
                 if WRITE_BITS:
-                    keep, bits = keep_mask_and_bits_tile(seed, mask_rows, cols + col_off, mask_d,
-                                                         p)
+                    keep, bits = keep_mask_and_bits_tile(seed, mask_rows, d0 + col_off, mask_d, p,
+                                                         BLOCK_D)
                     groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
                     tl.store(bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
                              bits, mask=row_ok[:, None] & (groups < stride_bt)[None, :])
                 else:
-                    keep = keep_mask_tile(seed, mask_rows, cols + col_off, mask_d, p)
+                    keep = keep_mask_tile(seed, mask_rows, d0 + col_off, mask_d, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             m = tl.load(m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
                         mask=col_ok[:, None] & rank_ok[None, :], other=0.0)

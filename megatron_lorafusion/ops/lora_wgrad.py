@@ -40,6 +40,7 @@ if triton is not None:
         p = 0.0
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
+        keep_scale = 1.0 / (1.0 - p)  # inverted dropout: one multiply per element, not a divide
         acc = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
         if EXPAND:  # this adapter's M_a tile, (BLOCK_R, BLOCK_D)
             m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
@@ -60,7 +61,8 @@ if triton is not None:
                     keep = unpack_keep_bits(packed, BLOCK_D)
                 else:
                     # Mask keyed by the row and column in the whole (unsharded) input.
-                    keep = keep_mask_tile(seed, rows + row_off, cols + col_off, mask_d, p)
+                    keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d,
+                                          p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
                         mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
@@ -68,11 +70,15 @@ if triton is not None:
             if EXPAND:  # the same tile of drop(S·M_a), sharing this tile's mask
                 lora = tl.dot(s, m, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_D)
                 if HAS_DROPOUT:
-                    lora = tl.where(keep, lora / (1.0 - p), 0.0)
+                    # A 0/1 multiply in the output dtype keeps the mask in the store's layout;
+                    # `tl.where` on the fp32 product moved it into the MMA layout instead
+                    # (~20 % more instructions per loop step, sm_90, docs/kernels.md).
+                    lora = (lora * keep_scale).to(ex_ptr.dtype.element_ty)
+                    lora = lora * keep.to(ex_ptr.dtype.element_ty)
                 tl.store(ex_ptr + rows.to(tl.int64)[:, None] * stride_et + cols[None, :],
                          lora.to(ex_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         if HAS_DROPOUT:
-            acc = acc / (1.0 - p)
+            acc = acc * keep_scale
         part = part_ptr + (pid_c.to(tl.int64) * D + cols[:, None]) * BLOCK_R + ranks[None, :]
         tl.store(part, acc, mask=col_ok[:, None])
 
