@@ -30,11 +30,11 @@ if triton is not None:
         row_start = tl.load(tiles_ptr + pid_t * 3 + 1)
         row_end = tl.load(tiles_ptr + pid_t * 3 + 2)
         rows = row_start + tl.arange(0, BLOCK_T)
-        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_start = tl.program_id(1) * BLOCK_D
+        cols = col_start + tl.arange(0, BLOCK_D)
         p = tl.load(p_ptr + adapter)
         # Rows keyed by their place in the whole microbatch, so a shard draws its rows' mask.
-        keep = keep_mask_tile(seed, rows + row_off, tl.program_id(1) * BLOCK_D, D, p,
-                              BLOCK_D)  # p = 0 keeps all
+        keep = keep_mask_tile(seed, rows + row_off, col_start, D, p, BLOCK_D)  # p = 0 keeps all
         out = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(out, keep.to(tl.int8), mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 

@@ -47,8 +47,8 @@ if triton is not None:
 
         ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``m`` (BLOCK_R, BLOCK_N) columns of the
         adapter's ``Bᵀ`` (or ``A``), ``col0`` the output column of ``acc``'s column 0. The
-        dropout mask is regenerated from the seed, keyed by
-        whole-microbatch rows and full-width columns, so a shard draws its part of it.
+        dropout mask is regenerated from the seed, keyed by whole-microbatch rows and
+        full-width columns, so a shard draws its part of it.
         """
         if HAS_DROPOUT:
             lora = tl.dot(s, m, input_precision=DOT_PRECISION)
