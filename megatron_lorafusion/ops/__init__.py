@@ -12,6 +12,11 @@ Dimension letters used throughout `ops` (and the rest of the package):
 
 from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
+from megatron_lorafusion.ops.linear_cross_entropy import (
+    LinearCrossEntropyFunction,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+)
 from megatron_lorafusion.ops.lora_dropout import fused_dropout_keep_mask
 from megatron_lorafusion.ops.lora_expand import lora_expand, lora_expand_ref
 from megatron_lorafusion.ops.lora_linear import (
@@ -35,6 +40,7 @@ from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 
 __all__ = [
     "AdapterLayout",
+    "LinearCrossEntropyFunction",
     "LoRADownFunction",
     "LoRALinearFunction",
     "LoRAUpFunction",
@@ -43,6 +49,8 @@ __all__ = [
     "fused_lora_down",
     "fused_lora_linear",
     "fused_lora_up",
+    "linear_cross_entropy",
+    "linear_cross_entropy_ref",
     "lora_down",
     "lora_down_ref",
     "lora_expand",

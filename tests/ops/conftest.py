@@ -26,6 +26,7 @@ _KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.lora_up_bwd",
     "megatron_lorafusion.ops.lora_gemm",
     "megatron_lorafusion.ops.fused_lora_linear",
+    "megatron_lorafusion.ops.linear_cross_entropy",
 )
 
 # triton.language's own @jit helpers (tl.zeros, tl.max, tl.cdiv, ...), re-made in interpreter

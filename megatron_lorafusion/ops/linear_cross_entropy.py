@@ -1,0 +1,200 @@
+"""Fused output layer + cross-entropy: per-token ``CE(X·Wᵀ, label)`` without the full logits.
+
+The output layer of a 128k-vocabulary model writes ``(T, V)`` logits (8192 × 128256 bf16 is
+2 GiB, 4 GiB more once upcast to fp32 for the loss) and the loss's backward another ``(T, V)``
+gradient. Here the tokens are processed in chunks of rows: per chunk one cuBLAS GEMM writes
+the chunk's logits, one Triton kernel reads each row once for its log-sum-exp and loss and
+overwrites the logits in place with ``softmax − onehot`` (the loss's gradient w.r.t. the
+logits for a unit upstream gradient), and a second GEMM turns that into the chunk's rows of
+``dX = (softmax − onehot)·W``. Only one chunk of logits exists at a time; the backward scales
+the saved ``dX`` by each token's upstream gradient (``(T, H)``, no GEMM). Computing ``dX`` in
+the forward (as Liger-Kernel's fused linear cross-entropy does) costs ``(T, H)`` of memory
+and saves the backward a second logits GEMM. The weight is frozen: there is no ``dW``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lorafusion.ops import _utils
+from megatron_lorafusion.ops._utils import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _cross_entropy_fwd_kernel(
+        logits_ptr,
+        labels_ptr,
+        loss_ptr,
+        stride_t,
+        V,
+        ignore_index,
+        WRITE_GRAD: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+    ):
+        """One row: loss ``lse − x[label]``; with WRITE_GRAD the row becomes ``softmax − onehot``.
+
+        Ignored rows (``label == ignore_index``) get loss 0 and a zero gradient row.
+        """
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * stride_t
+        label = tl.load(labels_ptr + row).to(tl.int64)
+        ignored = label == ignore_index
+        running_max = float("-inf")
+        running_sum = 0.0
+        for start in range(0, V, BLOCK_V):  # online log-sum-exp, one read of the row
+            cols = start + tl.arange(0, BLOCK_V)
+            x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            new_max = tl.maximum(running_max, tl.max(x, axis=0))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(
+                tl.exp(x - new_max), axis=0
+            )
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        in_range = (label >= 0) & (label < V) & (~ignored)
+        safe_label = tl.where(in_range, label, 0)
+        x_label = tl.load(row_ptr + safe_label).to(tl.float32)
+        tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - x_label))
+        if WRITE_GRAD:
+            keep = tl.where(ignored, 0.0, 1.0)
+            for start in range(0, V, BLOCK_V):  # second read: overwrite with the gradient
+                cols = start + tl.arange(0, BLOCK_V)
+                x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+                grad = tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)
+                tl.store(
+                    row_ptr + cols, (grad * keep).to(logits_ptr.dtype.element_ty), mask=cols < V
+                )
+
+
+# Memory-bound row kernel: 4096 columns per step (8 KiB of bf16), 8 warps; rows are independent.
+_BLOCK_V = {"cuda": 4096, "cpu": 64}
+_NUM_WARPS = 8
+# One chunk's logits: 2**27 elements (256 MiB of bf16): 1024 rows at V = 128256, where the
+# logits GEMM (1024 × 128256 × 4096) is still large enough for cuBLAS to run near peak.
+_CHUNK_ELEMENTS = 2**27
+_MAX_CHUNK_ROWS = 8192
+
+
+def _default_chunk_rows(vocab: int) -> int:
+    """Rows per chunk: a power of two with ``rows · V`` ≤ `_CHUNK_ELEMENTS`, in [16, 8192]."""
+    rows = max(16, _CHUNK_ELEMENTS // max(vocab, 1))
+    return min(_MAX_CHUNK_ROWS, 1 << (rows.bit_length() - 1))
+
+
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss: torch.Tensor,
+    ignore_index: int,
+    write_grad: bool,
+) -> None:
+    """Launch the row kernel on a chunk (no checks: `linear_cross_entropy` made them).
+
+    Args:
+        logits: (C, V) contiguous logits of the chunk; with ``write_grad`` overwritten in place
+            by ``softmax − onehot`` (zero rows where the label is ignored).
+        labels: (C,) int64 labels.
+        loss: (C,) fp32 output, every row written.
+        ignore_index: label of tokens without loss.
+        write_grad: also write the gradient into ``logits``.
+    """
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    _cross_entropy_fwd_kernel[(rows,)](
+        logits,
+        labels,
+        loss,
+        logits.stride(0),
+        vocab,
+        ignore_index,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=_BLOCK_V["cuda" if logits.is_cuda else "cpu"],
+        num_warps=_NUM_WARPS,
+    )
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd of `linear_cross_entropy`: ``dX`` is computed in the forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows):
+        """(T,) fp32 loss; saves the unit-upstream ``dX`` (T, H) when ``hidden`` needs a grad."""
+        tokens = hidden.shape[0]
+        needs_grad = ctx.needs_input_grad[0]
+        loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        for start in range(0, tokens, chunk_rows):
+            end = min(start + chunk_rows, tokens)
+            logits = hidden[start:end] @ weight.t()  # (C, V) in the weights' dtype
+            cross_entropy_fwd(logits, labels[start:end], loss[start:end], ignore_index, needs_grad)
+            if needs_grad:
+                torch.mm(logits, weight, out=grad_hidden[start:end])  # (C, V) · (V, H)
+            del logits
+        ctx.save_for_backward(grad_hidden)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """``dX = g_t · dX_unit``, the product in fp32 (as Megatron's CE backward) then cast."""
+        (grad_hidden,) = ctx.saved_tensors
+        if grad_hidden is None:
+            return None, None, None, None, None
+        scaled = (grad_hidden * grad_loss.float()[:, None]).to(grad_hidden.dtype)  # (T, H)
+        return scaled, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden · weightᵀ``, chunked over tokens (Triton + cuBLAS).
+
+    Args:
+        hidden: (T, H) contiguous final hidden states (fp16, bf16 or fp32).
+        weight: (V, H) contiguous frozen output weight, same dtype and device.
+        labels: (T,) int64 target ids in ``[0, V)`` or ``ignore_index``.
+        ignore_index: label of tokens that get loss 0 and no gradient.
+        chunk_rows: tokens per chunk (memory knob: a chunk holds ``chunk_rows × V`` logits);
+            None picks `_default_chunk_rows` (256 MiB of logits).
+
+    Returns:
+        (T,) fp32 loss per token; its backward accepts any (T,) upstream gradient.
+
+    Raises:
+        ValueError: on shape, dtype, device or contiguity mismatch (names the tensor).
+        NotImplementedError: when ``weight`` requires a gradient (the output layer is frozen).
+    """
+    _utils.check_tensor("hidden", hidden, (None, None), _utils._KERNEL_DTYPES, hidden.device)
+    tokens, width = hidden.shape
+    _utils.check_tensor("weight", weight, (None, width), (hidden.dtype,), hidden.device)
+    _utils.check_tensor("labels", labels, (tokens,), (torch.int64,), hidden.device)
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("linear_cross_entropy has no weight gradient: freeze weight")
+    rows = chunk_rows if chunk_rows is not None else _default_chunk_rows(weight.shape[0])
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be at least 1, got {rows}")
+    return LinearCrossEntropyFunction.apply(hidden, weight, labels, ignore_index, rows)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Torch reference of `linear_cross_entropy`: full logits, upcast, ``F.cross_entropy``.
+
+    ``chunk_rows`` is accepted for the same signature and ignored.
+    """
+    del chunk_rows
+    logits = hidden @ weight.t()  # (T, V) in the weights' dtype, as Megatron's output layer
+    return F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=ignore_index)

@@ -1,0 +1,105 @@
+"""`linear_cross_entropy` (chunked output layer + CE) against `linear_cross_entropy_ref`.
+
+CPU: Triton interpreter for the row kernel, torch matmuls for the GEMMs (fp32 and fp16), so
+differences are summation order and the rounding of the fp16 gradient of the logits. GPU:
+bf16 at the Llama-3 vocabulary (TF32-free: the GEMMs are cuBLAS in bf16).
+"""
+
+import pytest
+import torch
+
+from megatron_lorafusion.ops import linear_cross_entropy, linear_cross_entropy_ref
+from megatron_lorafusion.ops.linear_cross_entropy import _default_chunk_rows
+
+# dtype -> (atol, rtol) of loss and dX against the full-logits reference.
+TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def _inputs(tokens, hidden, vocab, dtype, device, ignored=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(device, dtype)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    labels[torch.randperm(tokens, generator=gen)[:ignored]] = -100
+    grad = torch.randn(tokens, generator=gen)
+    grad[:3] = 0.0  # masked-out tokens
+    return x, w, labels.to(device), grad.to(device)
+
+
+def _loss_and_grad(fn, x, w, labels, grad, **kwargs):
+    x = x.detach().clone().requires_grad_(True)
+    loss = fn(x, w, labels, **kwargs)
+    loss.backward(grad)
+    return loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "vocab", "chunk_rows", "ignored"),
+    [(64, 32, 128, 16, 0), (37, 24, 203, 10, 5), (5, 16, 70, None, 2)],
+    ids=["round", "ragged", "one-chunk"],
+)
+def test_linear_cross_entropy_matches_reference(
+    tokens, hidden, vocab, chunk_rows, ignored, dtype, device
+):
+    x, w, labels, grad = _inputs(tokens, hidden, vocab, dtype, device, ignored)
+    loss, dx = _loss_and_grad(linear_cross_entropy, x, w, labels, grad, chunk_rows=chunk_rows)
+    want_loss, want_dx = _loss_and_grad(linear_cross_entropy_ref, x, w, labels, grad)
+    atol, rtol = TOL[dtype]
+    assert loss.dtype == torch.float32
+    assert loss.shape == (tokens,)
+    torch.testing.assert_close(loss, want_loss, atol=atol, rtol=rtol, msg="loss")
+    torch.testing.assert_close(dx.float(), want_dx.float(), atol=atol, rtol=rtol, msg="dX")
+    assert torch.all(loss[labels == -100] == 0), "ignored tokens must have zero loss"
+
+
+def test_linear_cross_entropy_without_grad_skips_gradient(device):
+    x, w, labels, _ = _inputs(20, 16, 50, torch.float32, device)
+    with torch.no_grad():
+        loss = linear_cross_entropy(x, w, labels, chunk_rows=8)
+    torch.testing.assert_close(loss, linear_cross_entropy_ref(x, w, labels), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_cross_entropy_refuses_bad_inputs(device):
+    x, w, labels, _ = _inputs(8, 16, 50, torch.float32, device)
+    with pytest.raises(ValueError, match="weight has shape"):
+        linear_cross_entropy(x, w[:, :8].contiguous(), labels)
+    with pytest.raises(ValueError, match="labels has dtype"):
+        linear_cross_entropy(x, w, labels.int())
+    with pytest.raises(NotImplementedError, match="freeze weight"):
+        linear_cross_entropy(x, w.clone().requires_grad_(True), labels)
+
+
+def test_default_chunk_rows_bounds_chunk_memory():
+    assert _default_chunk_rows(128256) == 1024
+    assert _default_chunk_rows(260) == 8192
+    assert _default_chunk_rows(10**9) == 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "hidden", "vocab"), [(8192, 4096, 128256), (3001, 1024, 32000)])
+def test_linear_cross_entropy_bf16_matches_reference_on_gpu(tokens, hidden, vocab):
+    x, w, labels, grad = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda", ignored=100)
+    loss, dx = _loss_and_grad(linear_cross_entropy, x, w, labels, grad)
+    want_loss, want_dx = _loss_and_grad(linear_cross_entropy_ref, x, w, labels, grad)
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(loss, want_loss, atol=atol, rtol=rtol, msg="loss")
+    torch.testing.assert_close(dx.float(), want_dx.float(), atol=atol, rtol=rtol, msg="dX")
+
+
+@pytest.mark.gpu
+def test_linear_cross_entropy_peak_memory_stays_below_full_logits():
+    tokens, hidden, vocab = 8192, 4096, 128256
+    x, w, labels, grad = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda")
+    x.requires_grad_(True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    linear_cross_entropy(x, w, labels).backward(grad)
+    extra = torch.cuda.max_memory_allocated() - base
+    full_fp32_logits = tokens * vocab * 4
+    assert extra < full_fp32_logits / 4, f"peak extra {extra / 2**30:.2f} GiB"
