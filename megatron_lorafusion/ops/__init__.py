@@ -37,6 +37,8 @@ from megatron_lorafusion.ops.lora_split import (
 )
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
+from megatron_lorafusion.ops.rms_norm import RMSNormFunction, rms_norm, rms_norm_ref
+from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
     "AdapterLayout",
@@ -44,6 +46,8 @@ __all__ = [
     "LoRADownFunction",
     "LoRALinearFunction",
     "LoRAUpFunction",
+    "RMSNormFunction",
+    "SwiGLUFunction",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
     "fused_lora_down",
@@ -65,4 +69,8 @@ __all__ = [
     "lora_up_ref",
     "lora_wgrad",
     "lora_wgrad_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "swiglu",
+    "swiglu_ref",
 ]
