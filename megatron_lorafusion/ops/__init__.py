@@ -38,6 +38,7 @@ from megatron_lorafusion.ops.lora_split import (
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 from megatron_lorafusion.ops.rms_norm import RMSNormFunction, rms_norm, rms_norm_ref
+from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "LoRALinearFunction",
     "LoRAUpFunction",
     "RMSNormFunction",
+    "RoPEFunction",
     "SwiGLUFunction",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
@@ -71,6 +73,8 @@ __all__ = [
     "lora_wgrad_ref",
     "rms_norm",
     "rms_norm_ref",
+    "rope",
+    "rope_ref",
     "swiglu",
     "swiglu_ref",
 ]

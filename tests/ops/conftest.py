@@ -29,6 +29,7 @@ _KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.linear_cross_entropy",
     "megatron_lorafusion.ops.rms_norm",
     "megatron_lorafusion.ops.swiglu",
+    "megatron_lorafusion.ops.rope",
 )
 
 # triton.language's own @jit helpers (tl.zeros, tl.max, tl.cdiv, ...), re-made in interpreter
