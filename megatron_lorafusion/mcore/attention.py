@@ -2,7 +2,8 @@
 
 A drop-in replacement for Megatron's local `DotProductAttention` (which rejects packed
 sequences). For packed input it also applies RoPE (``rotary``, set by the model builders),
-per token and without host syncs, in place of Megatron's per-sample THD loop. CUDA uses
+per token and without host syncs, in place of Megatron's per-sample THD loop (the fused
+`ops.rope` on CUDA, straight from the strided q/k views of the QKV split). CUDA uses
 ``torch.nn.attention.varlen.varlen_attn`` for fp16/bf16 when available (15× faster than the
 per-sample loop on an H200, see shared/notes/stack.md); otherwise (CPU, fp32, attention
 dropout) each sample runs through ``F.scaled_dot_product_attention`` in a Python loop.
@@ -19,6 +20,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lorafusion.mcore.fused_base import apply_rope
+
 try:
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
 except ImportError:  # torch < 2.10 has no varlen attention
@@ -31,12 +34,6 @@ _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 def _repeat_kv(t: torch.Tensor, groups_per_head: int) -> torch.Tensor:
     """(T, ng, d) -> (T, np, d): query head j reads KV group j // groups_per_head (Megatron's)."""
     return t if groups_per_head == 1 else t.repeat_interleave(groups_per_head, dim=1)
-
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of (T, heads, d) with (T, 1, d) tables, halves rotated (Megatron's layout)."""
-    first, second = t.chunk(2, dim=-1)
-    return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 def varlen_causal_attention_ref(
@@ -152,7 +149,7 @@ class VarlenCoreAttention(MegatronModule):
             raise NotImplementedError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
         if self.rotary is not None:
             cos, sin = self.rotary.packed_cos_sin(cu_q, query.shape[0], query.dtype)
-            query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+            query, key = apply_rope(query, key, cos, sin)  # fused on CUDA, one pass each
         groups = query.shape[1] // key.shape[1]
         if (
             query.is_cuda

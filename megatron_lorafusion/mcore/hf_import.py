@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.hf_config import hf_model_fields
+from megatron_lorafusion.mcore.fused_base import LoRAFusionGPTModel
 from megatron_lorafusion.mcore.model import (
     _gpt_block_spec,
     _PortableRotaryEmbedding,
@@ -235,10 +236,11 @@ def build_hf_gpt_model(
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         sequence_parallel=sequence_parallel,
+        fused_loss=torch.device(device).type == "cuda",
     )
     config = dataclasses.replace(config, add_qkv_bias=model_cfg.add_qkv_bias)
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
-        model = GPTModel(
+        model = LoRAFusionGPTModel(
             config=config,
             transformer_layer_spec=_gpt_block_spec(config),
             vocab_size=model_cfg.vocab_size,

@@ -7,6 +7,8 @@ frozen; adapters are added afterwards with `apply_lora`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -26,6 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.mcore.attention import VarlenCoreAttention
+from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, LoRAFusionGPTModel
 
 
 class _PortableRotaryEmbedding(RotaryEmbedding):
@@ -101,6 +104,7 @@ def _transformer_config(
     pp_size: int,
     params_dtype: torch.dtype,
     sequence_parallel: bool = False,
+    fused_loss: bool = False,
 ) -> TransformerConfig:
     """Megatron config of a Llama-like decoder whose code paths all run on CPU.
 
@@ -109,6 +113,13 @@ def _transformer_config(
     fusion is off because the fused kernels (bias+SwiGLU, RoPE, masked softmax, gradient
     accumulation) are CUDA-only. ``sequence_parallel`` takes effect only when ``tp_size > 1``
     (Megatron refuses it at TP = 1).
+
+    Our own fused ops replace them on CUDA (`mcore.fused_base`): ``use_te_activation_func``
+    only makes Megatron's MLP build ``MLPSubmodules.activation_func`` (`FusedSwiGLU`), nothing
+    of Transformer Engine runs. ``cross_entropy_loss_fusion`` (Megatron's TE-free
+    ``fused_vocab_parallel_cross_entropy``) is set with ``fused_loss``; it serves TP > 1, where
+    our chunked loss does not apply. Bias-dropout-add stays unfused: with no bias and no
+    dropout it is a single add.
     """
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
@@ -133,6 +144,9 @@ def _transformer_config(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=False,
+        use_te_activation_func=True,  # builds our FusedSwiGLU (no TE involved)
+        cross_entropy_loss_fusion=fused_loss,
+        cross_entropy_fusion_impl="native",
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -185,46 +199,35 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
             param.copy_(full)
 
 
-class _FrozenRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm built like Megatron's norms, and allowed under sequence parallelism.
-
-    Megatron's torch-norm fallback (``WrappedTorchNorm``, used without Apex or Transformer
-    Engine) refuses sequence parallelism because each TP rank then sees ``T / tp`` rows, so
-    the weight's gradient is a partial sum needing an all-reduce it does not set up. Base
-    weights here are frozen (no gradient), so the plain norm is exact; the weight carries
-    Megatron's ``sequence_parallel`` mark all the same.
-    """
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
-                 **kwargs):
-        if config.normalization != "RMSNorm":
-            raise NotImplementedError(f"only RMSNorm is supported, got {config.normalization}")
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
 def get_gpt_lora_layer_spec() -> ModuleSpec:
     """The local GPT layer spec (RMSNorm) with `VarlenCoreAttention` as core attention.
 
     LoRA is not part of the spec: `apply_lora` wraps the built linears instead, so base
-    weights can be loaded first. Norms are `_FrozenRMSNorm` (sequence-parallel capable).
+    weights can be loaded first. Norms are `FrozenRMSNorm` (sequence-parallel capable, fused
+    on CUDA); the MLP's activation module is `FusedSwiGLU` (built by Megatron's MLP when the
+    config sets ``use_te_activation_func``, as `_transformer_config` does).
     """
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
-    spec.submodules.input_layernorm = _FrozenRMSNorm
-    spec.submodules.pre_mlp_layernorm = _FrozenRMSNorm
+    spec.submodules.input_layernorm = FrozenRMSNorm
+    spec.submodules.pre_mlp_layernorm = FrozenRMSNorm
+    mlp = spec.submodules.mlp  # functools.partial(MLP.as_mlp_submodule, submodules=...)
+    submodules = dataclasses.replace(mlp.keywords["submodules"], activation_func=FusedSwiGLU)
+    spec.submodules.mlp = functools.partial(
+        mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules}
+    )
     return spec
 
 
 def _gpt_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
-    """This pipeline stage's decoder: `get_gpt_lora_layer_spec` layers, a `_FrozenRMSNorm` last.
+    """This pipeline stage's decoder: `get_gpt_lora_layer_spec` layers, a `FrozenRMSNorm` last.
 
     Spelled out because Megatron's default final norm is its torch-norm fallback (see
-    `_FrozenRMSNorm`).
+    `FrozenRMSNorm`).
     """
     layer = get_gpt_lora_layer_spec()
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=_FrozenRMSNorm)
+                                      layer_norm=FrozenRMSNorm)
 
 
 def build_gpt_model(
@@ -281,9 +284,10 @@ def build_gpt_model(
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         sequence_parallel=sequence_parallel,
+        fused_loss=torch.device(device).type == "cuda",
     )
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
-        model = GPTModel(
+        model = LoRAFusionGPTModel(
             config=config,
             transformer_layer_spec=_gpt_block_spec(config),
             vocab_size=model_cfg.vocab_size,

@@ -1,0 +1,172 @@
+"""The frozen base model's fused memory-bound steps, plugged into Megatron's public seams.
+
+On CUDA the norms, SwiGLU, RoPE and the output layer's loss run our fused Triton ops
+(``megatron_lorafusion.ops``); elsewhere the same modules run the ops' torch references, so
+both paths compute one function. Every module asks `use_fused_kernels` (looked up on this
+module at call time, so a test can switch the Triton path on under the interpreter):
+
+- `FrozenRMSNorm`: the layer norms and the final norm (spec substitution);
+- `FusedSwiGLU`: MLP's activation module (``MLPSubmodules.activation_func``, which Megatron
+  builds when ``config.use_te_activation_func`` is set; nothing of Transformer Engine is used);
+- `fused_loss_processor`: the ``output_processor`` hook of ``GPTModel.forward``, which
+  `LoRAFusionGPTModel` passes when labels are given: per-token loss from the final hidden
+  states by chunked linear cross-entropy, never the full ``(T, V)`` fp32 logits;
+- RoPE: `VarlenCoreAttention` calls `apply_rope`.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_lorafusion.ops import (
+    linear_cross_entropy,
+    rms_norm,
+    rms_norm_ref,
+    rope,
+    rope_ref,
+    swiglu,
+    swiglu_ref,
+)
+from megatron_lorafusion.ops._utils import triton
+
+IGNORE_INDEX = -100
+"""Label of tokens without loss (the fused loss gives them 0 and no gradient)."""
+
+
+def use_fused_kernels(x: torch.Tensor) -> bool:
+    """True when the base model's Triton ops run on ``x``: a CUDA tensor, Triton importable."""
+    return x.is_cuda and triton is not None
+
+
+class FrozenRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built like Megatron's norms, fused on CUDA, allowed under sequence parallel.
+
+    Megatron's torch-norm fallback (``WrappedTorchNorm``, used without Apex or Transformer
+    Engine) refuses sequence parallelism because each TP rank then sees ``T / tp`` rows, so
+    the weight's gradient is a partial sum needing an all-reduce it does not set up. Base
+    weights here are frozen (no gradient), so the plain norm is exact; the weight carries
+    Megatron's ``sequence_parallel`` mark all the same. With a frozen weight, `ops.rms_norm`
+    (Triton) runs where `use_fused_kernels` says so, `ops.rms_norm_ref` otherwise.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.normalization != "RMSNorm":
+            raise NotImplementedError(f"only RMSNorm is supported, got {config.normalization}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, H]`` (or any ``(..., H)``) normalised like ``x``."""
+        weight = self.weight
+        if use_fused_kernels(x) and not weight.requires_grad and weight.dtype == x.dtype:
+            return rms_norm(x.contiguous(), weight, self.eps)
+        return rms_norm_ref(x, weight, self.eps)
+
+
+class FusedSwiGLU(torch.nn.Module):
+    """MLP activation of ``[gate | up]`` (linear_fc1's output): ``silu(gate) · up``.
+
+    Built by Megatron's MLP as its activation module (``config.use_te_activation_func``):
+    it then receives the whole ``[s, b, 2F]`` fc1 output and returns ``[s, b, F]``.
+    """
+
+    def __init__(self, config: TransformerConfig, **kwargs):
+        super().__init__()
+        if config.activation_func_clamp_value is not None or config.glu_linear_offset != 0.0:
+            raise NotImplementedError("FusedSwiGLU has no clamp and no linear offset")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, F]`` from ``[s, b, 2F]``."""
+        if use_fused_kernels(x):
+            return swiglu(x.contiguous())
+        return swiglu_ref(x)
+
+
+def apply_rope(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate packed (T, np, d) ``query`` and (T, ng, d) ``key`` by (T, 1, d) tables."""
+    if use_fused_kernels(query):
+        return rope(query, key, cos, sin)
+    return rope_ref(query, key, cos, sin)
+
+
+def _fused_loss_applies(hidden: torch.Tensor, output_layer, weight: torch.Tensor) -> bool:
+    """The fused loss covers a frozen, bias-free, unsharded (TP = 1) output layer."""
+    tp_group = getattr(output_layer, "tp_group", None)
+    return (
+        use_fused_kernels(hidden)
+        and tp_group is not None
+        and tp_group.size() == 1
+        and not output_layer.sequence_parallel
+        and getattr(output_layer, "bias", None) is None
+        and not weight.requires_grad
+        and weight.dtype == hidden.dtype
+    )
+
+
+def fused_loss_processor(
+    *,
+    hidden_states: torch.Tensor,
+    output_layer,
+    output_weight: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    runtime_gather_output: bool | None,
+    compute_language_model_loss,
+    scale_logits,
+    **kwargs,
+) -> torch.Tensor:
+    """``GPTModel``'s ``output_processor``: per-token loss ``[b, s]`` (logits without labels).
+
+    Args:
+        hidden_states: ``[s, b, H]`` final-norm output.
+        output_layer: the model's output ``ColumnParallelLinear``.
+        output_weight: the tied embedding weight, or None for the output layer's own.
+        labels: ``[b, s]`` int64 targets, or None.
+        runtime_gather_output: Megatron's flag, passed to the output layer.
+        compute_language_model_loss: the model's own loss, used where the fused one does not
+            apply (TP > 1: vocab-parallel; CPU: references).
+        scale_logits: the model's logit scaling (MuP), applied on the unfused path.
+        **kwargs: the rest of Megatron's hook arguments (unused).
+
+    Returns:
+        ``[b, s]`` fp32 per-token loss, or ``[b, s, V / tp]`` logits when ``labels`` is None.
+    """
+    weight = output_weight if output_weight is not None else output_layer.weight
+    if labels is not None and _fused_loss_applies(hidden_states, output_layer, weight):
+        seq, batch, width = hidden_states.shape
+        flat = hidden_states.reshape(seq * batch, width).contiguous()  # (T, H), s-major
+        targets = labels.transpose(0, 1).reshape(-1).long().contiguous()  # (T,)
+        loss = linear_cross_entropy(flat, weight, targets, IGNORE_INDEX)
+        return loss.view(seq, batch).transpose(0, 1).contiguous()  # [b, s]
+    logits, _ = output_layer(
+        hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output
+    )
+    logits = scale_logits(logits)
+    if labels is None:
+        return logits.transpose(0, 1).contiguous()  # [s, b, V] -> [b, s, V]
+    return compute_language_model_loss(labels, logits)
+
+
+class LoRAFusionGPTModel(GPTModel):
+    """Megatron's ``GPTModel`` whose loss (with ``labels``) goes through `fused_loss_processor`.
+
+    Only the default of ``forward``'s ``output_processor`` hook changes: a caller's own
+    processor wins, and multi-token prediction or inference keep Megatron's own path.
+    """
+
+    def forward(self, *args, output_processor=None, **kwargs):
+        """``GPTModel.forward``; per-token loss ``[b, s]`` with labels, as Megatron's."""
+        inference = len(args) > 5 and args[5] is not None  # positional inference_context
+        if (
+            output_processor is None
+            and self.post_process
+            and not self.config.mtp_num_layers
+            and not inference
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+        ):
+            output_processor = fused_loss_processor
+        return super().forward(*args, output_processor=output_processor, **kwargs)

@@ -1,0 +1,122 @@
+"""The fused base model (RMSNorm, SwiGLU, RoPE, chunked linear cross-entropy) equals the unfused.
+
+On CUDA the model runs the Triton ops; on CPU the ops' references. Here the Triton path is
+forced on the CPU by patching `fused_base.use_fused_kernels` with the kernels reloaded in
+Triton's interpreter (as tests/ops/conftest.py does; ``TRITON_INTERPRET=1`` is then set during
+the test, so the LoRA ops run their interpreted Triton path in both runs), and compared in fp32
+with the reference path: per-token loss, logits and every adapter gradient.
+"""
+
+import contextlib
+import importlib
+import os
+from unittest import mock
+
+import pytest
+import torch
+from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
+
+from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU
+
+# dtype -> tolerances: fp32, the fused ops differ from the references in summation order.
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
+
+_KERNEL_MODULES = (  # tests/ops/conftest.py's list, dependency order
+    "triton.language.standard",
+    "triton.language.random",
+    "triton.language",
+    "megatron_lorafusion.ops._utils",
+    "megatron_lorafusion.ops.lora_dropout",
+    "megatron_lorafusion.ops.lora_shrink",
+    "megatron_lorafusion.ops.lora_expand",
+    "megatron_lorafusion.ops.lora_wgrad",
+    "megatron_lorafusion.ops.lora_up_bwd",
+    "megatron_lorafusion.ops.lora_gemm",
+    "megatron_lorafusion.ops.fused_lora_linear",
+    "megatron_lorafusion.ops.linear_cross_entropy",
+    "megatron_lorafusion.ops.rms_norm",
+    "megatron_lorafusion.ops.swiglu",
+    "megatron_lorafusion.ops.rope",
+)
+
+
+@pytest.fixture
+def _interpreted_kernels(monkeypatch):
+    """Without CUDA: the kernels re-made in interpreter mode, ``TRITON_INTERPRET=1`` set."""
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            for name in _KERNEL_MODULES:
+                importlib.reload(importlib.import_module(name))
+        finally:
+            del os.environ["TRITON_INTERPRET"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _run(fused: bool, labels_weight: torch.Tensor | None = None):
+    model = build_gpt_model(TINY).eval()
+    context = apply_lora(model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3)
+    batch = make_packed_batch([0, 0, 1, 2], [5, 9, 4, 7], 3, seed=4)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    with mock.patch("megatron_lorafusion.mcore.fused_base.use_fused_kernels", return_value=fused):
+        loss = run_model(model, context, batch, labels=labels)
+        # An arbitrary upstream gradient per token (loss mask times per-adapter weights).
+        (loss * labels_weight).sum().backward()
+        with torch.no_grad():
+            logits = run_model(model, context, batch)
+    grads = {n: g.clone() for a in range(3) for n, g in context.adapter_grads(a).items()}
+    return loss.detach(), logits, grads
+
+
+def test_built_model_uses_fused_modules(tiny_model):
+    layer = tiny_model.decoder.layers[0]
+    assert isinstance(layer.input_layernorm, FrozenRMSNorm)
+    assert isinstance(layer.pre_mlp_layernorm, FrozenRMSNorm)
+    assert isinstance(tiny_model.decoder.final_layernorm, FrozenRMSNorm)
+    assert isinstance(layer.mlp.activation_func, FusedSwiGLU)
+
+
+@pytest.mark.usefixtures("_interpreted_kernels")
+def test_fused_base_matches_unfused(megatron_single_process):
+    weight = torch.rand(1, 25, generator=torch.Generator().manual_seed(5))
+    weight[0, ::4] = 0.0  # masked-out tokens
+    loss, logits, grads = _run(False, weight)
+    launchers = {
+        "rms_norm": "rms_norm_fwd",
+        "swiglu": "swiglu_fwd",
+        "rope": "rope_fwd",
+        "linear_cross_entropy": "cross_entropy_fwd",
+    }
+    with contextlib.ExitStack() as stack:
+        spies = {
+            op: stack.enter_context(
+                mock.patch(
+                    f"megatron_lorafusion.ops.{op}.{fn}",
+                    wraps=getattr(importlib.import_module(f"megatron_lorafusion.ops.{op}"), fn),
+                )
+            )
+            for op, fn in launchers.items()
+        }
+        fused_loss, fused_logits, fused_grads = _run(True, weight)
+    assert all(spy.called for spy in spies.values()), {op: s.called for op, s in spies.items()}
+    assert loss.shape == (1, 25)
+    torch.testing.assert_close(fused_loss, loss, **TOL[torch.float32], msg="per-token loss")
+    torch.testing.assert_close(fused_logits, logits, **TOL[torch.float32], msg="logits")
+    assert grads, "no adapter gradients"
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, **TOL[torch.float32], msg=name)
+
+
+def test_fused_loss_keeps_megatron_loss_without_fusion(tiny_model):
+    """On CPU (no patch) the loss is Megatron's own cross-entropy of the logits."""
+    batch = make_packed_batch([0, 1], [6, 3], 2, seed=2)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    with torch.no_grad():
+        loss = run_model(tiny_model, None, batch, labels=labels)
+        logits = run_model(tiny_model, None, batch)
+    want = torch.nn.functional.cross_entropy(logits[0], labels[0], reduction="none")[None]
+    torch.testing.assert_close(loss, want, **TOL[torch.float32])
