@@ -1,0 +1,140 @@
+"""Fused base-model ops (RMSNorm, SwiGLU, RoPE, linear cross-entropy) against their references.
+
+Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default). Each
+row checks the fused op against its torch reference first, then times forward + backward with
+``triton.testing.do_bench`` (median, p20, p80) and reports the peak extra memory.
+"""
+
+import argparse
+import csv
+import sys
+
+import torch
+import triton
+import triton.testing
+
+from megatron_lorafusion.ops import (
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+    rms_norm,
+    rms_norm_ref,
+    rope,
+    rope_ref,
+    swiglu,
+    swiglu_ref,
+)
+
+
+def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
+    dev = "cuda"
+    x = torch.randn(tokens, 1, hidden, device=dev, dtype=dtype)
+    w = torch.rand(hidden, device=dev, dtype=dtype) + 0.5
+    fc1 = torch.randn(tokens, 1, 2 * ffn, device=dev, dtype=dtype)
+    qkv = torch.randn(tokens, (heads + 2 * groups) * head_dim, device=dev, dtype=dtype)
+    angles = torch.rand(tokens, 1, head_dim // 2, device=dev) * 100
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    out_w = torch.randn(vocab, hidden, device=dev, dtype=dtype) / hidden**0.5
+    labels = torch.randint(0, vocab, (tokens,), device=dev)
+    hid = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+
+    def qk(t):
+        q = t[:, : heads * head_dim].view(tokens, heads, head_dim)
+        k = t[:, heads * head_dim : (heads + groups) * head_dim].view(tokens, groups, head_dim)
+        return q, k
+
+    return {
+        "rms_norm": (x, lambda f, t: f(t, w, 1e-5), rms_norm, rms_norm_ref),
+        "swiglu": (fc1, lambda f, t: f(t), swiglu, swiglu_ref),
+        "rope": (qkv, lambda f, t: f(*qk(t), cos, sin), rope, rope_ref),
+        "linear_cross_entropy": (
+            hid,
+            lambda f, t: f(t, out_w, labels),
+            linear_cross_entropy,
+            linear_cross_entropy_ref,
+        ),
+    }
+
+
+def _step(call, fn, leaf):
+    def run():
+        leaf.grad = None
+        out = call(fn, leaf)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    return run
+
+
+def _peak(run) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--csv", help="append rows to this CSV file")
+    args = parser.parse_args(argv)
+    dtype = torch.bfloat16
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+        f"{triton.__version__} | T={args.tokens} bf16, forward + backward"
+    )
+    print("| op | ref ms | fused ms (p20-p80) | speed-up x | ref peak MiB | fused peak MiB |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    cases = _cases(
+        args.tokens,
+        args.hidden,
+        args.ffn,
+        args.heads,
+        args.groups,
+        args.head_dim,
+        args.vocab,
+        dtype,
+    )
+    for name, (tensor, call, fused, ref) in cases.items():
+        leaf = tensor.detach().clone().requires_grad_(True)
+        got, want = call(fused, leaf), call(ref, leaf)
+        for g, r in zip(
+            got if isinstance(got, tuple) else (got,),
+            want if isinstance(want, tuple) else (want,),
+            strict=True,
+        ):
+            torch.testing.assert_close(g.float(), r.float(), atol=5e-2, rtol=2e-2)
+        del got, want
+        timings, peaks = {}, {}
+        for label, fn in (("ref", ref), ("fused", fused)):
+            run = _step(call, fn, leaf)
+            timings[label] = triton.testing.do_bench(run, quantiles=[0.5, 0.2, 0.8])
+            peaks[label] = _peak(run)
+        ref_ms, fused_ms = timings["ref"][0], timings["fused"]
+        row = [
+            name,
+            f"{ref_ms:.3f}",
+            f"{fused_ms[0]:.3f} ({fused_ms[1]:.3f}-{fused_ms[2]:.3f})",
+            f"{ref_ms / fused_ms[0]:.2f}",
+            f"{peaks['ref']:.0f}",
+            f"{peaks['fused']:.0f}",
+        ]
+        rows.append(row)
+        print("| " + " | ".join(row) + " |")
+        sys.stdout.flush()
+    if args.csv:
+        with open(args.csv, "a", newline="") as handle:
+            csv.writer(handle).writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
