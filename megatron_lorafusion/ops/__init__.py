@@ -10,6 +10,7 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
+from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
 from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.linear_cross_entropy import (
@@ -50,6 +51,8 @@ __all__ = [
     "RMSNormFunction",
     "RoPEFunction",
     "SwiGLUFunction",
+    "adapter_adamw_",
+    "adapter_adamw_ref",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
     "fused_lora_down",

@@ -1,0 +1,134 @@
+"""`adapter_adamw_` (Triton kernel) against `adapter_adamw_ref` and against torch's AdamW.
+
+CPU: the Triton interpreter, fp32 elementwise (no dots): differences are the order of a few
+multiplies, so fp32 tolerances are tight. torch's AdamW updates ``m`` by ``lerp`` and folds
+the bias corrections differently: a few ulps of the weights per step.
+"""
+
+import pytest
+import torch
+
+from megatron_lorafusion.ops import adapter_adamw_, adapter_adamw_ref
+from megatron_lorafusion.ops.adapter_adamw import (
+    BETA1,
+    BETA2,
+    BIAS_CORRECTION1,
+    BIAS_CORRECTION2,
+    EPS,
+    HYPER_COLUMNS,
+    LR,
+    STEP,
+    WEIGHT_DECAY,
+    adapter_adamw_fwd,
+)
+
+TOL = {torch.float32: (1e-6, 1e-6)}
+TORCH_ADAMW_TOL = (1e-6, 1e-5)  # lerp vs multiply-add, bias corrections folded differently
+
+
+def _hyper(lrs, steps, weight_decays, stepping, device, betas=(0.9, 0.999), eps=1e-8):
+    rows = []
+    for a, (lr, step, wd) in enumerate(zip(lrs, steps, weight_decays, strict=True)):
+        row = [0.0] * HYPER_COLUMNS
+        row[LR], row[BETA1], row[BETA2], row[EPS], row[WEIGHT_DECAY] = lr, *betas, eps, wd
+        row[BIAS_CORRECTION1] = 1 - betas[0] ** step
+        row[BIAS_CORRECTION2] = 1 - betas[1] ** step
+        row[STEP] = 1.0 if a in stepping else 0.0
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+def _tables(adapters, width, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.randn(adapters, width, generator=gen)
+    grads = torch.randn(adapters, width, generator=gen)
+    exp_avg = torch.randn(adapters, width, generator=gen) * 0.1
+    exp_avg_sq = torch.rand(adapters, width, generator=gen) * 0.01
+    return [t.to(device) for t in (weights, grads, exp_avg, exp_avg_sq)]
+
+
+@pytest.mark.parametrize(
+    ("adapters", "width", "stepping"),
+    [
+        (1, 4096, {0}),  # round: two whole blocks
+        (5, 3001, {0, 2, 3}),  # ragged width, a subset of the adapters steps
+        (3, 17, set()),  # nothing steps
+    ],
+)
+def test_adapter_adamw_kernel_matches_reference(adapters, width, stepping, device):
+    hyper = _hyper(
+        [1e-3 * (a + 1) for a in range(adapters)],
+        [a + 1 for a in range(adapters)],
+        [0.01 * a for a in range(adapters)],
+        stepping,
+        device,
+    )
+    fused = _tables(adapters, width, device, seed=3)
+    ref = [t.clone() for t in fused]
+    before = [t.clone() for t in fused]
+    adapter_adamw_fwd(*fused, hyper)
+    adapter_adamw_ref(*ref, hyper)
+    atol, rtol = TOL[torch.float32]
+    for name, got, want, old in zip(
+        ("weights", "grads", "exp_avg", "exp_avg_sq"), fused, ref, before, strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"{name} != reference")
+        for a in range(adapters):
+            if a not in stepping:
+                torch.testing.assert_close(
+                    got[a],
+                    old[a],
+                    atol=0,
+                    rtol=0,
+                    msg=f"{name} of non-stepping adapter {a} changed",
+                )
+    for a in stepping:
+        assert not fused[1][a].any(), f"the gradient of stepped adapter {a} must be zeroed"
+
+
+def test_adapter_adamw_matches_torch_adamw_per_adapter(device):
+    """Three steps of two adapters with their own lr and weight decay, one stepping twice."""
+    width, lrs, decays = 300, [2e-2, 5e-3], [0.0, 0.1]
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(2, width, generator=gen)
+    weights = start.clone().to(device)
+    grads, exp_avg, exp_avg_sq = (torch.zeros(2, width, device=device) for _ in range(3))
+    params = [torch.nn.Parameter(start[a].clone()) for a in range(2)]
+    torch_opts = [
+        torch.optim.AdamW([params[a]], lr=lrs[a], weight_decay=decays[a]) for a in range(2)
+    ]
+    steps = [0, 0]
+    for stepping in ({0, 1}, {0}, {0, 1}):
+        for a in stepping:
+            g = torch.randn(width, generator=gen)
+            grads[a] = g.to(device)
+            params[a].grad = g.clone()
+            torch_opts[a].step()
+            steps[a] += 1
+        adapter_adamw_(
+            weights,
+            grads,
+            exp_avg,
+            exp_avg_sq,
+            _hyper(lrs, [max(s, 1) for s in steps], decays, stepping, device),
+        )
+    atol, rtol = TORCH_ADAMW_TOL
+    for a in range(2):
+        torch.testing.assert_close(
+            weights[a].cpu(),
+            params[a].detach(),
+            atol=atol,
+            rtol=rtol,
+            msg=f"adapter {a} differs from torch.optim.AdamW",
+        )
+
+
+def test_adapter_adamw_names_bad_tensor(device):
+    weights, grads, exp_avg, exp_avg_sq = _tables(2, 8, device, seed=1)
+    hyper = _hyper([1e-3] * 2, [1, 1], [0.0] * 2, {0}, device)
+    with pytest.raises(ValueError, match="exp_avg_sq must be contiguous fp32 of shape"):
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq[:, :4], hyper)
+    with pytest.raises(ValueError, match="hyper must be fp32 of shape"):
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, hyper[:1])
+    with pytest.raises(ValueError, match="weights must be a contiguous"):
+        adapter_adamw_(weights.t(), grads, exp_avg, exp_avg_sq, hyper)
