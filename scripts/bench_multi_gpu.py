@@ -46,7 +46,7 @@ from megatron_lorafusion.planner.baselines import (
     mlora_microbatches,
 )
 from megatron_lorafusion.planner.commands import problem_from_args
-from megatron_lorafusion.train import AdapterRun, build_optimizer
+from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = 4
@@ -101,19 +101,19 @@ def _padded_make_batch(datasets, device):
 def _train(streams, make_batch, model, lora, adapters, problem, groups, hidden, device):
     """Run the streams (a drain after each) with fresh optimizers; (seconds, busy seconds)."""
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(ADAPTERS)]
+    optimizer = AdapterAdamW(lora, adapters,
+                             [problem.num_global_batches(a) for a in range(ADAPTERS)])
     runs = []
     for a, adapter in enumerate(adapters):
-        optimizer, scheduler = build_optimizer(params[a], adapter, problem.num_global_batches(a))
         batch_tokens = [sum(s.tokens for s in problem.global_batch(a, j))
                         for j in range(problem.num_global_batches(a))]
-        runs.append(AdapterRun(adapter.name, optimizer, scheduler, batch_tokens))
+        runs.append(AdapterRun(adapter.name, batch_tokens))
     _sync(device)
     dist.barrier()
     start = time.perf_counter()
     busy = 0.0
     for stream in streams:
-        events = run_pipeline(stream, forward, make_batch, runs, params, groups,
+        events = run_pipeline(stream, forward, make_batch, runs, optimizer, lora.grads, groups,
                               global_batch_sizes=problem.global_batch_sizes,
                               hidden_size=hidden,
                               activation_dtype=torch.bfloat16 if device.type == "cuda"

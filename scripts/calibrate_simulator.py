@@ -73,7 +73,7 @@ def _worker(rank: int, workdir: str, samples: int, capacity: int, seed: int) -> 
         make_pipeline_groups,
         run_pipeline,
     )
-    from megatron_lorafusion.train import AdapterRun, build_optimizer
+    from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(workdir, "store"), 2)
@@ -87,11 +87,8 @@ def _worker(rank: int, workdir: str, samples: int, capacity: int, seed: int) -> 
         model = build_gpt_model(MODEL, pre_process=groups.is_first,
                                 post_process=groups.is_last).train()
         lora = apply_lora(model, ADAPTERS, seed=seed)
-        runs, params = [], []
-        for a, adapter in enumerate(ADAPTERS):
-            params.append([p for _, p in lora.adapter_parameters(a)])
-            optimizer, scheduler = build_optimizer(params[a], adapter, len(tokens[a]))
-            runs.append(AdapterRun(adapter.name, optimizer, scheduler, tokens[a]))
+        optimizer = AdapterAdamW(lora, ADAPTERS, [len(t) for t in tokens])
+        runs = [AdapterRun(adapter.name, t) for adapter, t in zip(ADAPTERS, tokens, strict=True)]
         orders = [list(range(len(d))) for d in datasets]
 
         def make_batch(mb, index):
@@ -99,7 +96,8 @@ def _worker(rank: int, workdir: str, samples: int, capacity: int, seed: int) -> 
 
         forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
         dist.barrier()
-        events = run_pipeline(microbatches, forward, make_batch, runs, params, groups,
+        events = run_pipeline(microbatches, forward, make_batch, runs, optimizer, lora.grads,
+                              groups,
                               global_batch_sizes=[a.global_batch_size for a in ADAPTERS],
                               hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
                               device="cpu", record_events=True)

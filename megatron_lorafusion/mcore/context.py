@@ -32,6 +32,15 @@ LoRAWrapper = LoRAColumnParallelLinear | LoRARowParallelLinear
 class LoRAContext:
     """The adapters of one model: the current microbatch layout and per-adapter weights.
 
+    Every adapter factor of this rank lives in one row per adapter of two fp32 tables,
+    ``weights`` and ``grads`` (A, S): row ``a`` holds, wrapper after wrapper, the packed
+    slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R). Each wrapper's
+    ``lora_A`` / ``lora_B`` is a strided view of its columns of ``weights``, and its
+    ``lora_A_grad`` / ``lora_B_grad`` the same view of ``grads``: backward adds into the
+    table in place, and one kernel steps any subset of adapters (`ops.adapter_adamw_`).
+    ``weights`` requires grad (it connects the wrappers' factors to autograd) but never
+    receives a ``.grad``; write it only under ``torch.no_grad()``.
+
     Attributes:
         layout: the `AdapterLayout` of the next forward; set it before every forward (the
             LoRA op saves the layout it ran with, so backward needs no further setting).
@@ -40,6 +49,8 @@ class LoRAContext:
             (``decoder.layers.{global layer index}.self_attention.linear_qkv``, ...).
         wgrad_queue: when set, training backwards defer each down-projection's weight
             gradient into this queue (zero-bubble; `mcore.wgrad`); None computes it at once.
+        weights: (A, S) fp32, every factor of adapter ``a`` on this rank in row ``a``.
+        grads: (A, S) fp32, their accumulated gradients (zero until a backward adds to them).
     """
 
     def __init__(self, adapters: Sequence[AdapterConfig], wrappers: dict[str, LoRAWrapper]):
@@ -47,6 +58,35 @@ class LoRAContext:
         self.wgrad_queue: WgradQueue | None = None
         self.adapters = tuple(adapters)
         self.wrappers = wrappers
+        self.weights = torch.zeros(len(adapters), 0)  # (A, S) once `pack` ran
+        self.grads = torch.zeros(len(adapters), 0)
+        # (factor name, 'lora_A' | 'lora_B', wrapper, first column, rows, columns) per slot
+        self._slots: list[tuple[str, str, LoRAWrapper, int, int, int]] = []
+
+    def pack(self) -> None:
+        """Move every wrapper's factors into ``weights`` and point them (and grads) there.
+
+        Called once by `apply_lora` after the wrappers exist.
+        """
+        slots, width = [], 0
+        for name, wrapper in self.wrappers.items():
+            for factor in ("lora_A", "lora_B"):
+                _, rows, cols = getattr(wrapper, factor).shape
+                slots.append((f"{name}.{factor}", factor, wrapper, width, rows, cols))
+                width += rows * cols
+        device = next(iter(self.wrappers.values())).lora_A.device
+        weights = torch.zeros(self.num_adapters, width, device=device)
+        self.grads = torch.zeros_like(weights)
+        for _, factor, wrapper, col, rows, cols in slots:
+            view = weights[:, col:col + rows * cols].view(-1, rows, cols)  # (A, rows, cols)
+            view.copy_(getattr(wrapper, factor))
+            setattr(wrapper, factor, view)
+            setattr(wrapper, f"{factor}_grad", self.grads[:, col:col + rows * cols].view(
+                -1, rows, cols))
+        # The autograd leaf of every `_FactorCast`: the same storage under another tensor, so
+        # the views above (read by the wrappers, written by the optimizer) stay plain tensors.
+        self.weights = weights.detach().requires_grad_()
+        self._slots = slots
 
     @property
     def num_adapters(self) -> int:
@@ -57,27 +97,56 @@ class LoRAContext:
         if not 0 <= adapter_id < self.num_adapters:
             raise ValueError(f"adapter_id must lie in [0, {self.num_adapters}), got {adapter_id}")
 
-    def adapter_parameters(self, adapter_id: int) -> list[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of one adapter on this rank, names like ``<linear>.lora_A``.
+    def adapter_views(self, table: torch.Tensor, adapter_id: int) -> dict[str, torch.Tensor]:
+        """Named views of one adapter's factors in a (A, S) ``table`` laid out as ``weights``.
 
-        Tensors are this rank's TP shards (A: (r, H_local), B: (N_local, r)), fp32, trainable.
+        Names are ``<linear>.lora_A`` (r, H_local) and ``<linear>.lora_B`` (N_local, r), for
+        the linears this adapter targets, with ``r`` its own rank. ``table`` is ``weights``,
+        ``grads`` or anything shaped like them (the optimizer's moments).
         """
         self._check_id(adapter_id)
-        key = str(adapter_id)
-        params = []
-        for name, wrapper in self.wrappers.items():
-            if key in wrapper.lora_A:
-                params.append((f"{name}.lora_A", wrapper.lora_A[key]))
-                params.append((f"{name}.lora_B", wrapper.lora_B[key]))
-        return params
+        if table.shape != self.weights.shape:
+            raise ValueError(f"table must have shape {tuple(self.weights.shape)}, got "
+                             f"{tuple(table.shape)}")
+        views, table = {}, table.detach()
+        for name, factor, wrapper, col, rows, cols in self._slots:
+            rank = wrapper.ranks[adapter_id]
+            if rank == 0:
+                continue
+            slot = table[adapter_id, col:col + rows * cols].view(rows, cols)
+            views[name] = slot[:rank] if factor == "lora_A" else slot[:, :rank]
+        return views
 
-    def parameters(self) -> list[nn.Parameter]:
-        """Every adapter parameter on this rank (all adapters)."""
-        return [p for a in range(self.num_adapters) for _, p in self.adapter_parameters(a)]
+    def adapter_tensors(self, adapter_id: int) -> dict[str, torch.Tensor]:
+        """Views of one adapter's factors on this rank (TP shards, fp32), writable in place.
+
+        A: (r, H_local), B: (N_local, r); see `adapter_views`.
+        """
+        return self.adapter_views(self.weights, adapter_id)
+
+    def adapter_grads(self, adapter_id: int) -> dict[str, torch.Tensor]:
+        """Views of one adapter's accumulated gradients, keyed as `adapter_tensors`."""
+        return self.adapter_views(self.grads, adapter_id)
+
+    def sharding(self) -> dict[str, tuple[int, int] | None]:
+        """Per factor name, ``(dim, partition stride)`` of its TP split, None if replicated.
+
+        Column-parallel linears shard B (N_local, r) on dim 0 with the base weight's stride,
+        row-parallel linears A (r, H_local) on dim 1 (DESIGN.md "LoRA wrapper").
+        """
+        out = {}
+        for name, factor, wrapper, *_ in self._slots:
+            if factor == "lora_B" and wrapper.is_column:
+                out[name] = (0, int(getattr(wrapper.base.weight, "partition_stride", 1)))
+            elif factor == "lora_A" and not wrapper.is_column:
+                out[name] = (1, 1)
+            else:
+                out[name] = None
+        return out
 
     def adapter_state_dict(self, adapter_id: int) -> dict[str, torch.Tensor]:
-        """Detached copies of one adapter's TP-local factors, keyed as `adapter_parameters`."""
-        return {name: p.detach().clone() for name, p in self.adapter_parameters(adapter_id)}
+        """Detached copies of one adapter's TP-local factors, keyed as `adapter_tensors`."""
+        return {name: t.detach().clone() for name, t in self.adapter_tensors(adapter_id).items()}
 
     def load_adapter_state_dict(self, adapter_id: int, state_dict: Mapping[str, torch.Tensor]):
         """Copy ``state_dict`` into one adapter's factors (strict: same keys, same shapes).
@@ -86,27 +155,35 @@ class LoRAContext:
             ValueError: naming every missing or unexpected key and every shape mismatch;
                 nothing is copied when any problem is found.
         """
-        params = dict(self.adapter_parameters(adapter_id))
-        problems = [f"missing key {k!r}" for k in params if k not in state_dict]
-        problems += [f"unexpected key {k!r}" for k in state_dict if k not in params]
-        problems += [
-            f"{k} has shape {tuple(state_dict[k].shape)}, expected {tuple(p.shape)}"
-            for k, p in params.items()
-            if k in state_dict and tuple(state_dict[k].shape) != tuple(p.shape)
-        ]
-        if problems:
-            raise ValueError(
-                f"cannot load adapter {adapter_id} ({self.adapters[adapter_id].name!r}):\n  - "
-                + "\n  - ".join(problems)
-            )
-        with torch.no_grad():
-            for k, p in params.items():
-                p.copy_(state_dict[k])
+        load_views(self.adapter_tensors(adapter_id), state_dict,
+                   f"adapter {adapter_id} ({self.adapters[adapter_id].name!r})")
 
     def merged_weights(self, adapter_id: int) -> dict[str, torch.Tensor]:
         """``W + s·B·A`` of each adapted linear (``<linear>.weight``), TP-local shards."""
         self._check_id(adapter_id)
         return {f"{n}.weight": w.merged_weight(adapter_id) for n, w in self.wrappers.items()}
+
+
+def load_views(views: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor],
+               what: str) -> None:
+    """Copy ``state_dict`` into same-named ``views`` (strict: same keys, same shapes).
+
+    Raises:
+        ValueError: ``cannot load <what>`` naming every missing or unexpected key and every
+            shape mismatch; nothing is copied when any problem is found.
+    """
+    problems = [f"missing key {k!r}" for k in views if k not in state_dict]
+    problems += [f"unexpected key {k!r}" for k in state_dict if k not in views]
+    problems += [
+        f"{k} has shape {tuple(state_dict[k].shape)}, expected {tuple(v.shape)}"
+        for k, v in views.items()
+        if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)
+    ]
+    if problems:
+        raise ValueError(f"cannot load {what}:\n  - " + "\n  - ".join(problems))
+    with torch.no_grad():
+        for k, v in views.items():
+            v.copy_(state_dict[k])
 
 
 def _check_adapters(adapters: Sequence[AdapterConfig]) -> None:
@@ -182,4 +259,7 @@ def apply_lora(
             )
             setattr(parent, target, wrapper)
             context.wrappers[f"decoder.layers.{index}.{parent_name}.{target}"] = wrapper
+    if not context.wrappers:
+        raise ValueError("apply_lora found no targeted linear in the model's decoder layers")
+    context.pack()
     return context

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -81,56 +79,68 @@ def _init_factors(
     layer_seed: int,
     device: torch.device,
 ) -> None:
-    """Give ``wrapper`` its per-adapter factors and the per-adapter constants of the op.
+    """Give ``wrapper`` its packed factors and the per-adapter constants of the op.
 
-    Adapter ``a``'s factors are ``wrapper.lora_A[str(a)]`` (r_a, H_local) and
-    ``wrapper.lora_B[str(a)]`` (N_local, r_a), fp32; adapters not targeting this linear have
-    none (scale and dropout 0).
+    ``wrapper.lora_A`` (A, R, H_local) and ``wrapper.lora_B`` (A, N_local, R) are fp32
+    tensors (not parameters), with ``R`` the largest rank of the targeting adapters.
+    Adapter ``a``'s factors are ``lora_A[a, :r_a]`` and ``lora_B[a, :, :r_a]``; everything
+    else (rows beyond its rank, adapters not targeting this linear) is zero and stays zero
+    in training: its gradient is exactly zero (zero factors, or scale 0), and AdamW moves a
+    zero weight with a zero gradient nowhere. `LoRAContext.pack` later moves both into its
+    per-adapter rows.
     """
     if not targeted:
         raise ValueError(f"{type(wrapper).__name__} needs at least one targeting adapter")
-    wrapper.lora_A = nn.ParameterDict()
-    wrapper.lora_B = nn.ParameterDict()
+    wrapper.num_adapters = len(adapters)
+    wrapper.max_rank = max(adapters[a].rank for a in targeted)
+    wrapper.ranks = [adapters[a].rank if a in targeted else 0 for a in range(len(adapters))]
+    local_in = len(range(in_features)[in_shard])
+    lora_a = torch.zeros(len(adapters), wrapper.max_rank, local_in)
     for a in targeted:
         rank = adapters[a].rank
         generator = torch.Generator().manual_seed(_init_seed(seed, a, layer_seed))
         # Drawn at full width then sliced, so a TP shard equals the TP = 1 slice.
-        full_a = _kaiming_uniform(rank, in_features, generator)
-        wrapper.lora_A[str(a)] = nn.Parameter(full_a[:, in_shard].contiguous().to(device))
-        wrapper.lora_B[str(a)] = nn.Parameter(torch.zeros(out_local, rank, device=device))
-    wrapper.num_adapters = len(adapters)
-    wrapper.max_rank = max(adapters[a].rank for a in targeted)
+        lora_a[a, :rank] = _kaiming_uniform(rank, in_features, generator)[:, in_shard]
+    wrapper.lora_A = lora_a.to(device)
+    wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
+    wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
     on = set(targeted)
     wrapper.scalings = [adapter_scaling(ad) if i in on else 0.0 for i, ad in enumerate(adapters)]
     wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
 
 
-def _packed_factors(
-    wrapper: nn.Module, layout: AdapterLayout, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-padded ``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R) in ``dtype``.
+class _FactorCast(torch.autograd.Function):
+    """A packed factor, copied contiguous in the compute dtype; backward adds into its grad.
 
-    Stacked from the parameters on every call so gradients flow back to each adapter's own
-    parameters. Adapters without factors here, or without tokens in this microbatch,
-    contribute constant zeros, so their parameters get no gradient at all (``grad`` stays
-    None rather than a zero tensor that AdamW would still step on).
+    ``factor`` is a wrapper's view of `LoRAContext.weights` (which requires grad, and is
+    passed as ``table`` so that autograd reaches this node) and ``grad`` the same view of
+    ``LoRAContext.grads``: the gradient is added there in place (one kernel, fp32), and none
+    flows to ``table`` itself.
     """
-    some_a = next(iter(wrapper.lora_A.values()))
-    some_b = next(iter(wrapper.lora_B.values()))
-    zeros_a = torch.zeros(wrapper.max_rank, some_a.shape[1], dtype=dtype, device=some_a.device)
-    zeros_b = torch.zeros(some_b.shape[0], wrapper.max_rank, dtype=dtype, device=some_b.device)
-    counts = layout.token_counts()
-    rows_a, rows_b = [], []
-    for a in range(wrapper.num_adapters):
-        key = str(a)
-        if key not in wrapper.lora_A or counts[a] == 0:
-            rows_a.append(zeros_a)
-            rows_b.append(zeros_b)
-            continue
-        pad = wrapper.max_rank - wrapper.lora_A[key].shape[0]
-        rows_a.append(F.pad(wrapper.lora_A[key].to(dtype), (0, 0, 0, pad)))  # (R, H_local)
-        rows_b.append(F.pad(wrapper.lora_B[key].to(dtype), (0, pad)))  # (N_local, R)
-    return torch.stack(rows_a), torch.stack(rows_b)
+
+    @staticmethod
+    def forward(ctx, table, factor, grad, dtype):
+        ctx.grad = grad
+        return factor.to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        ctx.grad.add_(grad_out)
+        return None, None, None, None
+
+
+def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R), contiguous, in ``dtype``.
+
+    One copy per factor and layer whatever the number of adapters; in backward one in-place
+    add per factor into the context's gradient table (`_FactorCast`).
+    """
+    if wrapper.lora_A_grad is None:
+        raise RuntimeError(f"{type(wrapper).__name__}: its factors are not packed; build "
+                           "wrappers through apply_lora")
+    table = wrapper.context.weights
+    return (_FactorCast.apply(table, wrapper.lora_A, wrapper.lora_A_grad, dtype),
+            _FactorCast.apply(table, wrapper.lora_B, wrapper.lora_B_grad, dtype))
 
 
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
@@ -249,7 +259,7 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     layout = _current_layout(wrapper, x.shape[0] * (wrapper.tp_size if gathers_rows else 1))
     if wrapper.sequence_parallel:
         _sequence_shard(wrapper, layout)  # checks T % tp before any collective
-    lora_a, lora_b = _packed_factors(wrapper, layout, input_.dtype)  # (A,R,H_l), (A,N_l,R)
+    lora_a, lora_b = _compute_factors(wrapper, input_.dtype)  # (A,R,H_l), (A,N_l,R)
     queue = getattr(wrapper.context, "wgrad_queue", None)
     defer = queue is not None and wrapper.training and torch.is_grad_enabled()
     if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs and not defer:
@@ -323,10 +333,12 @@ class _LoRAWrapper(nn.Module):
         if not 0 <= adapter_id < self.num_adapters:
             raise ValueError(f"adapter_id must lie in [0, {self.num_adapters}), got {adapter_id}")
         weight = self.base.weight.detach()
-        key = str(adapter_id)
-        if key not in self.lora_A:
+        rank = self.ranks[adapter_id]
+        if rank == 0:
             return weight.clone()
-        delta = self.scalings[adapter_id] * (self.lora_B[key] @ self.lora_A[key])
+        factor_b = self.lora_B[adapter_id, :, :rank]  # (N_local, r)
+        factor_a = self.lora_A[adapter_id, :rank]  # (r, H_local)
+        delta = self.scalings[adapter_id] * (factor_b @ factor_a)
         return (weight.float() + delta.detach()).to(weight.dtype)  # fp32 arithmetic
 
 
@@ -378,9 +390,6 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
             layer_seed=layer_seed,
             device=base.weight.device,
         )
-        stride = getattr(base.weight, "partition_stride", 1)
-        for param in self.lora_B.values():
-            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=0, stride=stride)
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H]``, out ``[s, b, N / tp]``.
@@ -444,8 +453,6 @@ class LoRARowParallelLinear(_LoRAWrapper):
             layer_seed=layer_seed,
             device=base.weight.device,
         )
-        for param in self.lora_A.values():
-            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1, stride=1)
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         """``(out, bias)`` like the base: input ``[s, b, H / tp]``, out ``[s, b, N]``.

@@ -108,17 +108,18 @@ class WgradQueue:
 
 
 def accumulate_lora_a_grads(
-    params: dict[str, torch.nn.Parameter],
+    grad: torch.Tensor,
     x: torch.Tensor,
     grad_s: torch.Tensor,
     keep_mask: torch.Tensor | None,
     dropouts: list[float],
     segments: list[tuple[int, int, int]],
 ) -> None:
-    """``A_a.grad += dS[seg_a]ᵀ·drop_a(X[seg_a])`` for each adapter segment with factors.
+    """``dA[a] += dS[seg_a]ᵀ·drop_a(X[seg_a])`` for each adapter segment, in place.
 
     Args:
-        params: adapter id (str) -> its ``lora_A`` parameter (r_a, H_local).
+        grad: (A, R, H_local) the wrapper's ``lora_A_grad`` (a view into the context's
+            gradient rows); rows beyond an adapter's rank get zeros, since ``dS`` is zero there.
         x: (T, H_local) the layer's input, as saved in forward.
         grad_s: (T, R) gradient of ``S`` (TP-reduced where the wrapper reduces it).
         keep_mask: (T, H_local) dropout keep-mask, or None without dropout.
@@ -126,15 +127,11 @@ def accumulate_lora_a_grads(
         segments: ``(adapter, start, end)`` rows of each adapter (`AdapterLayout.segments`).
     """
     for adapter, start, end in segments:
-        param = params.get(str(adapter))
-        if param is None:
-            continue
         x_seg = x[start:end]
         p = dropouts[adapter]
         if keep_mask is not None and p > 0:
             x_seg = x_seg * keep_mask[start:end] / (1.0 - p)
-        grad = (grad_s[start:end, : param.shape[0]].t() @ x_seg).to(param.dtype)
-        param.grad = grad if param.grad is None else param.grad + grad
+        grad[adapter] += (grad_s[start:end].t() @ x_seg).to(grad.dtype)  # (R, H_local)
 
 
 def down_projection(wrapper, x: torch.Tensor, lora_a: torch.Tensor, layout: AdapterLayout,
@@ -175,7 +172,7 @@ def _defer_lora_a_grads(wrapper, queue: WgradQueue, x: torch.Tensor, layout: Ada
         draw = fused_dropout_keep_mask if x.is_cuda else dropout_keep_mask  # lora_down's mask
         keep = draw(layout, wrapper.dropouts, width, wrapper.layer_seed, x.device)
         keep = None if keep is None else keep[:, columns]
-        accumulate_lora_a_grads(dict(wrapper.lora_A), x, grad_s.detach(), keep,
+        accumulate_lora_a_grads(wrapper.lora_A_grad, x, grad_s.detach(), keep,
                                 wrapper.dropouts, layout.segments())
 
     queue.push(lora_a_grads)

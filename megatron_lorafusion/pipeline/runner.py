@@ -6,14 +6,16 @@ explicit groups; their shapes are never sent: every stage packs the microbatch f
 itself, so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing; ``(T / tp, 1, H)``, this
 TP rank's rows, under sequence parallelism). Data-parallel replicas
 run the same microbatch stream on disjoint samples (`data_parallel_share`); when an
-adapter's global batch finishes on a stage, the stage all-reduces (sums) that adapter's
-gradients and summed loss in one bucket over its DP group, asynchronously, and steps the
-adapter's optimizer just before the next forward that reads it (or at the end). Loss
-denominators count the whole global batch, so the sum equals a one-process run.
+adapter's global batch finishes on a stage, the stage all-reduces (sums) the gradient rows
+and summed losses of every adapter finishing there in one bucket over its DP group,
+asynchronously, and steps them (one fused launch) just before the next forward that reads
+one of them (or at the end). Loss denominators count the whole global batch, so the sum
+equals a one-process run.
 
 A call drains the pipeline at its end and completes every pending step, so a run may be cut
 into consecutive calls (segments, for checkpoints): gradients of a global batch that
-straddles the cut stay in ``param.grad`` and its partial loss in ``AdapterRun.pending_loss``.
+straddles the cut stay in the gradient table and its partial loss in
+``AdapterRun.pending_loss``.
 """
 
 from __future__ import annotations
@@ -43,18 +45,33 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdapterRun", "ComputeEvent", "StageForward", "gpt_stage_forward", "run_pipeline"]
+__all__ = [
+    "AdapterOptimizer",
+    "AdapterRun",
+    "ComputeEvent",
+    "StageForward",
+    "gpt_stage_forward",
+    "run_pipeline",
+]
 
 
 class AdapterRun(Protocol):
     """What the runner needs of one adapter's training state (`train.loop.AdapterRun`)."""
 
     name: str
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     batch_tokens: list[int]
     losses: list[float]
     pending_loss: float
+
+
+class AdapterOptimizer(Protocol):
+    """What the runner needs of the adapters' optimizer (`train.optim.AdapterAdamW`)."""
+
+    def step(self, adapter_ids: Iterable[int]) -> None:
+        """Step these adapters (their rows of the gradient table) and zero their gradients."""
+
+    def lr(self, adapter_id: int) -> float:
+        """Learning rate of the adapter's next step."""
 
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
 """``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
@@ -67,7 +84,7 @@ class ComputeEvent:
     """One timed operation of this rank (for simulator calibration).
 
     Attributes:
-        microbatch: plan position (for ``"O"``: the adapter that stepped).
+        microbatch: plan position (for ``"O"``: the first adapter of the step group).
         kind: ``"F"``, ``"B"`` or ``"O"``.
         start_s: wall-clock start (``time.time()``, comparable across ranks of one host).
         compute_s: time spent computing, waiting on receives excluded.
@@ -96,9 +113,12 @@ class _Stash:
 
 @dataclass
 class _PendingStep:
-    work: dist.Work | None
-    bucket: torch.Tensor | None
-    params: list[torch.nn.Parameter]
+    """One step group: adapters finishing on this stage at one microbatch."""
+
+    adapters: tuple[int, ...]
+    losses: list[float]  # this replica's loss sums, replaced by the all-reduced ones
+    work: dist.Work | None = None
+    bucket: torch.Tensor | None = None  # (k·S + k,) gradient rows, then the loss sums
 
 
 @dataclass
@@ -123,13 +143,14 @@ def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch])
 class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
-    def __init__(self, forward, make_batch, adapters, params, groups, *, global_batch_sizes,
+    def __init__(self, forward, make_batch, adapters, optimizer, grads, groups, *,
+                 global_batch_sizes,
                  hidden_size, activation_dtype, device, on_step, record_events, first_index,
                  sequence_shards, wgrad_queue):
         self.forward, self.make_batch = forward, make_batch
         self.sequence_shards = sequence_shards
         self.wgrad = wgrad_queue
-        self.adapters, self.params, self.g = adapters, params, groups
+        self.adapters, self.optimizer, self.grads, self.g = adapters, optimizer, grads, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
         # A global batch begun in an earlier call (segment) continues its loss sum.
@@ -206,8 +227,8 @@ class _Runner:
             {"F": self._forward, "B": self._backward, "O": self._step}[action.kind](action)
         if self.wgrad is not None:  # gradients of batches that straddle the end
             self.wgrad.run_all()
-        for a in sorted(self.state.pending):
-            self._finish_step(a)
+        while self.state.pending:
+            self._finish_step(min(self.state.pending))
         for work, _ in self.state.sends:
             work.wait()
         self.state.sends.clear()
@@ -292,45 +313,45 @@ class _Runner:
         for a in action.finishes:
             if a in self.state.pending:  # no forward of this replica read `a` since its last step
                 self._finish_step(a)
-            params = list(self.params[a])
-            loss = self.state.loss_sums[a]
+        group = _PendingStep(tuple(action.finishes),
+                             [self.state.loss_sums[a] for a in action.finishes])
+        for a in group.adapters:
             self.state.loss_sums[a] = 0.0
-            if self.g.dp_size == 1:
-                self.state.pending[a] = _PendingStep(None, torch.tensor([loss]), params)
-                self._finish_step(a)
-                continue
-            # One bucket per adapter step: its gradients (zeros where this replica saw none
-            # of its tokens) and its loss sum; summed over replicas while other work runs.
-            parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
-                p.numel(), dtype=p.dtype, device=p.device) for p in params]
-            loss_t = torch.tensor([loss], dtype=parts[0].dtype if parts else torch.float32,
-                                  device=self.device)
-            bucket = torch.cat([*parts, loss_t])
-            work = dist.all_reduce(bucket, group=self.g.dp_group, async_op=True)
-            self.state.pending[a] = _PendingStep(work, bucket, params)
+            self.state.pending[a] = group
+        if self.g.dp_size == 1:
+            self._finish_step(group.adapters[0])
+            return
+        # One bucket per step group: the finishing adapters' gradient rows (zeros where this
+        # replica saw none of their tokens) and loss sums, summed while other work runs.
+        rows = torch.tensor(group.adapters, device=self.grads.device)
+        losses = torch.tensor(group.losses, dtype=self.grads.dtype, device=self.grads.device)
+        group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1), losses])
+        group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
 
     def _finish_step(self, a: int) -> None:
-        pending = self.state.pending.pop(a)
+        """Complete the step group holding adapter ``a`` (all its adapters step now)."""
+        group = self.state.pending[a]
+        for b in group.adapters:
+            del self.state.pending[b]
         start = time.perf_counter()
         gpu_start = self._gpu_mark()
-        if pending.work is not None:
-            pending.work.wait()
-            offset = 0
-            for p in pending.params:
-                p.grad = pending.bucket[offset:offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
-        run = self.adapters[a]
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.scheduler.step()
-        # Only the last stage computes losses; others record NaN until `_share_losses`.
-        run.losses.append(float(pending.bucket[-1]) if self.g.is_last else float("nan"))
-        self._event(a, "O", start, 0.0, 0, gpu_start)
-        if self.g.is_last and self.g.dp_rank == 0:
-            logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name, len(run.losses),
-                        run.losses[-1], run.scheduler.get_last_lr()[0])
-        if self.on_step is not None:
-            self.on_step(a, run)
+        if group.work is not None:
+            group.work.wait()
+            count = len(group.adapters)
+            rows = torch.tensor(group.adapters, device=self.grads.device)
+            self.grads.index_copy_(0, rows, group.bucket[:-count].view(count, -1))
+            group.losses = group.bucket[-count:].tolist()
+        self.optimizer.step(group.adapters)
+        self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
+        for b, loss in zip(group.adapters, group.losses, strict=True):
+            run = self.adapters[b]
+            # Only the last stage computes losses; others record NaN until `_share_losses`.
+            run.losses.append(loss if self.g.is_last else float("nan"))
+            if self.g.is_last and self.g.dp_rank == 0:
+                logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name,
+                            len(run.losses), run.losses[-1], self.optimizer.lr(b))
+            if self.on_step is not None:
+                self.on_step(b, run)
 
 
 def _share_losses(adapters: Sequence[AdapterRun], groups: PipelineGroups) -> None:
@@ -348,7 +369,8 @@ def run_pipeline(
     forward: StageForward,
     make_batch: Callable[[Microbatch, int], PackedBatch],
     adapters: Sequence[AdapterRun],
-    params: Sequence[Sequence[torch.nn.Parameter]],
+    optimizer: AdapterOptimizer,
+    grads: torch.Tensor,
     groups: PipelineGroups,
     *,
     global_batch_sizes: Sequence[int],
@@ -371,9 +393,11 @@ def run_pipeline(
         microbatches: the plan's microbatches in order (idle ones included).
         forward: this stage's model forward (see `StageForward`).
         make_batch: packs a microbatch (this replica's share) and its plan position.
-        adapters: per adapter id, its optimizer, schedule and loss denominators (the
-            trained tokens of each whole global batch, all replicas together).
-        params: per adapter id, its parameters on this rank (stage- and TP-local).
+        adapters: per adapter id, its losses and loss denominators (the trained tokens of
+            each whole global batch, all replicas together).
+        optimizer: steps the adapters (`train.optim.AdapterAdamW` over this rank's factors).
+        grads: (A, S) this rank's gradient table (`LoRAContext.grads`), row ``a`` adapter
+            ``a``'s: the rows of a step group are all-reduced over the DP group.
         groups: this rank's pipeline and data-parallel groups.
         global_batch_sizes: per adapter, samples per global batch (finds a sample's batch).
         hidden_size: ``H`` of the activations passed between stages.
@@ -398,7 +422,7 @@ def run_pipeline(
         LemmaError: when the stream breaks the bubble lemma.
         RuntimeError: on a communication failure or timeout (a dead peer).
     """
-    runner = _Runner(forward, make_batch, adapters, params, groups,
+    runner = _Runner(forward, make_batch, adapters, optimizer, grads, groups,
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
                      record_events=record_events, first_index=first_index,

@@ -1,4 +1,4 @@
-"""Training: per-adapter optimizers, the loop, resumable checkpoints and PEFT export."""
+"""Training: the adapters' fused optimizer, the loop, resumable checkpoints and PEFT export."""
 
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
@@ -14,14 +14,14 @@ from megatron_lorafusion.train.export import (
     write_peft_folder,
 )
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
-from megatron_lorafusion.train.optim import build_optimizer, lr_multiplier
+from megatron_lorafusion.train.optim import AdapterAdamW, lr_multiplier
 from megatron_lorafusion.train.resume import ResumeSession, make_resume_session
 
 __all__ = [
+    "AdapterAdamW",
     "AdapterRun",
     "Checkpointer",
     "ResumeSession",
-    "build_optimizer",
     "checkpoint_problems",
     "export_checkpoint",
     "find_resume_checkpoint",

@@ -41,7 +41,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: one AdamW state per adapter (step, moments by factor name)
 _NAME = re.compile(r"^ckpt_(\d{8})$")
 
 
@@ -198,13 +198,6 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _sharding(param: torch.Tensor) -> list[int] | None:
-    """``[partition_dim, partition_stride]`` of a TP-split tensor, None when replicated."""
-    if not getattr(param, "tensor_model_parallel", False):
-        return None
-    return [int(param.partition_dim), int(getattr(param, "partition_stride", 1))]
-
-
 class Checkpointer:
     """Writes and restores this rank's part of the run's checkpoints.
 
@@ -231,31 +224,30 @@ class Checkpointer:
         self.barrier = barrier
         self.keep_last = keep_last
 
-    def _payload(self, position: int, digest: str, runs, lora) -> dict:
-        adapters, sharding = [], {}
+    def _payload(self, position: int, digest: str, runs, optimizer, lora) -> dict:
+        adapters = []
         for a, run in enumerate(runs):
-            params = lora.adapter_parameters(a)
-            sharding.update({n: _sharding(p) for n, p in params})
             adapters.append({
                 "name": run.name,
-                "tensors": {n: p.detach().cpu().clone() for n, p in params},
-                "grads": {n: p.grad.detach().cpu().clone() for n, p in params
-                          if p.grad is not None},
-                "optimizer": run.optimizer.state_dict(),
-                "scheduler": run.scheduler.state_dict(),
+                "tensors": {n: t.detach().cpu().clone()
+                            for n, t in lora.adapter_tensors(a).items()},
+                "grads": {n: t.detach().cpu().clone() for n, t in lora.adapter_grads(a).items()},
+                "optimizer": optimizer.adapter_state(a),
                 "losses": list(run.losses),
                 "pending_loss": run.pending_loss,
             })
+        sharding = {n: None if rule is None else list(rule) for n, rule in lora.sharding().items()}
         return {"format": FORMAT_VERSION, "position": position, "stream_digest": digest,
                 "adapters": adapters, "sharding": sharding, "rng": _rng_state()}
 
-    def save(self, position: int, digest: str, runs, lora) -> Path:
+    def save(self, position: int, digest: str, runs, optimizer, lora) -> Path:
         """Save every adapter's state after ``position`` microbatches of the stream.
 
         Args:
             position: microbatches consumed so far (the next one to run has this index).
             digest: SHA-256 hex of the stream's first ``position`` microbatches.
-            runs: per adapter id, its `AdapterRun` (optimizer, schedule, losses).
+            runs: per adapter id, its `AdapterRun` (losses).
+            optimizer: the adapters' `AdapterAdamW` (step counts and moments).
             lora: the `LoRAContext` holding the adapters' parameters on this rank.
 
         Returns:
@@ -270,7 +262,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self.barrier()
         path = tmp / shard_name(self.tp_rank, self.pp_rank, self.dp_rank)
-        torch.save(self._payload(position, digest, runs, lora), path)
+        torch.save(self._payload(position, digest, runs, optimizer, lora), path)
         _fsync(path)
         self.barrier()
         if self.coordinator:
@@ -314,8 +306,8 @@ class Checkpointer:
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def restore(self, folder: str | Path, runs, lora) -> tuple[int, str]:
-        """Load this rank's shard of ``folder`` into ``runs`` and ``lora``.
+    def restore(self, folder: str | Path, runs, optimizer, lora) -> tuple[int, str]:
+        """Load this rank's shard of ``folder`` into ``runs``, ``optimizer`` and ``lora``.
 
         Returns:
             ``(position, digest)``: microbatches already consumed and their SHA-256.
@@ -324,6 +316,8 @@ class Checkpointer:
             CheckpointError: when the checkpoint was written with another TP/PP/DP layout or
                 other adapters.
         """
+        from megatron_lorafusion.mcore.context import load_views  # Megatron: training only
+
         folder = Path(folder)
         manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
         # Older checkpoints hold no "dp" and only replica 0's shards: usable at DP = 1 only.
@@ -343,11 +337,8 @@ class Checkpointer:
                 f"train.output_dir to start fresh)")
         for a, (entry, run) in enumerate(zip(shard["adapters"], runs, strict=True)):
             lora.load_adapter_state_dict(a, entry["tensors"])
-            for name, param in lora.adapter_parameters(a):
-                grad = entry["grads"].get(name)
-                param.grad = None if grad is None else grad.to(param.device, param.dtype)
-            run.optimizer.load_state_dict(entry["optimizer"])
-            run.scheduler.load_state_dict(entry["scheduler"])
+            load_views(lora.adapter_grads(a), entry["grads"], f"the gradients of adapter {a}")
+            optimizer.load_adapter_state(a, entry["optimizer"])
             run.losses[:] = entry["losses"]
             run.pending_loss = entry["pending_loss"]
         _set_rng_state(shard["rng"])

@@ -2,8 +2,9 @@
 
 Each adapter's loss is the per-token mean over its own global batch: every microbatch adds
 ``sum(token losses of adapter a) / (trained tokens in a's current global batch)`` to the
-objective, and adapter ``a`` steps its optimizer right after the backward of the microbatch
-that finishes its global batch (`Microbatch.finishes`), whatever the other adapters do.
+objective, and adapter ``a`` steps right after the backward of the microbatch that finishes
+its global batch (`Microbatch.finishes`), whatever the other adapters do; all adapters that
+finish at one microbatch step together in one fused launch (`AdapterAdamW.step`).
 """
 
 from __future__ import annotations
@@ -18,26 +19,23 @@ from tqdm import tqdm
 
 from megatron_lorafusion.data import PackedBatch
 from megatron_lorafusion.planner import Microbatch
+from megatron_lorafusion.train.optim import AdapterAdamW
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class AdapterRun:
-    """One adapter's training state inside the loop.
+    """One adapter's training state inside the loop (its optimizer state is `AdapterAdamW`'s).
 
     Attributes:
         name: adapter name (for logs).
-        optimizer: its AdamW.
-        scheduler: its learning-rate schedule, stepped with the optimizer.
         batch_tokens: trained tokens of each of its global batches (the loss denominators).
         losses: mean loss of each finished global batch, appended by the loop.
         pending_loss: loss accumulated so far in the unfinished global batch.
     """
 
     name: str
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     batch_tokens: list[int]
     losses: list[float] = field(default_factory=list)
     pending_loss: float = 0.0
@@ -53,6 +51,7 @@ def run_plan(
     forward: Callable[[PackedBatch], torch.Tensor],
     make_batch: Callable[[Microbatch, int], PackedBatch],
     adapters: Sequence[AdapterRun],
+    optimizer: AdapterAdamW,
     *,
     on_step: Callable[[int, AdapterRun], None] | None = None,
     progress_bar: bool = True,
@@ -66,7 +65,8 @@ def run_plan(
         microbatches: the plan's microbatches in order (already checked).
         forward: runs the model on a batch and returns per-token loss [1, T] (fp32).
         make_batch: packs a microbatch (and its position in the stream) into tensors.
-        adapters: per adapter id, its optimizer state; updated in place.
+        adapters: per adapter id, its losses and loss denominators; updated in place.
+        optimizer: steps every adapter (their shared `AdapterAdamW`).
         on_step: called after adapter ``a`` steps, with ``(a, run)`` (checkpointing).
         progress_bar: show a tqdm bar.
         log_every: log a line every this many steps of the slowest adapter.
@@ -97,11 +97,9 @@ def run_plan(
         for run, value in zip(adapters, adapter_losses.tolist(), strict=True):
             run.pending_loss += value
         tokens_seen += batch.layout.num_tokens
+        optimizer.step(microbatch.finishes)
         for a in microbatch.finishes:
             run = adapters[a]
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.scheduler.step()
             run.losses.append(run.pending_loss)
             run.pending_loss = 0.0
             if on_step is not None:
@@ -114,7 +112,7 @@ def run_plan(
             elapsed = time.perf_counter() - start
             losses = " ".join(f"{r.name} {r.losses[-1]:.4f}" for r in adapters)
             logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
-                        " ".join(f"{r.scheduler.get_last_lr()[0]:.1e}" for r in adapters),
+                        " ".join(f"{optimizer.lr(a):.1e}" for a in range(num_adapters)),
                         tokens_seen / max(elapsed, 1e-9) / 1e3)
         if on_microbatch is not None:
             on_microbatch(index)

@@ -25,7 +25,7 @@ from megatron_lorafusion.data import (
 from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
-from megatron_lorafusion.train.optim import build_optimizer
+from megatron_lorafusion.train.optim import AdapterAdamW
 from megatron_lorafusion.train.resume import make_resume_session
 
 logger = logging.getLogger(__name__)
@@ -123,8 +123,8 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
 
 
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
-                   runs: list[AdapterRun], groups, device: torch.device, session,
-                   shards: int) -> None:
+                   runs: list[AdapterRun], optimizer: AdapterAdamW, groups,
+                   device: torch.device, session, shards: int) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
     The stream is cut at the checkpoint points (`ResumeSession.segments`): each segment is
@@ -136,11 +136,10 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(runs))]
     if cfg.parallel.defer_wgrad:
         lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
     for first_index, segment in session.segments(stream):
-        run_pipeline(segment, forward, make_batch, runs, params, groups,
+        run_pipeline(segment, forward, make_batch, runs, optimizer, lora.grads, groups,
                      global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
                      hidden_size=cfg.model.hidden_size,
                      activation_dtype=_DTYPES[cfg.train.precision], device=device,
@@ -194,11 +193,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                       post_process=groups is None or groups.is_last,
                                       sequence_parallel=shards > 1)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        runs = []
-        for a, adapter in enumerate(cfg.adapters):
-            params = [p for _, p in lora.adapter_parameters(a)]
-            optimizer, scheduler = build_optimizer(params, adapter, len(batch_tokens[a]))
-            runs.append(AdapterRun(adapter.name, optimizer, scheduler, batch_tokens[a]))
+        optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens])
+        runs = [AdapterRun(adapter.name, tokens)
+                for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
         out = Path(cfg.train.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
@@ -215,19 +212,19 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                          packed_seq_params=packed_seq_params(batch.layout))
             return loss.float()
 
-        session = make_resume_session(cfg, sizes, runs, lora)  # checkpoints and resume
+        session = make_resume_session(cfg, sizes, runs, optimizer, lora)  # checkpoints, resume
         first = session.restore(cfg.train.resume)
         model.train()
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:
             if groups is None:
                 run_plan(session.stream(checked_stream(planner, problem)), forward, make_batch,
-                         runs, progress_bar=cfg.logging.progress_bar and is_writer,
+                         runs, optimizer, progress_bar=cfg.logging.progress_bar and is_writer,
                          log_every=cfg.logging.log_every, first_index=first,
                          on_microbatch=session.after_microbatch)
             else:
                 _run_pipelined(cfg, checked_stream(planner, problem), model, lora, make_batch,
-                               runs, groups, device, session, shards)
+                               runs, optimizer, groups, device, session, shards)
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
         if is_writer:

@@ -25,6 +25,7 @@ from megatron_lorafusion.config import JobConfig
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.checkpoint import Checkpointer, find_resume_checkpoint
 from megatron_lorafusion.train.loop import AdapterRun
+from megatron_lorafusion.train.optim import AdapterAdamW
 
 __all__ = ["ResumeSession", "make_resume_session", "stream_digest"]
 
@@ -42,15 +43,17 @@ class ResumeSession:
     Args:
         checkpointer: writes this rank's part of each checkpoint.
         runs: per adapter id, its `AdapterRun`.
+        optimizer: the adapters' `AdapterAdamW` (its per-adapter states are checkpointed).
         lora: the `LoRAContext` of the adapters' parameters.
         save_every: save when the adapters' total optimizer steps pass a multiple of
             ``save_every × adapters`` (each adapter's steps, on average); 0: only at the end.
     """
 
-    def __init__(self, checkpointer: Checkpointer, runs: Sequence[AdapterRun], lora,
-                 save_every: int):
+    def __init__(self, checkpointer: Checkpointer, runs: Sequence[AdapterRun],
+                 optimizer: AdapterAdamW, lora, save_every: int):
         self.checkpointer = checkpointer
         self.runs = runs
+        self.optimizer = optimizer
         self.lora = lora
         self.save_every = save_every
         self.position = 0
@@ -78,7 +81,8 @@ class ResumeSession:
         folder = find_resume_checkpoint(self.checkpointer.root, resume)
         if folder is None:
             return 0
-        self.position, self._expected = self.checkpointer.restore(folder, self.runs, self.lora)
+        self.position, self._expected = self.checkpointer.restore(folder, self.runs,
+                                                                 self.optimizer, self.lora)
         self._last_mark = self._mark()
         return self.position
 
@@ -146,18 +150,19 @@ class ResumeSession:
         """Checkpoint every adapter after the microbatches the stream has yielded so far."""
         self.position = self._consumed
         return self.checkpointer.save(self.position, self._digest.hexdigest(), self.runs,
-                                      self.lora)
+                                      self.optimizer, self.lora)
 
 
 
 def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[AdapterRun],
-                        lora) -> ResumeSession:
+                        optimizer: AdapterAdamW, lora) -> ResumeSession:
     """The session of a run: checkpoints under ``<train.output_dir>/checkpoints``.
 
     Args:
         cfg: the job (copied into each checkpoint as ``job.json``).
         sizes: `parallel_sizes()` of this rank (``world``, ``rank``, ``tp``, ``tp_rank``, ...).
         runs: per adapter id, its `AdapterRun`.
+        optimizer: the adapters' `AdapterAdamW`.
         lora: the `LoRAContext` of the adapters' parameters.
     """
     import torch.distributed as dist
@@ -173,4 +178,4 @@ def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[Ad
         coordinator=sizes["rank"] == 0,
         barrier=barrier, keep_last=cfg.train.keep_last,
     )
-    return ResumeSession(checkpointer, runs, lora, cfg.train.save_every)
+    return ResumeSession(checkpointer, runs, optimizer, lora, cfg.train.save_every)

@@ -94,6 +94,6 @@ def randomize_lora_b(context, seed: int, std: float = 0.05) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for a in range(context.num_adapters):
-            for name, param in context.adapter_parameters(a):
+            for name, factor in context.adapter_tensors(a).items():
                 if name.endswith("lora_B"):
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+                    factor.copy_(torch.randn(factor.shape, generator=generator) * std)

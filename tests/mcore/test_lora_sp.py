@@ -31,11 +31,6 @@ SP_ADAPTERS = [
 LAYER_SEED = 5
 
 
-class _Context:
-    layout = None
-    wgrad_queue = None
-
-
 def _full(seed: int, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -61,7 +56,11 @@ def _check_wrapper(kind: str, rank: int) -> None:
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_lorafusion.mcore import LoRAColumnParallelLinear, LoRARowParallelLinear
+    from megatron_lorafusion.mcore import (
+        LoRAColumnParallelLinear,
+        LoRAContext,
+        LoRARowParallelLinear,
+    )
     from megatron_lorafusion.ops import AdapterLayout
 
     config = ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=True,
@@ -84,23 +83,25 @@ def _check_wrapper(kind: str, rank: int) -> None:
     with torch.no_grad():
         base.weight.copy_(local_weight)
     base.weight.requires_grad_(False)
-    context = _Context()
+    context = LoRAContext(SP_ADAPTERS, {})
     wrapper_cls = LoRAColumnParallelLinear if column else LoRARowParallelLinear
     wrapper = wrapper_cls(base, SP_ADAPTERS, [0, 1, 2], context, seed=3,
                           layer_seed=LAYER_SEED).train()
+    context.wrappers[kind] = wrapper
+    context.pack()
     assert wrapper.sequence_parallel, f"{kind}: the wrapper did not see the base's SP"
     # Full factors: A as drawn at TP = 1 (gathered), B random (zero at init).
     factors = {}
     for a in range(3):
-        key = str(a)
-        full_a = wrapper.lora_A[key].detach()
+        rank_a = SP_ADAPTERS[a].rank
+        full_a = wrapper.lora_A[a, :rank_a].clone()
         if not column:
             parts = [torch.empty_like(full_a) for _ in range(TP)]
             dist.all_gather(parts, full_a.contiguous())
             full_a = torch.cat(parts, dim=1)
         full_b = _full(10 + a, N, SP_ADAPTERS[a].rank) * 0.1
         with torch.no_grad():
-            wrapper.lora_B[key].copy_(full_b[out_cols] if column else full_b)
+            wrapper.lora_B[a, :, :rank_a].copy_(full_b[out_cols] if column else full_b)
         factors[a] = (full_a.clone().requires_grad_(), full_b.requires_grad_())
     x = _full(2, tokens, H).requires_grad_()
     grad_out = _full(3, tokens, N)
@@ -120,16 +121,17 @@ def _check_wrapper(kind: str, rank: int) -> None:
     torch.testing.assert_close(local_x.grad[:, 0], want_dx, **TOL[torch.float32],
                                msg=f"rank {rank}: {kind} input gradient under SP")
     for a in range(3):
-        lora_a, lora_b = wrapper.lora_A[str(a)], wrapper.lora_B[str(a)]
+        rank_a = SP_ADAPTERS[a].rank
+        grad_a, grad_b = wrapper.lora_A_grad[a, :rank_a], wrapper.lora_B_grad[a, :, :rank_a]
         if a == 1:  # no tokens in this microbatch
-            assert lora_a.grad is None, f"{kind}: A of absent adapter 1 has a gradient"
-            assert lora_b.grad is None, f"{kind}: B of absent adapter 1 has a gradient"
+            assert not grad_a.any(), f"{kind}: A of absent adapter 1 has a gradient"
+            assert not grad_b.any(), f"{kind}: B of absent adapter 1 has a gradient"
             continue
         full_da, full_db = factors[a][0].grad, factors[a][1].grad
-        torch.testing.assert_close(lora_a.grad, full_da if column else full_da[:, in_cols],
+        torch.testing.assert_close(grad_a, full_da if column else full_da[:, in_cols],
                                    **TOL[torch.float32],
                                    msg=f"rank {rank}: {kind} dA of adapter {a} is partial")
-        torch.testing.assert_close(lora_b.grad, full_db[out_cols] if column else full_db,
+        torch.testing.assert_close(grad_b, full_db[out_cols] if column else full_db,
                                    **TOL[torch.float32],
                                    msg=f"rank {rank}: {kind} dB of adapter {a} is partial")
     # A microbatch that TP ranks cannot split evenly, and unpacked inputs, are refused.

@@ -105,14 +105,11 @@ def make_batch_fn(job: Job, num_adapters: int, pad_to_multiple: int = 1):
 
 
 def build_adapter_runs(lora, job: Job, adapters=ADAPTERS):
-    from megatron_lorafusion.train import AdapterRun, build_optimizer
+    """Per adapter its `AdapterRun`, and the adapters' `AdapterAdamW`."""
+    from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 
-    runs = []
-    for a, adapter in enumerate(adapters):
-        params = [p for _, p in lora.adapter_parameters(a)]
-        optimizer, scheduler = build_optimizer(params, adapter, STEPS)
-        runs.append(AdapterRun(adapter.name, optimizer, scheduler, job.batch_tokens[a]))
-    return runs
+    runs = [AdapterRun(adapter.name, job.batch_tokens[a]) for a, adapter in enumerate(adapters)]
+    return runs, AdapterAdamW(lora, adapters, [STEPS] * len(adapters))
 
 
 def reference_run(job: Job, adapters=ADAPTERS) -> dict:
@@ -123,14 +120,14 @@ def reference_run(job: Job, adapters=ADAPTERS) -> dict:
 
     model = build_gpt_model(MODEL).train()
     lora = apply_lora(model, adapters, seed=SEED)
-    runs = build_adapter_runs(lora, job, adapters)
+    runs, optimizer = build_adapter_runs(lora, job, adapters)
 
     def forward(batch):
         lora.layout = batch.layout
         return model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
                      packed_seq_params=packed_seq_params(batch.layout)).float()
 
-    run_plan(job.microbatches, forward, make_batch_fn(job, len(adapters)), runs,
+    run_plan(job.microbatches, forward, make_batch_fn(job, len(adapters)), runs, optimizer,
              progress_bar=False)
     return {"states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
             "losses": [run.losses for run in runs]}
@@ -159,7 +156,7 @@ def close_world() -> None:
 
 def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
                 sequence_parallel: bool = False):
-    """This rank's stage model, LoRA, adapter runs and pipeline groups."""
+    """This rank's stage model, LoRA, ``(adapter runs, optimizer)`` and pipeline groups."""
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
     from megatron_lorafusion.pipeline import make_pipeline_groups
@@ -171,9 +168,12 @@ def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
     return model, lora, build_adapter_runs(lora, job, adapters), groups
 
 
-def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch=None,
+def run_stage(job: Job, model, lora, training, groups, adapters=ADAPTERS, make_batch=None,
               sequence_shards: int = 1, defer_wgrad: bool = False):
-    """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP."""
+    """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP.
+
+    ``training`` is `build_adapter_runs`'s ``(runs, optimizer)``.
+    """
     from megatron_lorafusion.mcore import WgradQueue
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
 
@@ -181,9 +181,10 @@ def run_stage(job: Job, model, lora, runs, groups, adapters=ADAPTERS, make_batch
         lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
 
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    params = [[p for _, p in lora.adapter_parameters(a)] for a in range(len(adapters))]
+    runs, optimizer = training
     make_batch = make_batch or make_batch_fn(job, len(adapters), sequence_shards)
-    return run_pipeline(job.microbatches, forward, make_batch, runs, params, groups,
+    return run_pipeline(job.microbatches, forward, make_batch, runs, optimizer, lora.grads,
+                        groups,
                         global_batch_sizes=[a.global_batch_size for a in adapters],
                         hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
                         device="cpu", sequence_shards=sequence_shards,
@@ -213,16 +214,16 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
             job = make_job(pp)
             adapters = adapters_for(world // (tp * pp))
             with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
-                model, lora, runs, groups = build_stage(job, adapters, sequence_parallel=sp)
+                model, lora, training, groups = build_stage(job, adapters, sequence_parallel=sp)
                 modes = {w.sequence_parallel for w in lora.wrappers.values()}
                 assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
-                run_stage(job, model, lora, runs, groups, adapters,
+                run_stage(job, model, lora, training, groups, adapters,
                           sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad)
             sizes = parallel_sizes()
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])
             if rank == 0:
-                torch.save({"states": states, "losses": [r.losses for r in runs]},
+                torch.save({"states": states, "losses": [r.losses for r in training[0]]},
                            os.path.join(casedir, "result.pt"))
         except Exception:
             with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
@@ -238,9 +239,9 @@ def lemma_worker(rank: int, world: int, workdir: str) -> None:
     init_world(rank, world, workdir, 1, world)
     try:
         job = make_job(1)
-        model, lora, runs, groups = build_stage(job)
+        model, lora, training, groups = build_stage(job)
         try:
-            run_stage(job, model, lora, runs, groups)
+            run_stage(job, model, lora, training, groups)
         except LemmaError as err:
             torch.save({"error": str(err)}, os.path.join(workdir, f"refused_{rank}.pt"))
     finally:
@@ -254,7 +255,7 @@ def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: flo
     init_world(rank, world, workdir, 1, world, timeout_s=timeout_s)
     try:
         job = make_job(world)
-        model, lora, runs, groups = build_stage(job, timeout_s=timeout_s)
+        model, lora, training, groups = build_stage(job, timeout_s=timeout_s)
         make_batch = make_batch_fn(job, len(ADAPTERS))
 
         def faulty_make_batch(microbatch, index):
@@ -264,7 +265,7 @@ def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: flo
                 raise ValueError("injected failure")
             return make_batch(microbatch, index)
 
-        run_stage(job, model, lora, runs, groups, make_batch=faulty_make_batch)
+        run_stage(job, model, lora, training, groups, make_batch=faulty_make_batch)
     except BaseException:
         with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())

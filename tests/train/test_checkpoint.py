@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, ModelConfig
-from megatron_lorafusion.train import AdapterRun, build_optimizer
+from megatron_lorafusion.mcore.context import load_views
+from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
     _merge_tp,
@@ -17,51 +17,66 @@ from megatron_lorafusion.train.checkpoint import (
 
 
 class _FakeLoRA:
-    """Stands in for `LoRAContext`: one adapter with two factors."""
+    """Stands in for `LoRAContext`: one adapter with two factors in a (1, 14) table."""
+
+    num_adapters = 1
 
     def __init__(self):
-        self.params = [("l.lora_A", nn.Parameter(torch.randn(2, 3))),
-                       ("l.lora_B", nn.Parameter(torch.randn(4, 2)))]
+        self.weights = torch.randn(1, 14)
+        self.grads = torch.zeros(1, 14)
 
-    def adapter_parameters(self, a):
-        return self.params
+    def adapter_views(self, table, a):
+        return {"l.lora_A": table[a, :6].view(2, 3), "l.lora_B": table[a, 6:].view(4, 2)}
+
+    def adapter_tensors(self, a):
+        return self.adapter_views(self.weights, a)
+
+    def adapter_grads(self, a):
+        return self.adapter_views(self.grads, a)
+
+    def sharding(self):
+        return {"l.lora_A": None, "l.lora_B": None}
 
     def load_adapter_state_dict(self, a, state):
-        with torch.no_grad():
-            for name, p in self.params:
-                p.copy_(state[name])
+        load_views(self.adapter_tensors(a), state, f"adapter {a}")
 
 
 def _run(lora):
-    optimizer, scheduler = build_optimizer([p for _, p in lora.params],
-                                           AdapterConfig(name="x"), total_steps=10)
-    return AdapterRun("x", optimizer, scheduler, [1] * 10)
+    optimizer = AdapterAdamW(lora, [AdapterConfig(name="x")], total_steps=[10])
+    return AdapterRun("x", [1] * 10), optimizer
 
 
 def _save(tmp_path, position, keep_last=0):
     lora = _FakeLoRA()
-    run = _run(lora)
-    lora.params[0][1].grad = torch.ones(2, 3)
+    run, optimizer = _run(lora)
+    lora.grads.normal_()
+    optimizer.step([0])  # moments and a step count to save
+    lora.adapter_grads(0)["l.lora_A"].fill_(1.0)  # a gradient accumulated since
     run.pending_loss = 0.25
     ckpt = Checkpointer(tmp_path, {"job": 1}, keep_last=keep_last)
-    return ckpt.save(position, "digest", [run], lora), lora
+    return ckpt.save(position, "digest", [run], optimizer, lora), (lora, optimizer)
 
 
 def test_checkpoint_save_restore_round_trip(tmp_path):
-    folder, lora = _save(tmp_path, 7)
+    folder, (lora, optimizer) = _save(tmp_path, 7)
     assert folder.name == "ckpt_00000007"
     assert not checkpoint_problems(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     assert set(manifest["files"]) == {"job.json", "shard_tp0_pp0.pt"}
     fresh = _FakeLoRA()
-    run = _run(fresh)
-    position, digest = Checkpointer(tmp_path, {}).restore(folder, [run], fresh)
+    run, fresh_optimizer = _run(fresh)
+    position, digest = Checkpointer(tmp_path, {}).restore(folder, [run], fresh_optimizer, fresh)
     assert (position, digest, run.pending_loss) == (7, "digest", 0.25)
-    for (name, p), (_, q) in zip(fresh.params, lora.params, strict=True):
-        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=f"{name} not restored")
-    torch.testing.assert_close(fresh.params[0][1].grad, torch.ones(2, 3), atol=0, rtol=0,
-                               msg="accumulated gradient not restored")
-    assert fresh.params[1][1].grad is None
+    for name, value in lora.adapter_tensors(0).items():
+        torch.testing.assert_close(fresh.adapter_tensors(0)[name], value, atol=0, rtol=0,
+                                   msg=f"{name} not restored")
+    torch.testing.assert_close(fresh.adapter_grads(0)["l.lora_A"], torch.ones(2, 3), atol=0,
+                               rtol=0, msg="accumulated gradient not restored")
+    assert not fresh.adapter_grads(0)["l.lora_B"].any(), "a zero gradient must stay zero"
+    assert fresh_optimizer.steps == [1], "the adapter's step count must be restored"
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(getattr(fresh_optimizer, key), getattr(optimizer, key),
+                                   atol=0, rtol=0, msg=f"{key} not restored")
 
 
 def test_checkpoint_unfinished_write_is_never_picked(tmp_path):
@@ -110,7 +125,7 @@ def _filled(lora):
     generator = torch.Generator().manual_seed(9)
     with torch.no_grad():
         for a in range(len(TP_ADAPTERS)):
-            for _, p in lora.adapter_parameters(a):
+            for p in lora.adapter_tensors(a).values():
                 p.copy_(torch.randn(p.shape, generator=generator))
 
 
@@ -129,27 +144,24 @@ def _tp_worker(rank, workdir):
         parallel_state.initialize_model_parallel(2, 1)
         lora = apply_lora(build_gpt_model(TP_MODEL), TP_ADAPTERS, seed=1)
         full = torch.load(os.path.join(workdir, "full.pt"))
+        sharding = lora.sharding()
         for a, adapter in enumerate(TP_ADAPTERS):  # this rank's shard of the full tensors
             shard = {}
-            for name, p in lora.adapter_parameters(a):
+            for name in lora.adapter_tensors(a):
                 value = full[adapter.name][name]
-                if getattr(p, "tensor_model_parallel", False):
-                    chunks = value.chunk(2 * p.partition_stride, dim=p.partition_dim)
-                    value = torch.cat(chunks[rank::2], dim=p.partition_dim)
+                if sharding[name] is not None:
+                    dim, stride = sharding[name]
+                    value = torch.cat(value.chunk(2 * stride, dim=dim)[rank::2], dim=dim)
                 shard[name] = value
             lora.load_adapter_state_dict(a, shard)
-        runs = [_run_for(lora, a) for a in range(len(TP_ADAPTERS))]
+        runs = [AdapterRun(adapter.name, [1] * 4) for adapter in TP_ADAPTERS]
+        optimizer = AdapterAdamW(lora, TP_ADAPTERS, total_steps=[4] * len(TP_ADAPTERS))
         Checkpointer(os.path.join(workdir, "ckpt"), {}, tp_rank=rank, tp_size=2,
-                     coordinator=rank == 0, barrier=dist.barrier).save(3, "d", runs, lora)
+                     coordinator=rank == 0, barrier=dist.barrier).save(3, "d", runs, optimizer,
+                                                                      lora)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def _run_for(lora, a):
-    params = [p for _, p in lora.adapter_parameters(a)]
-    optimizer, scheduler = build_optimizer(params, TP_ADAPTERS[a], total_steps=4)
-    return AdapterRun(TP_ADAPTERS[a].name, optimizer, scheduler, [1] * 4)
 
 
 @pytest.mark.slow
@@ -175,7 +187,8 @@ def test_checkpoint_tp2_shards_merge_to_full_tensors(megatron_single_process, tm
 def test_checkpoint_same_point_of_another_job_is_replaced(tmp_path):
     folder, _ = _save(tmp_path, 4)
     lora = _FakeLoRA()
-    again = Checkpointer(tmp_path, {"job": 2}).save(4, "digest", [_run(lora)], lora)
+    run, optimizer = _run(lora)
+    again = Checkpointer(tmp_path, {"job": 2}).save(4, "digest", [run], optimizer, lora)
     assert again == folder
     assert json.loads((folder / "job.json").read_text()) == {"job": 2}
     assert not checkpoint_problems(folder)
