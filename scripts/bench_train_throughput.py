@@ -1,162 +1,455 @@
-"""Training throughput on one GPU: a Llama-3.1-8B-shaped model, 4 LoRA adapters, packed bf16.
+"""Training throughput on one GPU: the many-adapter matrix (issue 21) and the peers (issue 15).
 
-    python -m scripts.bench_train_throughput [--layers 32] [--tokens 8192] [--microbatches 8]
+    python -m scripts.bench_train_throughput [--shapes llama3.1-8b] [--no-peers] [--csv out.csv]
+    python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
 
-Times, in one process and on the same model, end-to-end forward + backward of packed
-microbatches (samples of 256–2048 tokens, adapter-major, 4 adapters, r = 16, dropout 0.1,
-every linear adapted) with each adapter's AdamW step after every 4 microbatches:
+Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
+dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
+adapter (one `AdapterAdamW` round) after every microbatch, and reports tokens/s, the ratio to
+the 1-adapter cell, GPU launches (kernels, memsets, copies seen by torch.profiler) of one
+forward + backward and of one optimizer round, the round's time and peak memory. The peers:
+transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4 tokens, SDPA,
+torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear
+cross-entropy too when ``liger_kernel`` is importable (it patches transformers for good, so it
+runs last), each beside its floor: the model without PEFT, frozen, its embedding output
+requiring grad so backward computes the input gradients. Issue 15's table sets ours with 4
+adapters r = 16 p = 0.1 and our floor (LoRA wrappers swapped out) against them.
 
-- ``frozen``: the base model alone (the LoRA wrappers swapped out), its embedding output
-  requiring grad, so backward computes every input gradient as training would;
-- ``ours``: the fused multi-LoRA path with the packed per-token RoPE (``design="auto"``);
-- ``ours, design=cublas`` / ``ours, mask bits saved``: the same with the frozen GEMMs in
-  cuBLAS both ways, or with the dropout mask saved as bits for the backward (docs/kernels.md);
-- ``ours, Megatron THD RoPE``: the same with Megatron's per-sample RoPE loop restored.
-
-Wall time (host included, no CUDA graphs) after a warm-up pass over the same microbatches;
-tokens/s counts the packed tokens. The mission's references (same GPU, measured):
-transformers + PEFT 8.6k tokens/s, 1.65× its own frozen forward + backward.
+Microbatches: T packed tokens, sample lengths drawn in [256, 2048] ([T/4, T] when T < 1024)
+from the microbatch's index, so every cell of a shape sees the same lengths; samples go to the
+adapters round-robin over the whole stream, adapter-major inside a microbatch. With 64 adapters
+an 8192-token microbatch holds ~7 samples, so ``--microbatches`` is a minimum, extended until
+every adapter has a sample. Time: CUDA-synchronised wall clock of every microbatch (host
+included) after a warm-up pass over the same ones. A cell out of memory prints the reason;
+each result is logged on stderr as it lands, the tables follow at the end.
+``--device cpu``: an fp32 dry run on tiny sizes (hidden 64; PEFT runs too, Liger cannot).
 """
 
 import argparse
+import csv
+import gc
+import importlib.metadata
+import itertools
 import random
+import statistics
 import sys
 import time
-from unittest import mock
+from functools import partial
+from importlib.util import find_spec
+from pathlib import Path
 
 import torch
 
 from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, DatasetConfig, ModelConfig
-from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+from megatron_lorafusion.mcore import (
+    LoRAColumnParallelLinear,
+    LoRARowParallelLinear,
+    apply_lora,
+    build_gpt_model,
+)
 from megatron_lorafusion.mcore.parallel import (
     destroy_model_parallel,
     init_model_parallel,
     packed_seq_params,
 )
 from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.train.optim import AdapterAdamW
 
-ADAPTERS = 4
-FUSED = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
-
-
-def _always_cublas(design: str, x: torch.Tensor, weight: torch.Tensor) -> str:
-    """Stands in for `_resolve_design`: the frozen GEMMs in cuBLAS both ways."""
-    return "cublas"
-
-
-def _microbatch(tokens: int, vocab: int, seed: int, device) -> tuple:
-    """Packed ids, positions, layout of ``tokens`` tokens: 4 adapters, samples 256–2048."""
-    rng = random.Random(seed)
-    lengths, adapters = [], []
-    for a in range(ADAPTERS):
-        left = tokens // ADAPTERS
-        while left:
-            n = min(left, rng.randint(min(256, left), 2048))
-            lengths.append(n)
-            adapters.append(a)
-            left -= n
-    layout = AdapterLayout.from_samples(adapters, lengths, ADAPTERS, device, seed)
-    ids = torch.randint(0, vocab, (1, tokens), device=device)
-    pos = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
-    return ids, pos, layout
+SHAPES = ("llama3.2-1b", "llama3.1-8b")
+TINY = dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
+COMPARE = (16, 0.1, 4)  # issue 15's cell: rank, dropout, adapters
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PEFT_LORA = dict(target_modules=HF_TARGETS, task_type="CAUSAL_LM")
+LIGER = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+KEY = ("shape", "what", "rank", "dropout", "adapters")  # of every result row
+SPECS = dict(tokens_s=",.0f", launches=",", opt_launches=",", opt_ms=".2f", peak_gib=".1f")
+FIELDS = ["device", *KEY, "layers", "tokens", "microbatches", *SPECS, "note"]  # of the CSV
+MATRIX = (
+    "model=shape;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;× 1 adapter=x_one;"
+    "launches / mb=launches;opt launches=opt_launches;opt round ms=opt_ms;peak GiB=peak_gib;"
+    "ours / PEFT=x_peft;note=note"
+)
+COMPARISON = (
+    "model=shape;what=what;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;"
+    "peak GiB=peak_gib;ours 4 adapters / this=x_ours;note=note"
+)
 
 
-def _run(model, lora, batches, optimizers, steps_every: int) -> float:
-    """Seconds for forward + backward of every microbatch (and the steps), after a warm-up
-    pass over the same microbatches."""
-
-    def one(k: int, batch) -> None:
-        ids, pos, layout = batch
-        lora.layout = layout
-        loss = model(ids, pos, None, labels=ids, packed_seq_params=packed_seq_params(layout))
-        loss.float().mean().backward()
-        if optimizers and (k + 1) % steps_every == 0:
-            for optimizer in optimizers:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-    for k, batch in enumerate(batches):  # warm-up: every layout's kernels compiled and tiled
-        one(k, batch)
-    _sync()
-    start = time.perf_counter()
-    for k, batch in enumerate(batches):
-        one(k, batch)
-    _sync()
-    return time.perf_counter() - start
+def _model_config(shape: str, args) -> ModelConfig:
+    sizes = {**MODEL_PRESETS[shape], "max_position_embeddings": args.tokens}
+    if args.device.type == "cpu":
+        sizes.update(TINY, vocab_size=512)
+    return ModelConfig(**{**sizes, "num_layers": args.layers or sizes["num_layers"]})
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
+def _adapters(count: int, rank: int, dropout: float) -> list[AdapterConfig]:
+    shape = dict(rank=rank, alpha=2 * rank, dropout=dropout, dataset=DatasetConfig(path="unused"))
+    return [AdapterConfig(name=f"a{i}", **shape) for i in range(count)]
+
+
+def _microbatches(tokens: int, minimum: int, num_adapters: int, vocab: int, device) -> list:
+    """``(ids (1, T), positions (1, T), AdapterLayout)`` of each microbatch (module docstring)."""
+    low, high = (256, 2048) if tokens >= 1024 else (tokens // 4, tokens)
+    batches, drawn = [], 0
+    while len(batches) < minimum or drawn < num_adapters:
+        k = len(batches)
+        rng, lengths = random.Random(k), []
+        while sum(lengths) < tokens:
+            lengths.append(min(tokens - sum(lengths), rng.randint(low, high)))
+        owners = [(drawn + j) % num_adapters for j in range(len(lengths))]  # round-robin
+        drawn += len(lengths)
+        samples = sorted(zip(owners, lengths, strict=True), key=lambda s: s[0])  # adapter-major
+        lengths = [n for _, n in samples]
+        layout = AdapterLayout.from_samples(
+            [a for a, _ in samples], lengths, num_adapters, device, dropout_seed=k
+        )
+        ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(k))
+        pos = torch.cat([torch.arange(n) for n in lengths])[None]
+        batches.append((ids.to(device), pos.to(device), layout))
+    return batches
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _megatron_rope(model, on: bool) -> None:
-    """Switch between our packed RoPE and Megatron's per-sample THD RoPE (for comparison)."""
-    rotary = model.rotary_pos_emb
-    if on:
-        rotary.forward = lambda max_seq_len, offset=0, packed_seq=False, cp_group=None: (
-            rotary.get_emb(max_seq_len, offset))
-    else:
-        del rotary.forward  # back to the class's method
-    for layer in model.decoder.layers:
-        layer.self_attention.core_attention.rotary = None if on else rotary
+def _measure(train, batches, args) -> dict:
+    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same, and
+    the peak memory since the last reset."""
+    for batch in batches:  # warm-up: every kernel compiled and autotuned
+        train(batch)
+    _sync(args.device)
+    start = time.perf_counter()
+    for batch in batches:
+        train(batch)
+    _sync(args.device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda" else None
+    return {"tokens_s": args.tokens * len(batches) / seconds, "peak_gib": peak}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    init_model_parallel(1, 1, device, seed=0)
-    model_cfg = ModelConfig(**{**MODEL_PRESETS["llama3.1-8b"], "num_layers": args.layers,
-                               "max_position_embeddings": 8192})
-    adapters = [AdapterConfig(name=f"a{i}", rank=16, alpha=32, dropout=0.1,
-                              dataset=DatasetConfig(path="unused")) for i in range(ADAPTERS)]
+def _launches(fn, device) -> int | None:
+    """GPU activities (kernels, memsets, copies) that ``fn()`` launches; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+
+
+def _step_ms(step, device, rounds: int = 3) -> float:
+    """Median synchronised time of ``step()``, in ms."""
+    times = []
+    for _ in range(rounds):
+        _sync(device)
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _free() -> None:
+    gc.collect()  # Megatron modules hold reference cycles
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # each measurement's peak is its own
+
+
+def _guarded(fn, *args) -> dict:
+    """``fn(*args)``, or a row naming the reason when it ran out of memory; memory freed."""
+    _free()
     try:
-        built = time.perf_counter()
-        model = build_gpt_model(model_cfg, params_dtype=torch.bfloat16, device=device)
+        result = fn(*args)
+    except torch.cuda.OutOfMemoryError:
+        result = {"note": f"CUDA OOM at {torch.cuda.memory_allocated() / 2**30:.1f} GiB"}
+    _free()  # after the except block: the traceback held the failed cell's tensors
+    return result
+
+
+def _put(results: dict, key: tuple, row: dict) -> None:
+    """Store a result and log it at once on stderr, so a run cut short still shows its cells."""
+    results[key] = row
+    print(f"# {key}: {row}", file=sys.stderr, flush=True)
+
+
+def _unwrap(model) -> None:
+    """Swap every LoRA wrapper's base linear back in (also after apply_lora failed halfway)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRAColumnParallelLinear | LoRARowParallelLinear):
+                setattr(module, name, child.base)
+
+
+def _forward_backward(model, lora, batch) -> None:
+    ids, pos, layout = batch
+    if lora is not None:
+        lora.layout = layout
+    loss = model(ids, pos, None, labels=ids, packed_seq_params=packed_seq_params(layout))
+    loss.float().mean().backward()
+
+
+def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count: int) -> dict:
+    """One matrix cell: LoRA applied afresh, timed, probed, and swapped out again."""
+    adapters, everyone = _adapters(count, rank, dropout), list(range(count))
+    try:
         lora = apply_lora(model, adapters, seed=0)
-        built = time.perf_counter() - built
         with torch.no_grad():
-            for a in range(ADAPTERS):
-                for name, p in lora.adapter_parameters(a):
+            for a in everyone:
+                for name, factor in lora.adapter_tensors(a).items():
                     if name.endswith("lora_B"):  # non-zero, so every factor gets gradients
-                        p.normal_(0, 0.01)
-        batches = [_microbatch(args.tokens, model_cfg.vocab_size, k, device)
-                   for k in range(args.microbatches)]
-        optimizers = [torch.optim.AdamW([p for _, p in lora.adapter_parameters(a)], lr=1e-4)
-                      for a in range(ADAPTERS)]
-        results = {}
-        results["ours"] = _run(model, lora, batches, optimizers, 4)
-        with mock.patch.object(FUSED, "_resolve_design", _always_cublas):
-            results["ours, design=cublas"] = _run(model, lora, batches, optimizers, 4)
-        with mock.patch.object(FUSED, "_SAVE_MASK_BITS", True):
-            results["ours, mask bits saved"] = _run(model, lora, batches, optimizers, 4)
-        _megatron_rope(model, True)
-        results["ours, Megatron THD RoPE"] = _run(model, lora, batches, optimizers, 4)
-        _megatron_rope(model, False)
-        for name, wrapper in lora.wrappers.items():  # the base linears alone
-            parent, target = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), target, wrapper.base)
-        hook = model.embedding.register_forward_hook(lambda m, i, out: out.requires_grad_())
-        results["frozen (input grads only)"] = _run(model, lora, batches, [], 4)
+                        factor.normal_(0, 0.01)
+        optimizer = AdapterAdamW(lora, adapters, total_steps=[1000] * count)
+        batches = _microbatches(
+            args.tokens, args.microbatches, count, model_cfg.vocab_size, args.device
+        )
+
+        def train(batch) -> None:
+            _forward_backward(model, lora, batch)
+            optimizer.step(everyone)
+
+        row = _measure(train, batches, args)
+        row["launches"] = _launches(lambda: _forward_backward(model, lora, batches[0]), args.device)
+        # The step after a real backward, then on the zeroed gradients: the fused step's work
+        # does not depend on their values.
+        row["opt_launches"] = _launches(lambda: optimizer.step(everyone), args.device)
+        row["opt_ms"] = _step_ms(lambda: optimizer.step(everyone), args.device)
+        return row
+    finally:
+        _unwrap(model)
+
+
+def _floor(train, batches, embedding, args) -> dict:
+    """``_measure`` of a frozen model whose embedding output requires grad (input grads)."""
+    hook = embedding.register_forward_hook(lambda module, inputs, out: out.requires_grad_())
+    try:
+        return _measure(train, batches, args)
+    finally:
         hook.remove()
-        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+
+
+def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
+    """Our model of ``shape``, built once: every matrix cell, then issue 15's rows."""
+    model_cfg = _model_config(shape, args)
+    start = time.perf_counter()
+    model = build_gpt_model(model_cfg, params_dtype=args.dtype, device=args.device)
+    builds[f"ours {shape}"] = time.perf_counter() - start
+    cells = list(itertools.product(args.ranks, args.dropouts, sorted(args.adapters)))
+    cells = (cells if args.matrix else []) + ([COMPARE] if args.compare else [])
+    for cell in dict.fromkeys(cells):
+        _put(results, (shape, "ours", *cell), _guarded(_ours, model, model_cfg, args, *cell))
+    if args.compare:
+        batches = _microbatches(
+            args.tokens, args.microbatches, COMPARE[2], model_cfg.vocab_size, args.device
+        )
+        train = partial(_forward_backward, model, None)
+        row = _guarded(_floor, train, batches, model.embedding, args)
+        _put(results, (shape, "ours base", None, None, None), row)
+
+
+def _hf_model(model_cfg: ModelConfig, args):
+    """A random ``LlamaForCausalLM`` of the same sizes, built on the device, frozen."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.ffn_hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_query_groups,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rms_norm_eps=model_cfg.norm_epsilon,
+        rope_theta=model_cfg.rope_theta,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="sdpa", dtype=args.dtype
+        )
+    return model.requires_grad_(False).train()
+
+
+def _hf_step(model, optimizer, ids) -> None:
+    model(input_ids=ids, labels=ids).loss.backward()
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _peft(model, batches, args, rank: int, dropout: float) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, **PEFT_LORA)
+    peft_model = get_peft_model(model, config)
+    try:
+        trainable = [p for p in peft_model.parameters() if p.requires_grad]
+        return _measure(
+            partial(_hf_step, peft_model, torch.optim.AdamW(trainable, lr=1e-4)), batches, args
+        )
+    finally:
+        peft_model.unload()  # takes the LoRA layers out of ``model`` again
+
+
+def _liger_unavailable(device) -> str | None:
+    if find_spec("liger_kernel") is None:
+        return "liger_kernel not installed"
+    return None if device.type == "cuda" else "Liger-Kernel needs CUDA (Triton kernels)"
+
+
+def _run_peers(shape: str, args, results: dict, builds: dict, liger: bool) -> None:
+    """A plain (or Liger-patched) HF Llama: its floor, then PEFT on each (r, p) asked for."""
+    what = "PEFT+Liger" if liger else "PEFT"
+    cells = [] if liger or not args.matrix else list(itertools.product(args.ranks, args.dropouts))
+    cells = list(dict.fromkeys(cells + ([COMPARE[:2]] if args.compare else [])))
+    keys = [(shape, f"{what} floor", None, None, None)] + [(shape, what, *c, 1) for c in cells]
+    if liger:
+        if reason := _liger_unavailable(args.device):
+            for key in keys:
+                _put(results, key, {"note": reason})
+            return
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(**LIGER)  # patches transformers' Llama for good
+    model_cfg = _model_config(shape, args)
+    start = time.perf_counter()
+    model = _hf_model(model_cfg, args)
+    builds[f"{what} {shape}"] = time.perf_counter() - start
+    generator, size = torch.Generator().manual_seed(0), (4, args.tokens // 4)
+    batches = [
+        torch.randint(0, model_cfg.vocab_size, size, generator=generator).to(args.device)
+        for _ in range(args.microbatches)
+    ]
+    floor = partial(_hf_step, model, None)
+    _put(results, keys[0], _guarded(_floor, floor, batches, model.get_input_embeddings(), args))
+    for key, cell in zip(keys[1:], cells, strict=True):
+        _put(results, key, _guarded(_peft, model, batches, args, *cell))
+
+
+def _row(results: dict, key: tuple, **extra) -> dict:
+    """The result at ``key`` with its key fields, as a table or CSV row."""
+    return {**dict(zip(KEY, key, strict=True)), **results.get(key, {}), **extra}
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else ""
+
+
+def _print_table(columns: str, rows: list[dict]) -> None:
+    """``columns``: ``header=field`` pairs, ``;``-separated; values formatted by SPECS."""
+    header, fields = zip(*(c.split("=") for c in columns.split(";")), strict=True)
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        cells = ("" if row.get(f) is None else format(row[f], SPECS.get(f, "")) for f in fields)
+        print("| " + " | ".join(cells) + " |")
+
+
+def _print_matrix(results: dict, args) -> None:
+    rows = []
+    for shape, rank, dropout in itertools.product(args.shapes, args.ranks, args.dropouts):
+        peft = _row(results, (shape, "PEFT", rank, dropout, 1), adapters="PEFT, 1")
+        one = results.get((shape, "ours", rank, dropout, 1), {}).get("tokens_s")
+        for count in sorted(args.adapters):
+            row = _row(results, (shape, "ours", rank, dropout, count))
+            speed = row.get("tokens_s")
+            rows.append(
+                {**row, "x_one": _ratio(speed, one), "x_peft": _ratio(speed, peft.get("tokens_s"))}
+            )
+        rows += [peft] if args.peers else []
+    _print_table(MATRIX, rows)
+
+
+def _print_compare(results: dict, args) -> None:
+    """Issue 15's rows: ours, our floor, PEFT, its floor, PEFT + Liger, its floor."""
+    whats = ["ours", "ours base", "PEFT", "PEFT floor", "PEFT+Liger", "PEFT+Liger floor"]
+    peer, floor = (*COMPARE[:2], 1), (None, None, None)
+    cells = [COMPARE, floor, peer, floor, peer, floor]
+    rows = []
+    for shape in args.shapes:
+        keys = [(shape, w, *c) for w, c in zip(whats, cells, strict=True)][: 6 if args.peers else 2]
+        ours = results[keys[0]].get("tokens_s")
+        for key in keys:
+            row = _row(results, key)
+            rows.append({**row, "x_ours": _ratio(ours, row.get("tokens_s"))})
+    _print_table(COMPARISON, rows)
+
+
+def _write_csv(path: Path, results: dict, args, device_name: str) -> None:
+    new = not path.exists() or path.stat().st_size == 0
+    run = dict(device=device_name, layers=args.layers, tokens=args.tokens)
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerows(
+            _row(results, key, microbatches=args.microbatches, **run) for key in results
+        )
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _parse_args(argv: list[str] | None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    on_off = argparse.BooleanOptionalAction
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--ranks", nargs="+", type=int, default=[8, 64])
+    parser.add_argument("--dropouts", nargs="+", type=float, default=[0.0, 0.1])
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--layers", type=int, help="override the preset's layer count")
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
+    parser.add_argument("--microbatches", type=int, default=8, help="timed microbatches (min)")
+    parser.add_argument("--matrix", action=on_off, default=True, help="issue 21's matrix")
+    parser.add_argument("--compare", action=on_off, default=True, help="issue 15's table")
+    parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
+    parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
+    parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
+    args = parser.parse_args(argv)
+    if args.tokens < 16 or args.tokens % 4:
+        parser.error(f"--tokens must be a multiple of 4 and >= 16, got {args.tokens}")
+    if min(args.microbatches, *args.adapters, *args.ranks, args.layers or 1) < 1:
+        parser.error("--microbatches, --adapters, --ranks and --layers must be positive")
+    args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    results, builds = {}, {}
+    init_model_parallel(1, 1, args.device, seed=0)
+    try:
+        for shape in args.shapes:
+            _run_ours(shape, args, results, builds)
+            if args.peers:
+                _run_peers(shape, args, results, builds, liger=False)
+        for shape in args.shapes if args.peers and args.compare else []:
+            _run_peers(shape, args, results, builds, liger=True)  # last: Liger patches for good
     finally:
         destroy_model_parallel()
-    tokens = args.tokens * args.microbatches
-    frozen = results["frozen (input grads only)"]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"# {name} | torch {torch.__version__} | Llama-3.1-8B shape, "
-          f"{args.layers} layers, bf16, {ADAPTERS} adapters r=16 p=0.1, {args.microbatches} "
-          f"microbatches x {args.tokens} tokens | build {built:.0f} s | peak {peak:.1f} GiB")
-    print("| variant | s | tokens/s | time / frozen |")
-    print("|---|---|---|---|")
-    for name, seconds in results.items():
-        print(f"| {name} | {seconds:.3f} | {tokens / seconds:,.0f} | {seconds / frozen:.3f} |")
+    name = torch.cuda.get_device_name() if args.device.type == "cuda" else "CPU"
+    print(
+        f"# {name} | torch {torch.__version__} | triton {_version('triton')} | "
+        f"transformers {_version('transformers')} | peft {_version('peft')} | "
+        f"liger-kernel {_version('liger-kernel')} | {str(args.dtype).removeprefix('torch.')} | "
+        f"{args.tokens}-token microbatches, >= {args.microbatches} timed after a warm-up pass"
+    )
+    print("# build s: " + ", ".join(f"{k} {v:.1f}" for k, v in builds.items()))
+    if args.matrix:
+        _print_matrix(results, args)
+    if args.compare:
+        print()
+        _print_compare(results, args)
+    if args.csv:
+        _write_csv(args.csv, results, args, name)
 
 
 if __name__ == "__main__":

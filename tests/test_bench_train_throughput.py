@@ -1,0 +1,93 @@
+"""The training-throughput benchmark's CPU dry run prints every row; its microbatch stream.
+
+Timings are never asserted, only that each row that ran has a finite positive tokens/s.
+"""
+
+import csv
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))  # `scripts` is a package of the repo, not installed
+    return importlib.import_module("scripts.bench_train_throughput")
+
+
+def _tables(out: str) -> list[list[dict]]:
+    """Each markdown table of ``out`` as a list of {header: cell} rows."""
+    tables = []
+    for block in out.split("\n\n"):
+        lines = [
+            [c.strip() for c in line.split("|")[1:-1]]
+            for line in block.splitlines()
+            if line.startswith("|")
+        ]
+        if lines:
+            tables.append([dict(zip(lines[0], row, strict=True)) for row in lines[2:]])
+    return tables
+
+
+def _tokens_per_s(row: dict) -> float:
+    return float(row["tokens/s"].replace(",", ""))
+
+
+def test_bench_train_throughput_cpu_dry_run_prints_every_row(bench, tmp_path, capsys):
+    out_csv = tmp_path / "bench.csv"
+    argv = "--device cpu --shapes llama3.2-1b --layers 1 --tokens 256 --microbatches 2"
+    bench.main(
+        [*argv.split(), *"--ranks 4 8 --dropouts 0.1 --adapters 1 3 --csv".split(), str(out_csv)]
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("# CPU | torch "), out
+    matrix, compare = _tables(out)
+
+    cells = [(row["r"], row["adapters"]) for row in matrix]
+    assert cells == [(r, a) for r in ("4", "8") for a in ("1", "3", "PEFT, 1")], out
+    for row in matrix:
+        assert math.isfinite(_tokens_per_s(row)), row
+        assert _tokens_per_s(row) > 0, row
+        assert row["note"] == "", row
+        if row["adapters"] == "3":
+            assert float(row["ours / PEFT"]) > 0, row
+    assert [row["× 1 adapter"] for row in matrix if row["adapters"] == "1"] == ["1.00"] * 2
+
+    whats = ["ours", "ours base", "PEFT", "PEFT floor", "PEFT+Liger", "PEFT+Liger floor"]
+    assert [row["what"] for row in compare] == whats, out
+    for row in compare[:4]:
+        assert math.isfinite(_tokens_per_s(row)), row
+        assert _tokens_per_s(row) > 0, row
+    for row in compare[4:]:  # Liger's Triton kernels cannot run on a CPU
+        assert row["tokens/s"] == "", row
+        assert "liger" in row["note"].lower(), row
+
+    with out_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    # 4 matrix cells, ours and our floor, 3 PEFT cells (r 4, 8, 16) and a floor, 2 Liger rows
+    assert len(rows) == 12, rows
+    assert all(float(r["tokens_s"]) > 0 for r in rows if r["what"] == "ours"), rows
+
+
+def test_bench_microbatches_cover_every_adapter_adapter_major(bench):
+    one, many = (bench._microbatches(8192, 2, a, vocab=100, device="cpu") for a in (1, 64))
+    assert len(one) == 2
+    assert len(many) > 2  # 2 x 8192 tokens hold fewer than 64 samples: the stream grows
+    seen = set()
+    for ids, pos, layout in many:
+        assert ids.shape == pos.shape == (1, 8192)
+        counts = layout.token_counts()
+        assert sum(counts) == 8192
+        seen |= {a for a, n in enumerate(counts) if n}
+        starts = layout.cu_seqlens[:-1].long()
+        assert torch.all(pos[0, starts] == 0), "positions restart at every sample"
+    assert seen == set(range(64))
+    for (_, _, a), (_, _, b) in zip(one, many, strict=False):  # same lengths, other order
+        assert sorted(torch.diff(a.cu_seqlens).tolist()) == sorted(
+            torch.diff(b.cu_seqlens).tolist()
+        )
