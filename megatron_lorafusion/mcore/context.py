@@ -83,7 +83,7 @@ class LoRAContext:
             setattr(wrapper, factor, view)
             setattr(wrapper, f"{factor}_grad", self.grads[:, col:col + rows * cols].view(
                 -1, rows, cols))
-        # The autograd leaf of every `_FactorCast`: the same storage under another tensor, so
+        # The autograd leaf of every `ops.packed_factor`: the same storage under another tensor, so
         # the views above (read by the wrappers, written by the optimizer) stay plain tensors.
         self.weights = weights.detach().requires_grad_()
         self._slots = slots

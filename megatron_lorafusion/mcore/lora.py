@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
-from megatron_lorafusion.ops import AdapterLayout, lora_linear, lora_up
+from megatron_lorafusion.ops import AdapterLayout, lora_linear, lora_up, packed_factor
 
 
 class LayoutSource(Protocol):
@@ -109,38 +109,18 @@ def _init_factors(
     wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
 
 
-class _FactorCast(torch.autograd.Function):
-    """A packed factor, copied contiguous in the compute dtype; backward adds into its grad.
-
-    ``factor`` is a wrapper's view of `LoRAContext.weights` (which requires grad, and is
-    passed as ``table`` so that autograd reaches this node) and ``grad`` the same view of
-    ``LoRAContext.grads``: the gradient is added there in place (one kernel, fp32), and none
-    flows to ``table`` itself.
-    """
-
-    @staticmethod
-    def forward(ctx, table, factor, grad, dtype):
-        ctx.grad = grad
-        return factor.to(dtype, memory_format=torch.contiguous_format, copy=True)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        ctx.grad.add_(grad_out)
-        return None, None, None, None
-
-
 def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R), contiguous, in ``dtype``.
 
     One copy per factor and layer whatever the number of adapters; in backward one in-place
-    add per factor into the context's gradient table (`_FactorCast`).
+    add per factor into the context's gradient table (`ops.packed_factor`).
     """
     if wrapper.lora_A_grad is None:
         raise RuntimeError(f"{type(wrapper).__name__}: its factors are not packed; build "
                            "wrappers through apply_lora")
     table = wrapper.context.weights
-    return (_FactorCast.apply(table, wrapper.lora_A, wrapper.lora_A_grad, dtype),
-            _FactorCast.apply(table, wrapper.lora_B, wrapper.lora_B_grad, dtype))
+    return (packed_factor(table, wrapper.lora_A, wrapper.lora_A_grad, dtype),
+            packed_factor(table, wrapper.lora_B, wrapper.lora_B_grad, dtype))
 
 
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:

@@ -38,6 +38,11 @@ from megatron_lorafusion.ops.lora_split import (
 )
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
+from megatron_lorafusion.ops.packed_factor import (
+    PackedFactorFunction,
+    packed_factor,
+    packed_factor_ref,
+)
 from megatron_lorafusion.ops.rms_norm import RMSNormFunction, rms_norm, rms_norm_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
@@ -48,6 +53,7 @@ __all__ = [
     "LoRADownFunction",
     "LoRALinearFunction",
     "LoRAUpFunction",
+    "PackedFactorFunction",
     "RMSNormFunction",
     "RoPEFunction",
     "SwiGLUFunction",
@@ -74,6 +80,8 @@ __all__ = [
     "lora_up_ref",
     "lora_wgrad",
     "lora_wgrad_ref",
+    "packed_factor",
+    "packed_factor_ref",
     "rms_norm",
     "rms_norm_ref",
     "rope",

@@ -9,11 +9,11 @@ with the reference path: per-token loss, logits and every adapter gradient.
 
 import contextlib
 import importlib
-import os
 from unittest import mock
 
 import pytest
 import torch
+from interpreter_testing import reload_interpreted
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 from megatron_lorafusion.mcore import apply_lora, build_gpt_model
@@ -22,37 +22,12 @@ from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU
 # dtype -> tolerances: fp32, the fused ops differ from the references in summation order.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
 
-_KERNEL_MODULES = (  # tests/ops/conftest.py's list, dependency order
-    "triton.language.standard",
-    "triton.language.random",
-    "triton.language",
-    "megatron_lorafusion.ops._utils",
-    "megatron_lorafusion.ops.lora_dropout",
-    "megatron_lorafusion.ops.lora_shrink",
-    "megatron_lorafusion.ops.lora_expand",
-    "megatron_lorafusion.ops.lora_wgrad",
-    "megatron_lorafusion.ops.lora_up_bwd",
-    "megatron_lorafusion.ops.lora_gemm",
-    "megatron_lorafusion.ops.fused_lora_linear",
-    "megatron_lorafusion.ops.linear_cross_entropy",
-    "megatron_lorafusion.ops.rms_norm",
-    "megatron_lorafusion.ops.swiglu",
-    "megatron_lorafusion.ops.rope",
-)
-
-
 @pytest.fixture
 def _interpreted_kernels(monkeypatch):
     """Without CUDA: the kernels re-made in interpreter mode, ``TRITON_INTERPRET=1`` set."""
     if torch.cuda.is_available():
         return
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            for name in _KERNEL_MODULES:
-                importlib.reload(importlib.import_module(name))
-        finally:
-            del os.environ["TRITON_INTERPRET"]
+    reload_interpreted()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 

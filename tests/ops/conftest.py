@@ -1,51 +1,20 @@
 """Fixtures of the ops tests: on a machine without CUDA, Triton kernels run in the interpreter.
 
-Triton decides between compiled and interpreted kernels when ``@triton.jit`` runs (at import),
-so when another test package imported Triton first, the jit modules (Triton's own helpers, then
-ours) are reloaded here with ``TRITON_INTERPRET=1``. `importlib.reload` re-executes a module in
-place, so functions imported earlier see the interpreted kernels. The variable is then restored
-(subprocesses started by later test packages must not inherit it) and set again only around
-each test of this folder. Setting it in ``tests/conftest.py`` before anything imports Triton
-would make these reloads unnecessary.
+The kernel modules are reloaded in interpreter mode (`interpreter_testing.reload_interpreted`)
+and ``TRITON_INTERPRET=1`` is set again only around each test of this folder. Setting it in
+``tests/conftest.py`` before anything imports Triton would make these reloads unnecessary.
 """
-
-import importlib
-import os
 
 import pytest
 import torch
+from interpreter_testing import reload_interpreted
 
 from megatron_lorafusion.ops import AdapterLayout
 
-_KERNEL_MODULES = (  # dependency order: helpers first
-    "megatron_lorafusion.ops._utils",
-    "megatron_lorafusion.ops.lora_dropout",
-    "megatron_lorafusion.ops.lora_shrink",
-    "megatron_lorafusion.ops.lora_expand",
-    "megatron_lorafusion.ops.lora_wgrad",
-    "megatron_lorafusion.ops.lora_up_bwd",
-    "megatron_lorafusion.ops.lora_gemm",
-    "megatron_lorafusion.ops.fused_lora_linear",
-    "megatron_lorafusion.ops.adapter_adamw",
-    "megatron_lorafusion.ops.linear_cross_entropy",
-    "megatron_lorafusion.ops.rms_norm",
-    "megatron_lorafusion.ops.swiglu",
-    "megatron_lorafusion.ops.rope",
-)
-
-# triton.language's own @jit helpers (tl.zeros, tl.max, tl.cdiv, ...), re-made in interpreter
-# mode and re-exported by reloading the package.
-_TRITON_MODULES = ("triton.language.standard", "triton.language.random", "triton.language")
-
 _INTERPRET = not torch.cuda.is_available()
 
-if _INTERPRET and os.environ.get("TRITON_INTERPRET") != "1":
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        for _name in _TRITON_MODULES + _KERNEL_MODULES:
-            importlib.reload(importlib.import_module(_name))
-    finally:
-        del os.environ["TRITON_INTERPRET"]
+if _INTERPRET:
+    reload_interpreted()
 
 
 @pytest.fixture(autouse=True)
