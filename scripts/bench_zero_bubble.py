@@ -8,7 +8,8 @@ weight-gradient share ``w`` of every backward kept inside it (``w = 0``) or defe
 idle time (`simulate(..., defer_wgrad=w)`), once as one uncut stream and once cut into
 ``--drains`` pieces (a checkpoint drain each, the `train.save_every` case). It prints the
 makespan gain of deferring, in percent. ``w`` is the measured share: 4.6–15 % on CPU
-(`scripts.bench_lora_wgrad_share`), about 5 % for an 8B layer on the H200 (docs/pipeline.md).
+(`scripts/bench_lora_wgrad_share.py`, now in git history), about 5 % for an 8B layer on the
+H200 (docs/pipeline.md).
 """
 
 import argparse
