@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lorafusion.data.dataset import TokenizedSample
-from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.ops import AdapterLayout, copy_to_device
 from megatron_lorafusion.planner import Microbatch
 
 
@@ -85,7 +85,7 @@ def pack_microbatch(
     )
 
     def as_row(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device).unsqueeze(0)  # (1, T)
+        return copy_to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(0)  # (1, T)
 
     return PackedBatch(as_row(ids, torch.int64), as_row(positions, torch.int64),
                        as_row(labels, torch.int64), as_row(mask, torch.float32), layout)

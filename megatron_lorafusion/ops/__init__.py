@@ -10,6 +10,7 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
+from megatron_lorafusion.ops._utils import copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
 from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
@@ -59,6 +60,7 @@ __all__ = [
     "SwiGLUFunction",
     "adapter_adamw_",
     "adapter_adamw_ref",
+    "copy_to_device",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
     "fused_lora_down",

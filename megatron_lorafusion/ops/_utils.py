@@ -82,10 +82,24 @@ def mask_width(width: int, col_offset: int, full_width: int | None) -> int:
     return full
 
 
+def copy_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t``, a CPU tensor, on ``device``, copied without a host sync on CUDA.
+
+    A copy from pageable host memory makes CUDA wait for every kernel queued before it (a
+    stream sync), so the host stops running ahead of the GPU at each such copy; staging
+    through pinned memory (torch's caching host allocator keeps a block until its copy is
+    done) makes the copy asynchronous.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @functools.lru_cache(maxsize=256)
 def device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
     """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return copy_to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 def cdiv(a: int, b: int) -> int:

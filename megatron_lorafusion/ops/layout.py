@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_lorafusion.ops._utils import copy_to_device
+
 
 @dataclass(frozen=True, eq=False)
 class AdapterLayout:
@@ -77,7 +79,7 @@ class AdapterLayout:
         cu_seqlens[1:] = torch.cumsum(torch.tensor(list(sample_lengths), dtype=torch.int32), 0)
         return cls(
             seg_offsets=seg_offsets,
-            cu_seqlens=cu_seqlens.to(device),
+            cu_seqlens=copy_to_device(cu_seqlens, device),
             max_seqlen=max(sample_lengths, default=0),
             dropout_seed=dropout_seed,
         )
@@ -136,7 +138,7 @@ class AdapterLayout:
         if key not in self._cache:
             counts = torch.diff(self.seg_offsets)
             rows = torch.repeat_interleave(torch.arange(self.num_adapters), counts)
-            self._cache[key] = rows.to(device)
+            self._cache[key] = copy_to_device(rows, device)
         return self._cache[key]
 
     def tiles(self, block: int, device: torch.device | str) -> torch.Tensor:
@@ -159,7 +161,7 @@ class AdapterLayout:
                 for row in range(start, end, block):
                     rows.append((adapter, row, min(row + block, end)))
             table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
-            self._cache[key] = table.to(device)
+            self._cache[key] = copy_to_device(table, device)
         return self._cache[key]
 
     def tile_ranges(self, block: int, device: torch.device | str) -> torch.Tensor:
@@ -169,5 +171,5 @@ class AdapterLayout:
             counts = (torch.diff(self.seg_offsets) + block - 1) // block
             offsets = torch.zeros(self.num_adapters + 1, dtype=torch.int32)
             offsets[1:] = torch.cumsum(counts, 0)
-            self._cache[key] = offsets.to(device)
+            self._cache[key] = copy_to_device(offsets, device)
         return self._cache[key]

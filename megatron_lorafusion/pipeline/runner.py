@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.pipeline.groups import PipelineGroups
 from megatron_lorafusion.pipeline.schedule import (
     Action,
@@ -280,7 +281,7 @@ class _Runner:
         for s in share.samples:
             denominators[s.adapter] = float(max(
                 self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1))
-        losses = per_adapter / torch.tensor(denominators, device=token_loss.device)  # (A,)
+        losses = per_adapter / copy_to_device(torch.tensor(denominators), token_loss.device)
         for a, value in enumerate(losses.tolist()):
             self.state.loss_sums[a] += value
         return losses.sum()
@@ -323,8 +324,9 @@ class _Runner:
             return
         # One bucket per step group: the finishing adapters' gradient rows (zeros where this
         # replica saw none of their tokens) and loss sums, summed while other work runs.
-        rows = torch.tensor(group.adapters, device=self.grads.device)
-        losses = torch.tensor(group.losses, dtype=self.grads.dtype, device=self.grads.device)
+        rows = copy_to_device(torch.tensor(group.adapters), self.grads.device)
+        losses = copy_to_device(torch.tensor(group.losses, dtype=self.grads.dtype),
+                                self.grads.device)
         group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1), losses])
         group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
 
@@ -338,7 +340,7 @@ class _Runner:
         if group.work is not None:
             group.work.wait()
             count = len(group.adapters)
-            rows = torch.tensor(group.adapters, device=self.grads.device)
+            rows = copy_to_device(torch.tensor(group.adapters), self.grads.device)
             self.grads.index_copy_(0, rows, group.bucket[:-count].view(count, -1))
             group.losses = group.bucket[-count:].tolist()
         self.optimizer.step(group.adapters)

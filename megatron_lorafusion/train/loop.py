@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_lorafusion.data import PackedBatch
+from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.optim import AdapterAdamW
 
@@ -78,6 +79,7 @@ def run_plan(
     tokens_seen = 0
     start = time.perf_counter()
     last_logged = 0
+    pending: torch.Tensor | None = None
     total_steps = sum(len(run.batch_tokens) for run in adapters)
     bar = tqdm(total=total_steps, initial=sum(run.step for run in adapters), desc="train",
                unit="step", disable=not progress_bar)
@@ -90,20 +92,26 @@ def run_plan(
         per_adapter = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
         per_adapter.index_add_(0, rows, token_loss[0].float())
         current = [run.batch_tokens[min(run.step, len(run.batch_tokens) - 1)] for run in adapters]
-        denominators = torch.tensor([max(n, 1) for n in current], dtype=torch.float32,
-                                    device=token_loss.device)
+        denominators = copy_to_device(torch.tensor([max(n, 1) for n in current],
+                                                   dtype=torch.float32), token_loss.device)
         adapter_losses = per_adapter / denominators  # (A,) share of each adapter's batch loss
         adapter_losses.sum().backward()
-        for run, value in zip(adapters, adapter_losses.tolist(), strict=True):
-            run.pending_loss += value
+        if pending is None:  # each adapter's loss so far in its global batch, on the device
+            pending = copy_to_device(torch.tensor([run.pending_loss for run in adapters],
+                                                  dtype=torch.float64), token_loss.device)
+        pending += adapter_losses.detach()
         tokens_seen += batch.layout.num_tokens
         optimizer.step(microbatch.finishes)
+        if microbatch.finishes:  # read back only here: a sync per microbatch stalls the GPU
+            values, pending = pending.tolist(), None
+            for a in microbatch.finishes:
+                adapters[a].losses.append(values[a])
+                values[a] = 0.0
+            for run, value in zip(adapters, values, strict=True):
+                run.pending_loss = value
         for a in microbatch.finishes:
-            run = adapters[a]
-            run.losses.append(run.pending_loss)
-            run.pending_loss = 0.0
             if on_step is not None:
-                on_step(a, run)
+                on_step(a, adapters[a])
             bar.update(1)
         bar.set_postfix({run.name: f"{run.losses[-1]:.3f}" for run in adapters if run.losses})
         slowest = min(run.step for run in adapters)
@@ -114,6 +122,9 @@ def run_plan(
             logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
                         " ".join(f"{optimizer.lr(a):.1e}" for a in range(num_adapters)),
                         tokens_seen / max(elapsed, 1e-9) / 1e3)
-        if on_microbatch is not None:
+        if on_microbatch is not None:  # saves only after microbatches with steps
             on_microbatch(index)
+    if pending is not None:
+        for run, value in zip(adapters, pending.tolist(), strict=True):
+            run.pending_loss = value
     bar.close()

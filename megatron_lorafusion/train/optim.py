@@ -16,6 +16,7 @@ import torch
 
 from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.mcore.context import LoRAContext, load_views
+from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import HYPER_COLUMNS, adapter_adamw_
 
 _BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, as PEFT recipes use them
@@ -102,7 +103,7 @@ class AdapterAdamW:
                     1.0,
                 ]
             )
-        hyper = torch.tensor(rows, dtype=torch.float32).to(self.lora.weights.device)
+        hyper = copy_to_device(torch.tensor(rows, dtype=torch.float32), self.lora.weights.device)
         adapter_adamw_(self.lora.weights, self.lora.grads, self.exp_avg, self.exp_avg_sq, hyper)
         for a in stepping:
             self.steps[a] += 1
