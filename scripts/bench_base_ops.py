@@ -1,8 +1,11 @@
-"""Fused base-model ops (RMSNorm, SwiGLU, RoPE, linear cross-entropy) against their references.
+"""Fused base-model ops (SwiGLU, RoPE, linear cross-entropy) against their torch references.
 
 Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default). Each
 row checks the fused op against its torch reference first, then times forward + backward with
-``triton.testing.do_bench`` (median, p20, p80) and reports the peak extra memory.
+``triton.testing.do_bench`` (median, p20, p80) and reports the peak extra memory. Where
+``liger_kernel`` is importable, its functional RMSNorm and fused linear cross-entropy (summed
+loss, its own reduction) are timed on the same inputs (its RoPE and SwiGLU take HF's separate
+layouts, so they are not compared here); RMSNorm is torch's own ``F.rms_norm`` against Liger's.
 """
 
 import argparse
@@ -16,13 +19,16 @@ import triton.testing
 from megatron_lorafusion.ops import (
     linear_cross_entropy,
     linear_cross_entropy_ref,
-    rms_norm,
-    rms_norm_ref,
     rope,
     rope_ref,
     swiglu,
     swiglu_ref,
 )
+
+
+def _torch_rms_norm(x, weight, eps):
+    """torch's fused RMSNorm, what `mcore.fused_base.FrozenRMSNorm` runs."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
@@ -44,7 +50,7 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
         return q, k
 
     return {
-        "rms_norm": (x, lambda f, t: f(t, w, 1e-5), rms_norm, rms_norm_ref),
+        "rms_norm": (x, lambda f, t: f(t, w, 1e-5), _torch_rms_norm, _torch_rms_norm),
         "swiglu": (fc1, lambda f, t: f(t), swiglu, swiglu_ref),
         "rope": (qkv, lambda f, t: f(*qk(t), cos, sin), rope, rope_ref),
         "linear_cross_entropy": (
@@ -52,6 +58,23 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
             lambda f, t: f(t, out_w, labels),
             linear_cross_entropy,
             linear_cross_entropy_ref,
+        ),
+    }
+
+
+def _liger_ops() -> dict:
+    """Liger's functional ops by our op name, with our call signatures; empty without it."""
+    try:
+        from liger_kernel.transformers.functional import (
+            liger_fused_linear_cross_entropy,
+            liger_rms_norm,
+        )
+    except ImportError:
+        return {}
+    return {
+        "rms_norm": lambda t, w, eps: liger_rms_norm(t, w, eps),
+        "linear_cross_entropy": lambda t, w, labels: liger_fused_linear_cross_entropy(
+            t, w, labels, reduction="sum"
         ),
     }
 
@@ -91,8 +114,12 @@ def main(argv=None):
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
         f"{triton.__version__} | T={args.tokens} bf16, forward + backward"
     )
-    print("| op | ref ms | fused ms (p20-p80) | speed-up x | ref peak MiB | fused peak MiB |")
-    print("|---|---|---|---|---|---|")
+    liger = _liger_ops()
+    print(
+        "| op | ref ms | fused ms (p20-p80) | speed-up x | ref peak MiB | fused peak MiB "
+        "| liger ms | liger peak MiB | liger / fused |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     cases = _cases(
         args.tokens,
@@ -115,7 +142,10 @@ def main(argv=None):
             torch.testing.assert_close(g.float(), r.float(), atol=5e-2, rtol=2e-2)
         del got, want
         timings, peaks = {}, {}
-        for label, fn in (("ref", ref), ("fused", fused)):
+        candidates = [("ref", ref), ("fused", fused)]
+        if name in liger:
+            candidates.append(("liger", liger[name]))
+        for label, fn in candidates:
             run = _step(call, fn, leaf)
             timings[label] = triton.testing.do_bench(run, quantiles=[0.5, 0.2, 0.8])
             peaks[label] = _peak(run)
@@ -128,6 +158,11 @@ def main(argv=None):
             f"{peaks['ref']:.0f}",
             f"{peaks['fused']:.0f}",
         ]
+        if "liger" in timings:
+            liger_ms = timings["liger"][0]
+            row += [f"{liger_ms:.3f}", f"{peaks['liger']:.0f}", f"{liger_ms / fused_ms[0]:.2f}"]
+        else:
+            row += ["-", "-", "-"]
         rows.append(row)
         print("| " + " | ".join(row) + " |")
         sys.stdout.flush()

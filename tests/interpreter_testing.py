@@ -25,7 +25,6 @@ KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.lora_gemm",
     "megatron_lorafusion.ops.fused_lora_linear",
     "megatron_lorafusion.ops.linear_cross_entropy",
-    "megatron_lorafusion.ops.rms_norm",
     "megatron_lorafusion.ops.swiglu",
     "megatron_lorafusion.ops.rope",
 )

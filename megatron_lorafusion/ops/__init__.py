@@ -44,7 +44,6 @@ from megatron_lorafusion.ops.packed_factor import (
     packed_factor,
     packed_factor_ref,
 )
-from megatron_lorafusion.ops.rms_norm import RMSNormFunction, rms_norm, rms_norm_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
@@ -55,7 +54,6 @@ __all__ = [
     "LoRALinearFunction",
     "LoRAUpFunction",
     "PackedFactorFunction",
-    "RMSNormFunction",
     "RoPEFunction",
     "SwiGLUFunction",
     "adapter_adamw_",
@@ -84,8 +82,6 @@ __all__ = [
     "lora_wgrad_ref",
     "packed_factor",
     "packed_factor_ref",
-    "rms_norm",
-    "rms_norm_ref",
     "rope",
     "rope_ref",
     "swiglu",

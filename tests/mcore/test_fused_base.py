@@ -61,7 +61,6 @@ def test_fused_base_matches_unfused(megatron_single_process):
     weight[0, ::4] = 0.0  # masked-out tokens
     loss, logits, grads = _run(False, weight)
     launchers = {
-        "rms_norm": "rms_norm_fwd",
         "swiglu": "swiglu_fwd",
         "rope": "rope_fwd",
         "linear_cross_entropy": "cross_entropy_fwd",
