@@ -197,8 +197,6 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         runs = [AdapterRun(adapter.name, tokens)
                 for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
         out = Path(cfg.train.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
         is_writer = sizes["rank"] == 0
 
         def make_batch(microbatch: Microbatch, index: int):
@@ -214,6 +212,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
 
         session = make_resume_session(cfg, sizes, runs, optimizer, lora)  # checkpoints, resume
         first = session.restore(cfg.train.resume)
+        # Written only once the resume is accepted: a refused one leaves the run as it was.
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
         model.train()
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:

@@ -15,21 +15,85 @@ uninterrupted one does and computes the same thing.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from megatron_lorafusion.config import JobConfig
+from megatron_lorafusion.config import JobConfig, job_from_dict
 from megatron_lorafusion.planner import Microbatch
-from megatron_lorafusion.train.checkpoint import Checkpointer, find_resume_checkpoint
+from megatron_lorafusion.train.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    find_resume_checkpoint,
+)
 from megatron_lorafusion.train.loop import AdapterRun
 from megatron_lorafusion.train.optim import AdapterAdamW
 
-__all__ = ["ResumeSession", "make_resume_session", "stream_digest"]
+__all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_session",
+           "stream_digest"]
 
 logger = logging.getLogger(__name__)
+
+# Keys a resumed run may change: where and how often it saves, logs and caches, and the
+# device. Every other key changes what is trained or exported (or the plan), so a change
+# refuses the resume.
+RESUMABLE_KEYS = ("train.resume", "train.output_dir", "train.keep_last", "train.save_every",
+                  "train.device", "data.cache_dir", "planner.time_limit_s", "logging")
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    """Dotted keys of a JSON-like job; lists of mappings (adapters) by index."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            _flatten(inner, f"{prefix}.{key}" if prefix else str(key), out)
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, inner in enumerate(value):
+            _flatten(inner, f"{prefix}.{i}", out)
+    else:
+        out[prefix] = value
+    return out
+
+
+def job_changes(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ between two jobs (``asdict`` form), outside `RESUMABLE_KEYS`.
+
+    Returns:
+        One ``"<key> (<saved> -> <current>)"`` per changed key, in key order.
+    """
+    old, new = _flatten(saved, "", {}), _flatten(current, "", {})
+    missing = object()
+    changes = []
+    for key in sorted(old.keys() | new.keys()):
+        if any(key == k or key.startswith(k + ".") for k in RESUMABLE_KEYS):
+            continue
+        before, after = old.get(key, missing), new.get(key, missing)
+        if before != after:
+            show = [("(absent)" if v is missing else repr(v)) for v in (before, after)]
+            changes.append(f"{key} ({show[0]} -> {show[1]})")
+    return changes
+
+
+def _check_same_job(folder: Path, current: dict) -> None:
+    """Refuse to resume from ``folder`` when its job differs from ``current``.
+
+    Raises:
+        CheckpointError: listing every changed key, or when the saved job is unreadable.
+    """
+    hint = "set train.resume: never or another train.output_dir to start fresh"
+    try:
+        saved = asdict(job_from_dict(json.loads((folder / "job.json").read_text("utf-8"))))
+    except (OSError, ValueError) as err:  # ConfigError included
+        raise CheckpointError(f"checkpoint {str(folder)!r} holds no readable job.json ({err}); "
+                              f"{hint}") from None
+    changes = job_changes(saved, json.loads(json.dumps(current)))
+    if changes:
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} was trained with another job; resuming would train "
+            f"or export the wrong adapters. Changed keys:\n  - " + "\n  - ".join(changes)
+            + f"\n({hint})")
 
 
 def stream_digest(digest: Any, microbatch: Microbatch) -> None:
@@ -75,12 +139,13 @@ class ResumeSession:
         """Load the checkpoint chosen by policy ``resume``; returns the next stream index.
 
         Raises:
-            CheckpointError: for an explicitly named checkpoint that is damaged, or one that
-                does not fit this run.
+            CheckpointError: for an explicitly named checkpoint that is damaged, one whose
+                job differs from this run's (`job_changes`), or one that does not fit it.
         """
         folder = find_resume_checkpoint(self.checkpointer.root, resume)
         if folder is None:
             return 0
+        _check_same_job(folder, self.checkpointer.job)
         self.position, self._expected = self.checkpointer.restore(folder, self.runs,
                                                                  self.optimizer, self.lora)
         self._last_mark = self._mark()

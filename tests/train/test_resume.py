@@ -11,8 +11,10 @@ import pytest
 import torch
 import yaml
 
+from megatron_lorafusion.cli import main as cli_main
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train import resume
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
     checkpoint_problems,
@@ -113,8 +115,54 @@ def test_resume_with_another_plan_is_refused(tmp_path, monkeypatch):
         _stop_after_saves(patch, 1)
         with pytest.raises(_Stop):
             main(_job(tmp_path, "run"))
+    # The same job whose plan comes out differently (as a MILP hitting its time limit would).
+    monkeypatch.setattr(resume, "stream_digest", lambda digest, mb: digest.update(b"other"))
     with pytest.raises(RuntimeError, match="regenerated plan differs from the checkpointed one"):
-        main(_job(tmp_path, "run", capacity=128))
+        main(_job(tmp_path, "run"))
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_resume_with_changed_job_exits_2_naming_keys_and_writes_nothing(tmp_path, capsys):
+    main(_job(tmp_path, "run", steps=2))
+    run = tmp_path / "run"
+    before = _snapshot(run)
+    assert (run / "job.json").is_file(), "the finished run must hold its job.json"
+    assert any(p.parts[0] == "adapters" for p in before), "the finished run must have exported"
+    other = tmp_path / "other.jsonl"
+    write_task("reverse", other, 40, seed=3)
+    changes = {  # override -> the key named in the refusal
+        "adapters.0.alpha=16": "adapters.0.alpha (8.0 -> 16.0)",
+        "adapters.0.rank=8": "adapters.0.rank (4 -> 8)",
+        "adapters.0.dropout=0.2": "adapters.0.dropout",
+        "adapters.0.target_modules=[linear_qkv]": "adapters.0.target_modules",
+        "adapters.1.lr=3e-2": "adapters.1.lr",
+        "adapters.1.lr_schedule=linear": "adapters.1.lr_schedule",
+        f"adapters.1.dataset.path={other}": "adapters.1.dataset.path",
+        "train.seed=7": "train.seed",
+        "train.steps=4": "train.steps (2 -> 4)",
+        "model.init_seed=3": "model.init_seed",
+        "planner.token_capacity=128": "planner.token_capacity",
+    }
+    for override, named in changes.items():
+        status = cli_main(["train", str(tmp_path / "run.yaml"), "train.steps=2", override])
+        err = capsys.readouterr().err
+        assert status == 2, f"{override}: exit {status}, expected 2\n{err}"
+        assert named in err, f"{override}: the refusal must name {named!r}:\n{err}"
+        assert "train.resume: never" in err, f"{override}: the refusal must give the hint"
+        assert "Traceback" not in err
+        assert _snapshot(run) == before, f"{override}: a refused resume changed the run's files"
+
+
+def test_resume_with_changed_logging_and_keep_last_continues(tmp_path, caplog):
+    main(_job(tmp_path, "run", steps=2))
+    with caplog.at_level(logging.INFO, logger="megatron_lorafusion.train.checkpoint"):
+        main(load_config(tmp_path / "run.yaml", ["train.steps=2", "train.keep_last=5",
+                                                 "logging.log_every=3"]))
+    assert "resumed from" in caplog.text, "save and logging keys may change on resume"
 
 
 @pytest.mark.slow
