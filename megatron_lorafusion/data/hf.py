@@ -55,17 +55,36 @@ def dataset_identity(d: DatasetConfig) -> str:
     return f"hub:{d.path}:{d.split}"
 
 
+def _parse_jsonl_line(raw: bytes, first: bool) -> object:
+    """One JSON Lines row from its bytes (a UTF-8 byte-order mark allowed on line 1).
+
+    Raises:
+        ValueError: naming why the line is unusable: not UTF-8, not JSON, or nested too
+            deeply for the parser.
+    """
+    try:
+        text = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"not valid UTF-8 ({err.reason} at byte {err.start})") from err
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg})") from err
+    except RecursionError as err:
+        raise ValueError("not usable JSON (nested too deeply)") from err
+
+
 def _read_jsonl(path: Path, data: DataConfig) -> RawRows:
     rows, where, skipped = [], [], 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # decoded line by line, so a bad byte names its line
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
+                rows.append(_parse_jsonl_line(raw, first=line_no == 1))
+            except ValueError as err:
                 if data.bad_rows == "error":
-                    raise DataError(f"{path}:{line_no}: not valid JSON ({err.msg})") from err
+                    raise DataError(f"{path}:{line_no}: {err}") from err
                 skipped += 1
                 continue
             where.append(f"{path}:{line_no}")

@@ -48,6 +48,29 @@ def test_read_rows_jsonl_skips_and_counts_bad_lines(tmp_path):
     assert (len(raw.rows), raw.skipped) == (2, 1)
 
 
+def test_read_rows_jsonl_accepts_a_byte_order_mark_on_line_1(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in ROWS).encode())
+    raw = read_rows(DatasetConfig(path=str(path)), DataConfig())
+    assert [dict(r) for r in raw.rows] == ROWS
+
+
+@pytest.mark.parametrize(("line", "reason"), [
+    (b"[" * 100_000 + b"]" * 100_000, r"not usable JSON \(nested too deeply\)"),
+    (b'{"prompt": "\xff", "response": "x"}', "not valid UTF-8"),
+    (b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode(), "not valid JSON"),  # a BOM past line 1
+])
+def test_read_rows_jsonl_names_unusable_lines_in_both_modes(tmp_path, line, reason):
+    path = _write(tmp_path, ".jsonl")
+    with path.open("ab") as f:
+        f.write(line + b"\n")
+    d = DatasetConfig(path=str(path))
+    with pytest.raises(DataError, match=rf"rows\.jsonl:3: {reason}"):
+        read_rows(d, DataConfig())
+    raw = read_rows(d, DataConfig(bad_rows="skip"))
+    assert (len(raw.rows), raw.skipped) == (2, 1), reason
+
+
 def test_read_rows_offline_refuses_hub_names(tmp_path):
     with pytest.raises(DataError, match="data.offline forbids hub datasets"):
         read_rows(DatasetConfig(path="someone/some-dataset"), DataConfig(offline=True))
