@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import re
 from pathlib import Path
 
 from megatron_lorafusion.config import (
@@ -16,17 +20,86 @@ from megatron_lorafusion.config import (
     JobConfig,
 )
 
-__all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "validate"]
+__all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "adapter_name_problem", "validate"]
+
+# An adapter's name is a folder name under the run's and the export's folder: no separators,
+# no ".." or hidden names (temporary folders start with "."), bounded length.
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+
+
+def adapter_name_problem(name: object, where: str) -> str | None:
+    """Why ``name`` is not a safe adapter (folder) name, or None when it is."""
+    if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
+        return None
+    return (f"{where} must be 1 to 100 letters, digits, '-', '_' or '.', not starting with "
+            f"'.', got {name!r}")
+
+
+# Upper bounds far above any real job: they stop a typo (10**18) before it allocates or runs
+# for hours. Model sizes cover Llama-3.1-405B several times over.
+_MODEL_MAX = dict(num_layers=1024, hidden_size=1 << 17, ffn_hidden_size=1 << 19,
+                  num_attention_heads=1024, num_query_groups=1024, vocab_size=1 << 22,
+                  max_position_embeddings=1 << 24)
+_SEED_MAX = 2**32 - 1  # numpy's and Philox's seed range
+_MAX_STEPS = 10**7  # optimizer steps, warm-up steps, save and log intervals
+_MAX_SAMPLES = 10**9  # samples trained per adapter (steps × global batch): the plan's size
+
+
+def _non_finite(node: object, where: str) -> list[str]:
+    """Every float field of a config tree that is NaN or infinite."""
+    p = []
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            at = f"{where}.{f.name}" + ("" if i is None else f".{i}")
+            if dataclasses.is_dataclass(item):
+                p.extend(_non_finite(item, at))
+            elif isinstance(item, float) and not math.isfinite(item):
+                p.append(f"{at} must be a finite number, got {item}")
+    return p
+
+
+def _validate_numbers(cfg: JobConfig) -> list[str]:
+    """Finite floats, positive and bounded sizes, seeds and step counts in range."""
+    p = [q.removeprefix("job.") for q in _non_finite(cfg, "job")]
+    m, t = cfg.model, cfg.train
+    for name, top in _MODEL_MAX.items():
+        if not 0 < getattr(m, name) <= top:
+            p.append(f"model.{name} must be in [1, {top}], got {getattr(m, name)}")
+    for name, value in (("model.init_method_std", m.init_method_std),
+                        ("model.rope_theta", m.rope_theta)):
+        if value <= 0:
+            p.append(f"{name} must be > 0, got {value}")
+    if m.init_method_std > 1:
+        p.append(f"model.init_method_std must be <= 1, got {m.init_method_std}")
+    if not 0 < m.norm_epsilon < 1:
+        p.append(f"model.norm_epsilon must be in (0, 1), got {m.norm_epsilon}")
+    if m.rope_scaling_factor is not None and m.rope_scaling_factor <= 0:
+        p.append(f"model.rope_scaling_factor must be > 0, got {m.rope_scaling_factor}")
+    for name, value in (("model.init_seed", m.init_seed), ("train.seed", t.seed)):
+        if not 0 <= value <= _SEED_MAX:
+            p.append(f"{name} must be in [0, {_SEED_MAX}], got {value}")
+    for name in ("steps", "epochs", "save_every"):
+        if getattr(t, name) is not None and getattr(t, name) > _MAX_STEPS:
+            p.append(f"train.{name} must be <= {_MAX_STEPS}, got {getattr(t, name)}")
+    for i, a in enumerate(cfg.adapters):
+        if a.warmup_steps > _MAX_STEPS:
+            p.append(f"adapters.{i}.warmup_steps must be <= {_MAX_STEPS}, got {a.warmup_steps}")
+        if t.steps is not None and t.steps * a.global_batch_size > _MAX_SAMPLES:
+            p.append(f"adapters.{i}.global_batch_size must keep train.steps × global_batch_size "
+                     f"<= {_MAX_SAMPLES} samples, got {t.steps} × {a.global_batch_size}")
+    if cfg.planner.token_capacity > 1 << 24:
+        p.append(f"planner.token_capacity must be <= {1 << 24}, got {cfg.planner.token_capacity}")
+    if cfg.planner.time_limit_s > 3600:
+        p.append(f"planner.time_limit_s must be <= 3600, got {cfg.planner.time_limit_s}")
+    return p
 
 
 def validate(cfg: JobConfig) -> list[str]:
     """Every cross-field rule of a job, checked once; returns the problems found."""
-    p: list[str] = []
+    p: list[str] = _validate_numbers(cfg)
     m = cfg.model
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                 "num_query_groups", "vocab_size", "max_position_embeddings", "init_method_std"):
-        if getattr(m, name) <= 0:
-            p.append(f"model.{name} must be > 0, got {getattr(m, name)}")
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         p.append(f"model.hidden_size must be divisible by model.num_attention_heads "
                  f"({m.num_attention_heads}), got {m.hidden_size}")
@@ -95,15 +168,59 @@ def validate(cfg: JobConfig) -> list[str]:
                  f"got {t.resume!r}")
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
+    elif (problem := _output_dir_problem(cfg)) is not None:
+        p.append(problem)
     if cfg.logging.log_every <= 0:
         p.append(f"logging.log_every must be > 0, got {cfg.logging.log_every}")
     return p
 
 
+def _is_run_folder(out: Path) -> bool:
+    """Whether ``out`` holds a run of ours: its job.json, or checkpoints/ckpt_* folders."""
+    try:
+        job = json.loads((out / "job.json").read_text(encoding="utf-8"))
+        if isinstance(job, dict) and {"adapters", "train"} <= job.keys():
+            return True
+    except (OSError, ValueError):
+        pass
+    return (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("ckpt_*"))
+
+
+def _output_dir_problem(cfg: JobConfig) -> str | None:
+    """Why ``train.output_dir`` may not be written, or None.
+
+    A run writes only into a new or empty folder, an earlier run of its own, or a folder that
+    holds nothing but this job's inputs (the demo keeps its data under its run folder).
+    """
+    out = Path(cfg.train.output_dir)
+    if "\0" in cfg.train.output_dir:
+        return f"train.output_dir must be a path without NUL bytes, got {cfg.train.output_dir!r}"
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        return f"train.output_dir must be a folder, got {str(out)!r} (a file)"
+    try:
+        entries = sorted(out.iterdir())
+    except OSError as err:
+        return f"train.output_dir must be a readable folder, got {str(out)!r} ({err.strerror})"
+    if not entries or _is_run_folder(out):
+        return None
+    inputs = [Path(a.dataset.path).resolve() for a in cfg.adapters if a.dataset.path]
+    inputs += [Path(q).resolve() for q in (cfg.data.cache_dir, cfg.data.tokenizer,
+                                           cfg.model.hf_path) if q]
+    foreign = [e.name for e in entries
+               if not any(i == e.resolve() or e.resolve() in i.parents for i in inputs)]
+    if not foreign:
+        return None
+    return (f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
+            f"checkpoints/), got {str(out)!r}, which holds {foreign[:3]}"
+            f"{' and more' if len(foreign) > 3 else ''}; choose another folder")
+
+
 def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]:
     p: list[str] = []
-    if not a.name:
-        p.append(f"{where}.name must be a non-empty string, got {a.name!r}")
+    if (problem := adapter_name_problem(a.name, f"{where}.name")) is not None:
+        p.append(problem)
     elif a.name in seen:
         p.append(f"{where}.name must be unique, got duplicate {a.name!r}")
     seen.add(a.name)

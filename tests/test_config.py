@@ -179,3 +179,67 @@ def test_config_defer_wgrad_needs_several_stages(tmp_path):
     assert "parallel.defer_wgrad needs parallel.pp > 1" in _errors(tmp_path, job)
     job = _job(tmp_path, parallel={"pp": 2, "defer_wgrad": True})
     assert load_config(_write(tmp_path, job)).parallel.defer_wgrad
+
+
+@pytest.mark.parametrize("name", ["../../escape", "..", ".", "/", "a/b", "/tmp/x", "a\x00b",
+                                  "x" * 101, ".hidden", "", "a b"])
+def test_config_unsafe_adapter_name_rejected(tmp_path, name):
+    job = _job(tmp_path)
+    job["adapters"][0]["name"] = name
+    assert (f"adapters.0.name must be 1 to 100 letters, digits, '-', '_' or '.', not starting "
+            f"with '.', got {name!r}") in _errors(tmp_path, job)
+
+
+def test_config_safe_adapter_names_accepted(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0]["name"] = "my-adapter_1.v2"
+    job["adapters"].append({**job["adapters"][0], "name": "x" * 100})
+    assert [a.name for a in load_config(_write(tmp_path, job)).adapters] == [
+        "my-adapter_1.v2", "x" * 100]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("adapters.0.alpha=.nan", "adapters.0.alpha must be a finite number, got nan"),
+    ("adapters.0.lr=.inf", "adapters.0.lr must be a finite number, got inf"),
+    ("adapters.0.weight_decay=.inf", "adapters.0.weight_decay must be a finite number, got inf"),
+    ("model.rope_theta=.nan", "model.rope_theta must be a finite number, got nan"),
+    ("model.rope_theta=0", "model.rope_theta must be > 0, got 0.0"),
+    ("model.norm_epsilon=-1", "model.norm_epsilon must be in (0, 1), got -1.0"),
+    ("model.init_method_std=1e300", "model.init_method_std must be <= 1, got 1e+300"),
+    ("planner.time_limit_s=.inf", "planner.time_limit_s must be a finite number, got inf"),
+    (f"train.seed={2**70}", f"train.seed must be in [0, 4294967295], got {2**70}"),
+    ("model.init_seed=-1", "model.init_seed must be in [0, 4294967295], got -1"),
+    (f"model.hidden_size={10**18}", f"model.hidden_size must be in [1, 131072], got {10**18}"),
+    (f"model.vocab_size={10**9}", f"model.vocab_size must be in [1, 4194304], got {10**9}"),
+    (f"train.steps={10**9}", f"train.steps must be <= 10000000, got {10**9}"),
+    (f"adapters.0.global_batch_size={10**9}",
+     "adapters.0.global_batch_size must keep train.steps × global_batch_size <= 1000000000"),
+    (f"planner.token_capacity={10**18}", "planner.token_capacity must be <= 16777216"),
+])
+def test_config_non_finite_or_out_of_range_number_rejected(tmp_path, override, message):
+    assert message in _errors(tmp_path, _job(tmp_path), [override])
+
+
+def test_config_output_dir_must_be_new_empty_or_a_run(tmp_path):
+    job = _job(tmp_path)
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    assert f"train.output_dir must be a folder, got {str(out)!r} (a file)" in _errors(
+        tmp_path, job)
+    out.unlink()
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    assert (f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
+            f"checkpoints/), got {str(out)!r}, which holds ['thesis.tex']") in _errors(
+        tmp_path, job)
+    (out / "job.json").write_text('{"adapters": [], "train": {}}')
+    assert load_config(_write(tmp_path, job)).train.output_dir == str(out), "a run of ours"
+
+
+def test_config_output_dir_holding_only_the_jobs_data_is_accepted(tmp_path):
+    job = _job(tmp_path)
+    data = tmp_path / "out" / "data" / "a.jsonl"  # the demo's layout: data under the run
+    data.parent.mkdir(parents=True)
+    data.write_text('{"prompt": "p", "response": "r"}\n')
+    job["adapters"][0]["dataset"]["path"] = str(data)
+    assert load_config(_write(tmp_path, job)).adapters[0].dataset.path == str(data)
