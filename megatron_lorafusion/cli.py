@@ -104,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=cfg.logging.level,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from megatron_lorafusion.train.checkpoint import CheckpointError
+        from megatron_lorafusion.train.export import ExportError
 
         try:
             train_main(cfg)
-        except (DataError, CheckpointError) as err:
+        except (DataError, CheckpointError, ExportError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0

@@ -56,3 +56,56 @@ def test_cli_export_without_checkpoint_exits_2(tmp_path, capsys):
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
     assert "neither a checkpoint folder nor a run folder" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def _files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_cli_train_into_a_foreign_folder_exits_2_and_keeps_its_files(tmp_path, capsys):
+    path = _job(tmp_path)
+    (tmp_path / "out" / "adapters" / "a").mkdir(parents=True)
+    (tmp_path / "out" / "adapters" / "a" / "thesis.tex").write_text("years of work")
+    before = _files(tmp_path / "out")
+    assert main(["train", str(path)]) == 2
+    assert "train.output_dir must be a new or empty folder or a lorafusion run" in (
+        capsys.readouterr().err)
+    assert _files(tmp_path / "out") == before, "the user's files must survive"
+
+
+def test_cli_train_refuses_to_export_non_finite_weights(tmp_path, capsys):
+    # A finite but absurd lr: Adam's first steps move every weight by ~1e30, the forward
+    # overflows and the weights turn NaN.
+    status = main(["train", str(_job(tmp_path, lr=1e30)), "train.steps=3"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert "adapter 'a' has NaN or infinite weights" in err
+    assert not (tmp_path / "out" / "adapters").exists(), "no NaN weight may be exported"
+
+
+def test_cli_export_never_overwrites_foreign_files(tmp_path, capsys):
+    assert main(["train", str(_job(tmp_path))]) == 0
+    run, out = str(tmp_path / "out"), tmp_path / "exported"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "my_own_model.bin").write_bytes(b"\x00mine")
+    before = _files(out)
+    assert main(["export", run, "--out", str(out)]) == 2
+    assert "is not empty and was not written by lorafusion export" in capsys.readouterr().err
+    assert _files(out) == before, "a foreign export folder must be left as it was"
+
+    (out / "a" / "my_own_model.bin").unlink()
+    (out / "a").rmdir()
+    assert main(["export", run, "--out", str(out)]) == 0, "an empty folder is fine"
+    assert main(["export", run, "--out", str(out)]) == 0, "our own export folder is replaced"
+    assert (out / "a" / "adapter_model.safetensors").is_file()
+    (out / "b").mkdir()
+    (out / "b" / "notes.txt").write_text("mine")
+    assert main(["export", run, "--out", str(out)]) == 0, "other folders are not touched"
+    assert (out / "b" / "notes.txt").read_text() == "mine"
+
+    (tmp_path / "file").write_text("x")
+    capsys.readouterr()
+    assert main(["export", run, "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "is a file; --out must name a folder" in err
+    assert "Traceback" not in err

@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -35,6 +36,7 @@ __all__ = [
     "checkpoint_problems",
     "find_resume_checkpoint",
     "full_adapter_tensors",
+    "non_finite_tensors",
     "read_shard",
     "shard_name",
 ]
@@ -143,8 +145,41 @@ def find_resume_checkpoint(root: str | Path, resume: str) -> Path | None:
 
 
 def read_shard(folder: str | Path, name: str) -> dict:
-    """Load one shard file of a checkpoint (CPU tensors, ``weights_only``)."""
-    return torch.load(Path(folder) / name, map_location="cpu", weights_only=True)
+    """Load one shard file of a checkpoint (CPU tensors, ``weights_only``).
+
+    Raises:
+        CheckpointError: when the file holds anything but tensors and plain data (a pickled
+            object is never run) or is not a torch file.
+    """
+    path = Path(folder) / name
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint shard {str(path)!r} is refused: it holds more than "
+                              f"tensors and plain data ({first})") from None
+
+
+def non_finite_tensors(tree: object, where: str) -> list[str]:
+    """Names (``where`` plus dotted keys) of the floating tensors in ``tree`` holding NaN/inf."""
+    if isinstance(tree, torch.Tensor):
+        bad = tree.is_floating_point() and not bool(torch.isfinite(tree).all())
+        return [where] if bad else []
+    if isinstance(tree, dict):
+        return [n for key, value in tree.items()
+                for n in non_finite_tensors(value, f"{where}.{key}")]
+    if isinstance(tree, list | tuple):
+        return [n for i, value in enumerate(tree)
+                for n in non_finite_tensors(value, f"{where}.{i}")]
+    return []
+
+
+def _refuse_non_finite(folder: Path, names: list[str]) -> None:
+    if names:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise CheckpointError(f"checkpoint {str(folder)!r} holds NaN or infinite values in "
+                              f"{shown}; it is refused (resume from an older checkpoint with "
+                              f"train.resume: <folder>, or start fresh)")
 
 
 def _merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
@@ -172,6 +207,10 @@ def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor
     out: dict[str, dict[str, torch.Tensor]] = {}
     for p in range(pp):
         shards = [read_shard(folder, shard_name(t, p)) for t in range(tp)]
+        _refuse_non_finite(folder, [n for t, shard in enumerate(shards)
+                                    for e in shard["adapters"]
+                                    for n in non_finite_tensors(e["tensors"],
+                                                                f"{e['name']} (tp{t} pp{p})")])
         for a, entry in enumerate(shards[0]["adapters"]):
             tensors = out.setdefault(entry["name"], {})
             for key, value in entry["tensors"].items():
@@ -335,6 +374,9 @@ class Checkpointer:
                 f"checkpoint {str(folder)!r} holds adapters {names}, this run has "
                 f"{[run.name for run in runs]} (set train.resume: never or another "
                 f"train.output_dir to start fresh)")
+        _refuse_non_finite(folder, [n for e in shard["adapters"] for key in
+                                    ("tensors", "grads", "optimizer")
+                                    for n in non_finite_tensors(e[key], f"{e['name']}.{key}")])
         for a, (entry, run) in enumerate(zip(shard["adapters"], runs, strict=True)):
             lora.load_adapter_state_dict(a, entry["tensors"])
             load_views(lora.adapter_grads(a), entry["grads"], f"the gradients of adapter {a}")

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_lorafusion.config import AdapterConfig, ModelConfig, adapter_scaling, job_from_dict
+from megatron_lorafusion.validation import adapter_name_problem
 
 _PREFIX = "base_model.model.model.layers"
 _HF_TARGETS = {
@@ -101,6 +102,25 @@ def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict
     }
 
 
+class ExportError(ValueError):
+    """An export that would lie or destroy files: non-finite weights, a foreign folder."""
+
+
+def check_finite_weights(adapter: AdapterConfig,
+                         megatron_state: dict[str, torch.Tensor]) -> None:
+    """Refuse (`ExportError`) an adapter with a NaN or infinite weight."""
+    bad = sorted(k for k, t in megatron_state.items() if not bool(torch.isfinite(t).all()))
+    if bad:
+        raise ExportError(f"adapter {adapter.name!r} has NaN or infinite weights in "
+                          f"{len(bad)} tensors ({bad[0]}, ...); nothing exported (lower its lr "
+                          f"or alpha, check the data, or export an older checkpoint)")
+
+
+def _tmp_sibling(folder: Path) -> Path:
+    """The temporary folder ``folder`` is written into (hidden: no adapter name collides)."""
+    return folder.with_name(f".{folder.name}.tmp")
+
+
 def write_peft_folder(
     folder: str | Path,
     adapter: AdapterConfig,
@@ -111,9 +131,13 @@ def write_peft_folder(
 
     The files go to a temporary sibling folder first, which replaces ``folder`` only once
     complete, so a crash never leaves a half-written adapter.
+
+    Raises:
+        ExportError: when a weight is NaN or infinite (nothing is written).
     """
+    check_finite_weights(adapter, megatron_state)
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(peft_state_dict(megatron_state, model), str(tmp / "adapter_model.safetensors"))
@@ -160,9 +184,10 @@ def write_merged_checkpoint(
     if model.hf_path is None:
         raise ValueError("merging needs a Hugging Face base (model.hf_path); this run was "
                          "trained on a random base, which has no checkpoint to merge into")
+    check_finite_weights(adapter, megatron_state)
     deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model))
     source, folder = Path(model.hf_path), Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     merged = set()
@@ -186,6 +211,37 @@ def write_merged_checkpoint(
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
+
+
+EXPORT_MARKER = ".lorafusion-export.json"  # in an export folder: the folders we wrote there
+
+
+def _claim_export_folder(out: Path, targets: list[str]) -> list[str]:
+    """Check that ``out`` may receive ``targets`` (sub-folder names); returns those we wrote.
+
+    ``out`` must be missing, empty, or an export folder of ours (it holds `EXPORT_MARKER`),
+    and an existing target must be one we wrote there: a user's file is never replaced.
+
+    Raises:
+        ExportError: naming the folder (or file) that would be overwritten.
+    """
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"export folder {str(out)!r} is a file; --out must name a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return []
+    marker = out / EXPORT_MARKER
+    try:
+        ours = json.loads(marker.read_text(encoding="utf-8"))["written"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ExportError(f"export folder {str(out)!r} is not empty and was not written by "
+                          f"lorafusion export (no readable {EXPORT_MARKER}); refusing to "
+                          f"overwrite it: choose a new or empty folder") from None
+    foreign = [t for t in targets if (out / t).exists() and t not in ours]
+    if foreign:
+        raise ExportError(f"export folder {str(out / foreign[0])!r} exists and was not written "
+                          f"by lorafusion export; refusing to replace it: move it away or "
+                          f"choose another --out")
+    return list(ours)
 
 
 def _resolve_checkpoint(source: Path) -> Path:
@@ -220,6 +276,8 @@ def export_checkpoint(
     Raises:
         ValueError: for a missing or damaged checkpoint, an unknown adapter name, or a merge
             without a Hugging Face base.
+        ExportError: for non-finite weights, or an ``out`` that is a file, a non-empty folder
+            not written by export, or holds a same-named folder it did not write.
     """
     from megatron_lorafusion.train.checkpoint import full_adapter_tensors
 
@@ -229,12 +287,29 @@ def export_checkpoint(
     unknown = sorted(set(names or []) - adapters.keys())
     if unknown:
         raise ValueError(f"adapters {unknown} are not in the run; it has {sorted(adapters)}")
+    unsafe = [q for i, a in enumerate(cfg.adapters)
+              if (q := adapter_name_problem(a.name, f"adapters.{i}.name")) is not None]
+    if unsafe:  # a run written before names were checked: never build a path out of them
+        raise ValueError(f"{str(folder)!r}: job.json: " + "; ".join(unsafe))
+    clashes = sorted(n for n in adapters if merge and f"{n}-merged" in adapters)
+    if clashes:
+        raise ValueError(f"--merge would write {clashes[0]}-merged/ over the adapter of that "
+                         f"name; export them without --merge or separately")
     tensors = full_adapter_tensors(folder)
+    chosen = names or list(adapters)
+    for name in chosen:  # all or nothing: no folder written while another would be refused
+        check_finite_weights(adapters[name], tensors[name])
+    out = Path(out)
+    targets = [t for n in chosen for t in ([n, f"{n}-merged"] if merge else [n])]
+    ours = _claim_export_folder(out, targets)
+    out.mkdir(parents=True, exist_ok=True)
+    ours = sorted(set(ours) | set(targets))  # recorded first: a crash leaves them claimable
+    (out / EXPORT_MARKER).write_text(json.dumps({"written": ours}, indent=2) + "\n",
+                                     encoding="utf-8")
     written = []
-    for name in names or list(adapters):
-        written.append(write_peft_folder(Path(out) / name, adapters[name], tensors[name],
-                                         cfg.model))
+    for name in chosen:
+        written.append(write_peft_folder(out / name, adapters[name], tensors[name], cfg.model))
         if merge:
-            written.append(write_merged_checkpoint(Path(out) / f"{name}-merged",
-                                                   adapters[name], tensors[name], cfg.model))
+            written.append(write_merged_checkpoint(out / f"{name}-merged", adapters[name],
+                                                   tensors[name], cfg.model))
     return written

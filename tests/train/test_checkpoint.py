@@ -193,3 +193,35 @@ def test_checkpoint_same_point_of_another_job_is_replaced(tmp_path):
     assert json.loads((folder / "job.json").read_text()) == {"job": 2}
     assert not checkpoint_problems(folder)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_00000004"]
+
+
+def test_checkpoint_with_non_finite_weights_is_refused(tmp_path):
+    from megatron_lorafusion.train.checkpoint import CheckpointError, full_adapter_tensors
+
+    lora = _FakeLoRA()
+    run, optimizer = _run(lora)
+    lora.weights[0, 8] = float("inf")  # in l.lora_B
+    folder = Checkpointer(tmp_path, {}).save(3, "digest", [run], optimizer, lora)
+    assert not checkpoint_problems(folder), "the files themselves are intact"
+    with pytest.raises(CheckpointError, match=r"NaN or infinite values in x \(tp0 pp0\)"):
+        full_adapter_tensors(folder)
+    fresh = _FakeLoRA()
+    before = fresh.weights.clone()
+    run, fresh_optimizer = _run(fresh)
+    with pytest.raises(CheckpointError, match=r"NaN or infinite values in x\.tensors\.l\.lora_B"):
+        Checkpointer(tmp_path, {}).restore(folder, [run], fresh_optimizer, fresh)
+    torch.testing.assert_close(fresh.weights, before, atol=0, rtol=0,
+                               msg="a refused checkpoint must load nothing")
+
+
+class _Payload:
+    """Any object a pickle would construct when loaded without weights_only."""
+
+
+def test_checkpoint_shard_holding_a_pickled_object_is_refused(tmp_path):
+    from megatron_lorafusion.train.checkpoint import CheckpointError, read_shard
+
+    torch.save({"adapters": [], "payload": _Payload()}, tmp_path / "shard_tp0_pp0.pt")
+    with pytest.raises(CheckpointError, match="holds more than tensors and plain data") as info:
+        read_shard(tmp_path, "shard_tp0_pp0.pt")
+    assert "\n" not in str(info.value), "the refusal is one line"

@@ -109,7 +109,8 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
     newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
     assert cli_main(["export", str(newest), "--out", str(tmp_path / "y"), "--adapters",
                      "add"]) == 0, "one checkpoint folder, one adapter"
-    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == ["add"]
+    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == [".lorafusion-export.json",
+                                                                  "add"]
 
     ours = _imported_lora_logits(cfg, tmp_path / "run", LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
@@ -171,3 +172,31 @@ def _imported_lora_logits(cfg, run_dir, lengths):
     bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
     slices = [slice(bounds[i], bounds[i + 1]) for i in range(len(lengths))]
     return {"ids": ids, "logits": logits, "slices": slices, "owners": owners}
+
+
+def test_export_refuses_non_finite_weights_and_writes_nothing(tmp_path):
+    from megatron_lorafusion.train.export import ExportError
+
+    state = _megatron_state(2)
+    state["decoder.layers.1.mlp.linear_fc2.lora_B"][3, 1] = float("nan")
+    with pytest.raises(ExportError, match="adapter 'x' has NaN or infinite weights"):
+        write_peft_folder(tmp_path / "x", AdapterConfig(name="x", rank=2), state, MODEL)
+    assert list(tmp_path.iterdir()) == [], "a refused export must write nothing"
+
+
+def test_export_refuses_unsafe_adapter_name_of_an_old_run(tmp_path):
+    """A job.json written before names were checked never becomes a path outside --out."""
+    from dataclasses import asdict
+
+    from megatron_lorafusion.config import JobConfig
+    from megatron_lorafusion.train import export_checkpoint
+
+    ckpt = tmp_path / "ckpt_00000001"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_text("{}")
+    job = asdict(JobConfig(adapters=[AdapterConfig(name="../../escape")]))
+    (ckpt / "job.json").write_text(json.dumps(job))
+    with pytest.raises(ValueError, match=r"adapters\.0\.name must be 1 to 100 letters"):
+        export_checkpoint(ckpt, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path.parent / "escape").exists()
