@@ -157,6 +157,16 @@ class AdapterConfig:
     """AdamW decoupled weight decay."""
     global_batch_size: int = 8
     """Samples per optimizer step."""
+    max_grad_norm: float = 1.0
+    """Clip this adapter's gradient to this L2 norm (over all its factors) before each step,
+    as HF/TRL and torchtune do by default; 0 turns clipping off."""
+    eval_dataset: DatasetConfig | None = None
+    """Held-out rows for evaluation (same keys as dataset); None: none, or eval_fraction."""
+    eval_fraction: float = 0.0
+    """Fraction of the training rows held out for evaluation instead, in [0, 1); 0: none."""
+    early_stopping_patience: int = 0
+    """Stop stepping this adapter after this many evaluations (train.eval_every) without a
+    new best eval loss, and export its best weights; 0: never stop early."""
 
 
 @dataclass(frozen=True)
@@ -243,6 +253,9 @@ class TrainConfig:
     ``never``: start fresh; or the path of one checkpoint folder."""
     keep_last: int = 3
     """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all."""
+    eval_every: int = 0
+    """Evaluate each adapter that has eval data every this many of its optimizer steps (and at
+    its last); 0: never."""
 
 
 @dataclass(frozen=True)
@@ -359,6 +372,65 @@ def _apply_hf_model(raw: dict, problems: list[str]) -> dict:
     return {**raw, "model": {**model, **fields}}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key repeated in one mapping is an error."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    first: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *base" may override keys
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            repeated = key in first
+        except TypeError:  # an unhashable key: the safe constructor reports it
+            continue
+        if repeated:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {first[key]})",
+                key_node.start_mark)
+        first[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _yaml_problem(err: yaml.YAMLError, text: str) -> tuple[int | None, str]:
+    """``(line, problem)`` of a PyYAML error (line 1-based, None when unknown)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark or err.context_mark
+        problem = ", ".join(str(q) for q in (err.context, err.problem) if q)
+        return (None if mark is None else mark.line + 1), problem
+    if isinstance(err, yaml.reader.ReaderError):  # a control character
+        return text[: err.position].count("\n") + 1, f"unacceptable character {err.character!r}"
+    return None, str(err)
+
+
+def _read_job_yaml(path: Path) -> Any:
+    """The parsed job file; encoding, syntax, duplicate-key and nesting errors name the line.
+
+    Raises:
+        ConfigError: naming ``path`` and the line of the problem.
+    """
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ConfigError([f"job file {str(path)!r}, line {line}: not UTF-8 text "
+                           f"(byte 0x{data[err.start]:02x})"]) from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        line, problem = _yaml_problem(err, text)
+        where = f"job file {str(path)!r}" + ("" if line is None else f", line {line}")
+        raise ConfigError([f"{where}: {problem}"]) from None
+    except RecursionError:
+        raise ConfigError([f"job file {str(path)!r}: nested too deeply"]) from None
+
+
 def _set_dotted(raw: dict, dotted: str, problems: list[str]) -> None:
     """Apply one ``a.b.c=value`` override (list items by index: ``adapters.0.lr=1e-4``)."""
     key, sep, text = dotted.partition("=")
@@ -376,7 +448,12 @@ def _set_dotted(raw: dict, dotted: str, problems: list[str]) -> None:
             problems.append(f"override {dotted!r}: {part!r} does not name a section or list item")
             return
     last = parts[-1]
-    value = yaml.safe_load(text)
+    try:
+        value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        problems.append(f"override {dotted!r}: the value is not valid YAML "
+                        f"({_yaml_problem(err, text)[1]})")
+        return
     if isinstance(node, list) and last.isdigit() and int(last) < len(node):
         node[int(last)] = value
     elif isinstance(node, dict):
@@ -401,10 +478,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     path = Path(path)
     if not path.is_file():
         raise ConfigError([f"job file {str(path)!r} does not exist"])
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as err:
-        raise ConfigError([f"job file {str(path)!r} is not valid YAML: {err}"]) from err
+    raw = _read_job_yaml(path)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -243,3 +243,38 @@ def test_config_output_dir_holding_only_the_jobs_data_is_accepted(tmp_path):
     data.write_text('{"prompt": "p", "response": "r"}\n')
     job["adapters"][0]["dataset"]["path"] = str(data)
     assert load_config(_write(tmp_path, job)).adapters[0].dataset.path == str(data)
+
+
+def test_config_duplicate_yaml_key_names_key_and_both_lines(tmp_path):
+    path = _write(tmp_path, _job(tmp_path))
+    text = path.read_text()
+    path.write_text(text.replace("  steps: 2\n", "  steps: 1\n  steps: 2\n"))
+    line = path.read_text().splitlines().index("  steps: 2") + 1
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        f"job file {str(path)!r}, line {line}: duplicate key 'steps' (first on line {line - 1})"]
+    path.write_text(text + "train: {steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train' \(first on line \d+\)"):
+        load_config(path)
+
+
+def test_config_yaml_syntax_and_encoding_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  preset: tiny\n train: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems[0].startswith(f"job file {str(path)!r}, line 3: ")
+    assert "<unicode string>" not in info.value.problems[0]
+    path.write_bytes("model: {preset: tiny}\n# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.problems == [f"job file {str(path)!r}, line 2: not UTF-8 text (byte 0xe9)"]
+    path.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(path)
+
+
+def test_config_override_that_is_not_yaml_is_named(tmp_path):
+    errors = _errors(tmp_path, _job(tmp_path), ["train.steps=\t3: [x"])
+    assert "override 'train.steps=\\t3: [x': the value is not valid YAML" in errors
