@@ -3,15 +3,22 @@
 The worker runs `iter_plan_chunks` (same chunks, same order, so the result is deterministic
 for a problem and seed) and blocks when ``max_chunks_ahead`` chunks wait unread, so it
 stays a few steps ahead of the GPU without unbounded memory. A worker that raises or dies
-surfaces in the training process as `PlannerWorkerError` on the next read.
+surfaces in the training process as `PlannerWorkerError` on the next read. A worker never
+outlives its parent, however the parent dies (SIGKILL included): on Linux the kernel kills it
+(``PR_SET_PDEATHSIG``), and everywhere it checks its parent whenever a full queue makes it
+wait.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
+import signal
+import sys
 import traceback
 from collections.abc import Iterator
 from typing import Literal
@@ -32,16 +39,41 @@ class PlannerWorkerError(RuntimeError):
     """The background planner's worker process raised or died; the message says how."""
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux); exit if it already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # died before the request took effect
+        os._exit(1)
+
+
+def _put(out: mp.Queue, message: tuple, parent_pid: int, poll_s: float) -> None:
+    """``out.put(message)``, checking every ``poll_s`` seconds that the parent still lives."""
+    while True:
+        try:
+            out.put(message, timeout=poll_s)
+            return
+        except queue.Full:
+            if os.getppid() != parent_pid:  # nobody will read: end without cleanup
+                os._exit(1)
+
+
 def _produce(
-    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float, out: mp.Queue
+    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float, out: mp.Queue,
+    parent_pid: int, poll_s: float,
 ) -> None:
     """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks."""
+    _die_with(parent_pid)
     try:
         for chunk in iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s):
-            out.put((_CHUNK, chunk))
-        out.put((_DONE, None))
+            _put(out, (_CHUNK, chunk), parent_pid, poll_s)
+        _put(out, (_DONE, None), parent_pid, poll_s)
     except BaseException:  # the parent must see every failure, then we exit
-        out.put((_ERROR, traceback.format_exc()))
+        _put(out, (_ERROR, traceback.format_exc()), parent_pid, poll_s)
 
 
 class BackgroundPlanner:
@@ -59,7 +91,8 @@ class BackgroundPlanner:
         max_chunks_ahead: queue bound: chunks the worker may compute before they are read.
         start_method: multiprocessing start method; ``"spawn"`` is safe after CUDA and NCCL
             are initialised in the parent.
-        poll_s: seconds between liveness checks of the worker while waiting for a chunk.
+        poll_s: seconds between liveness checks of the worker while waiting for a chunk, and
+            of the parent while the worker waits for room in the queue.
 
     Raises:
         PlannerWorkerError: from iteration, if the worker raised (its traceback is in the
@@ -88,7 +121,8 @@ class BackgroundPlanner:
         self._done = False
         self._process = ctx.Process(
             target=_produce,
-            args=(problem, rounds_per_chunk, solver, time_limit_s, self._queue),
+            args=(problem, rounds_per_chunk, solver, time_limit_s, self._queue, os.getpid(),
+                  poll_s),
             name="lorafusion-planner",
             daemon=True,
         )

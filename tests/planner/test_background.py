@@ -1,5 +1,9 @@
 import os
+import select
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -51,6 +55,39 @@ def test_background_planner_surfaces_worker_death():
                 pass
     finally:
         planner.close()
+
+
+_ORPHAN_PARENT = textwrap.dedent("""
+    import threading
+    from megatron_lorafusion.planner import BackgroundPlanner, PlanProblem
+    from megatron_lorafusion.planner.distributions import adapter_lengths
+    from megatron_lorafusion.planner.policy import apply_length_policy
+
+    lengths = apply_length_policy(adapter_lengths("mix", 3, 4000, seed=1), 2048, 16).lengths
+    problem = PlanProblem(lengths, (8, 8, 8), 2048, 3, 16, seed=1)
+    planner = BackgroundPlanner(problem, rounds_per_chunk=1, solver="greedy",
+                                max_chunks_ahead=1, poll_s=0.05)
+    print(planner.pid, flush=True)  # the worker soon blocks on its full queue
+    threading.Event().wait()
+""")
+
+
+def test_background_planner_worker_dies_with_a_killed_parent():
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT], stdout=subprocess.PIPE)
+    try:
+        worker = int(parent.stdout.readline())
+        handle = os.pidfd_open(worker)  # readable once the worker has exited
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+    try:
+        exited, _, _ = select.select([handle], [], [], 10.0)
+    finally:
+        os.close(handle)
+    if not exited:
+        os.kill(worker, signal.SIGKILL)
+    assert exited, f"planner worker {worker} outlived its SIGKILLed parent by 10 s"
 
 
 def _explode(*args, **kwargs):
