@@ -179,7 +179,9 @@ class DataConfig:
     max_seq_length: int = 256
     """Longest sample after the truncation policy, in tokens."""
     truncation: Literal["truncate", "reject"] = "truncate"
-    """Longer samples are cut to max_seq_length, or rejected with an error naming them."""
+    """Longer samples are cut to max_seq_length (the prompt from its left first, then the
+    response from its right), or rejected with an error naming them. A sample left with no
+    trained token is an error naming it (a counted skip with bad_rows: skip)."""
     train_on_prompt: bool = False
     """Also put loss on prompt tokens (default: response tokens only)."""
     shuffle: bool = True

@@ -41,7 +41,7 @@ PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
         "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
     ),
 }
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: truncation cuts the prompt first, samples without a trained token go
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,17 @@ def _load_cache(path: Path) -> list[TokenizedSample] | None:
     return samples
 
 
+def _truncate(ids: list[int], trained: list[int], keep: int) -> tuple[list[int], list[int]]:
+    """The last ``keep`` tokens' worth of a sample, cutting the prompt first.
+
+    The prompt (every token before the first trained one) loses tokens from its left; only
+    when the trained part alone is longer than ``keep`` is it cut from its right.
+    """
+    prompt = trained.index(1) if 1 in trained else len(ids)
+    drop = min(len(ids) - keep, prompt)
+    return ids[drop:][:keep], trained[drop:][:keep]
+
+
 def _sample(ids: list[int], trained: list[int], data: DataConfig, where: str,
             name: str) -> tuple[TokenizedSample, bool]:
     """Shift ids into (input, label), apply the truncation policy; returns (sample, was cut)."""
@@ -165,7 +176,7 @@ def _sample(ids: list[int], trained: list[int], data: DataConfig, where: str,
                 f"data.max_seq_length={data.max_seq_length} (set data.truncation: truncate to "
                 f"cut it)"
             )
-        ids, trained = ids[: data.max_seq_length + 1], trained[: data.max_seq_length + 1]
+        ids, trained = _truncate(ids, trained, data.max_seq_length + 1)
     mask = [1] * (len(ids) - 1) if data.train_on_prompt else trained[1:]
     return TokenizedSample(tuple(ids[:-1]), tuple(ids[1:]), tuple(mask)), cut
 
@@ -206,6 +217,13 @@ def load_adapter_dataset(
             skipped += 1
             continue
         sample, cut = _sample(ids, trained, data, where, adapter.name)
+        if not any(sample.loss_mask):  # it would train nothing and make a zero loss
+            if data.bad_rows == "error":
+                raise DataError(f"{where}: adapter {adapter.name!r}: the sample has no trained "
+                                f"token within data.max_seq_length={data.max_seq_length} "
+                                f"(raise it, or set data.bad_rows: skip to skip such rows)")
+            skipped += 1
+            continue
         samples.append(sample)
         truncated += cut
     if not samples:

@@ -151,3 +151,43 @@ def test_dataset_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
                                                      train_on_prompt=True), ByteTokenizer())
     assert all(again[0].loss_mask), "another loss policy is another cache entry"
     assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 2
+
+
+def test_dataset_truncation_cuts_the_prompt_from_the_left_and_keeps_the_response(tmp_path):
+    rows = [{"prompt": "0123456789" * 3, "response": "abc"}]
+    tok = ByteTokenizer()
+    (sample,) = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=10),
+                                     tok)
+    assert len(sample) == 10
+    assert _trained_text(tok, sample) == "abc", "the whole response must stay trained"
+    kept = tok.decode(list(sample.input_ids))
+    assert kept == "3456789abc", f"the prompt's tail must be kept, got {kept!r}"
+
+
+def test_dataset_truncation_cuts_an_overlong_response_from_the_right(tmp_path):
+    rows = [{"prompt": "q", "response": "0123456789" * 2}]
+    (sample,) = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=8),
+                                     ByteTokenizer())
+    assert len(sample) == 8
+    assert all(sample.loss_mask), "only response tokens are left, each trained"
+
+
+def test_dataset_sample_without_trained_token_is_named_or_skipped(tmp_path, monkeypatch,
+                                                                 caplog):
+    # A chat whose only assistant token opens the sample: it is an input, never a label.
+    from megatron_lorafusion.data import dataset
+
+    real = dataset._row_tokens
+
+    def tokens(row, d, tokenizer):
+        return ([65, 66, 67], [1, 0, 0]) if row["prompt"] == "bad" else real(row, d, tokenizer)
+
+    monkeypatch.setattr(dataset, "_row_tokens", tokens)
+    rows = [{"prompt": "p", "response": "r"}, {"prompt": "bad", "response": "r"}]
+    adapter = _adapter(tmp_path, rows)
+    with pytest.raises(DataError, match=r"a\.jsonl:2: adapter 'a': the sample has no trained "
+                                        r"token within data\.max_seq_length=256"):
+        load_adapter_dataset(adapter, DataConfig(), ByteTokenizer())
+    samples = load_adapter_dataset(adapter, DataConfig(bad_rows="skip"), ByteTokenizer())
+    assert len(samples) == 1
+    assert "skipped 1 malformed rows" in caplog.text
