@@ -21,6 +21,7 @@ setup(
         "numpy>=1.26",
         "tqdm>=4.66",
         "matplotlib>=3.8",
+        "tensorboard>=2.16",  # metrics: torch.utils.tensorboard.SummaryWriter
     ],
     extras_require={
         "dev": [

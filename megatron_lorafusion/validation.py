@@ -117,6 +117,7 @@ def validate(cfg: JobConfig) -> list[str]:
     for i, a in enumerate(cfg.adapters):
         p.extend(_validate_adapter(a, f"adapters.{i}", seen))
         p.extend(_validate_dataset(a.dataset, cfg.data, f"adapters.{i}.dataset"))
+        p.extend(_validate_eval(a, cfg, f"adapters.{i}"))
     if cfg.data.max_seq_length <= 0:
         p.append(f"data.max_seq_length must be > 0, got {cfg.data.max_seq_length}")
     if cfg.data.max_seq_length > m.max_position_embeddings:
@@ -163,6 +164,8 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.save_every must be >= 0, got {t.save_every}")
     if t.keep_last < 0:
         p.append(f"train.keep_last must be >= 0, got {t.keep_last}")
+    if t.eval_every < 0:
+        p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
     if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
         p.append(f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
                  f"got {t.resume!r}")
@@ -244,6 +247,29 @@ def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]
         p.append(f"{where}.weight_decay must be >= 0, got {a.weight_decay}")
     if a.global_batch_size <= 0:
         p.append(f"{where}.global_batch_size must be > 0, got {a.global_batch_size}")
+    if a.max_grad_norm < 0:
+        p.append(f"{where}.max_grad_norm must be >= 0 (0 = no clipping), got {a.max_grad_norm}")
+    return p
+
+
+def _validate_eval(a: AdapterConfig, cfg: JobConfig, where: str) -> list[str]:
+    """Evaluation and early-stopping rules of one adapter (issue 16)."""
+    p: list[str] = []
+    if not 0.0 <= a.eval_fraction < 1.0:
+        p.append(f"{where}.eval_fraction must be in [0, 1), got {a.eval_fraction}")
+    if a.eval_dataset is not None:
+        p.extend(_validate_dataset(a.eval_dataset, cfg.data, f"{where}.eval_dataset"))
+        if a.eval_fraction > 0:
+            p.append(f"{where}.eval_fraction must be 0 with eval_dataset (one eval source), "
+                     f"got {a.eval_fraction}")
+    if a.early_stopping_patience < 0:
+        p.append(f"{where}.early_stopping_patience must be >= 0, got "
+                 f"{a.early_stopping_patience}")
+    elif a.early_stopping_patience > 0 and (
+            cfg.train.eval_every <= 0 or (a.eval_dataset is None and a.eval_fraction == 0)):
+        p.append(f"{where}.early_stopping_patience needs evaluation (train.eval_every > 0 and "
+                 f"an eval_dataset or eval_fraction), got eval_every={cfg.train.eval_every}, "
+                 f"eval_fraction={a.eval_fraction}")
     return p
 
 

@@ -147,8 +147,9 @@ class _Runner:
     def __init__(self, forward, make_batch, adapters, optimizer, grads, groups, *,
                  global_batch_sizes,
                  hidden_size, activation_dtype, device, on_step, record_events, first_index,
-                 sequence_shards, wgrad_queue):
+                 sequence_shards, wgrad_queue, log_every):
         self.forward, self.make_batch = forward, make_batch
+        self.log_every = log_every
         self.sequence_shards = sequence_shards
         self.wgrad = wgrad_queue
         self.adapters, self.optimizer, self.grads, self.g = adapters, optimizer, grads, groups
@@ -349,7 +350,7 @@ class _Runner:
             run = self.adapters[b]
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))
-            if self.g.is_last and self.g.dp_rank == 0:
+            if self.g.is_last and self.g.dp_rank == 0 and len(run.losses) % self.log_every == 0:
                 logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name,
                             len(run.losses), run.losses[-1], self.optimizer.lr(b))
             if self.on_step is not None:
@@ -384,6 +385,7 @@ def run_pipeline(
     first_index: int = 0,
     sequence_shards: int = 1,
     wgrad_queue: WgradQueue | None = None,
+    log_every: int = 1,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -416,6 +418,7 @@ def run_pipeline(
         wgrad_queue: the `LoRAContext`'s queue when LoRA weight gradients are deferred
             (``parallel.defer_wgrad``): run while this stage waits for a peer, before the
             optimizer steps of the adapters a pass touched, and at the end of the call.
+        log_every: log an adapter's loss every this many of its steps (last stage, DP rank 0).
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -428,7 +431,8 @@ def run_pipeline(
                      global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
                      activation_dtype=activation_dtype, device=device, on_step=on_step,
                      record_events=record_events, first_index=first_index,
-                     sequence_shards=sequence_shards, wgrad_queue=wgrad_queue)
+                     sequence_shards=sequence_shards, wgrad_queue=wgrad_queue,
+                     log_every=log_every)
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)

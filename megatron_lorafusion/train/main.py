@@ -23,9 +23,11 @@ from megatron_lorafusion.data import (
     training_order,
 )
 from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
-from megatron_lorafusion.train.export import write_peft_folder
+from megatron_lorafusion.train.evaluate import Evaluator, split_eval_datasets
+from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
-from megatron_lorafusion.train.optim import AdapterAdamW
+from megatron_lorafusion.train.metrics import MetricsWriter, read_metrics
+from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
 from megatron_lorafusion.train.resume import make_resume_session
 
 logger = logging.getLogger(__name__)
@@ -124,7 +126,7 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
 
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
                    runs: list[AdapterRun], optimizer: AdapterAdamW, groups,
-                   device: torch.device, session, shards: int) -> None:
+                   device: torch.device, session, shards: int, on_step=None) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
     The stream is cut at the checkpoint points (`ResumeSession.segments`): each segment is
@@ -144,8 +146,68 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
                      hidden_size=cfg.model.hidden_size,
                      activation_dtype=_DTYPES[cfg.train.precision], device=device,
                      first_index=first_index, sequence_shards=shards,
-                     wgrad_queue=lora.wgrad_queue)
+                     wgrad_queue=lora.wgrad_queue, on_step=on_step,
+                     log_every=cfg.logging.log_every)
         session.save()
+
+
+def _clipping(cfg: JobConfig, sizes: dict[str, int], groups, held, lora) -> dict:
+    """`AdapterAdamW`'s norm keyword for this layout; refuses what is not implemented yet.
+
+    Raises:
+        NotImplementedError: clipping under PP > 1 (the norm would need every stage at each
+            step of a stream without flushes), evaluation of a pipelined run, or early
+            stopping under TP > 1 (issue 16).
+    """
+    if sizes["pp"] > 1 and any(a.max_grad_norm > 0 for a in cfg.adapters):
+        raise NotImplementedError(
+            f"gradient clipping across pipeline stages is not implemented (parallel.pp="
+            f"{sizes['pp']}); set max_grad_norm: 0 on every adapter, or run with pp=1")
+    if groups is not None and cfg.train.eval_every > 0 and any(held):
+        raise NotImplementedError("evaluation (train.eval_every) is not implemented for "
+                                  "pipelined or data-parallel runs; set train.eval_every: 0")
+    if sizes["tp"] > 1 and any(a.early_stopping_patience > 0 for a in cfg.adapters):
+        raise NotImplementedError("early stopping is not implemented for parallel.tp > 1; "
+                                  "set early_stopping_patience: 0")
+    if sizes["tp"] == 1:
+        return {}
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    return {"squared_norms": tensor_parallel_squared_norms(lora, sizes["tp_rank"], group)}
+
+
+def _writes_metrics(sizes: dict[str, int], groups) -> bool:
+    """The one rank that writes metrics: the first TP/DP rank of the stage with the losses."""
+    if groups is None:
+        return sizes["rank"] == 0
+    return groups.is_last and sizes["dp_rank"] == 0 and sizes["tp_rank"] == 0
+
+
+def _metrics_records(out: Path) -> list[dict]:
+    try:
+        return read_metrics(out)
+    except FileNotFoundError:
+        return []
+
+
+def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: AdapterAdamW,
+                session, sizes: dict[str, int]):
+    """``(on_step, on_microbatch)``: metrics per step; evaluations before each checkpoint."""
+
+    def on_step(a: int, run: AdapterRun) -> None:
+        stopped = a in optimizer.stopped
+        norm = None if stopped or sizes["pp"] > 1 or not metrics.enabled else optimizer.grad_norm(a)
+        metrics.log_step(a, run.step, loss=run.losses[-1],
+                         lr=0.0 if stopped else optimizer.last_lr[a], grad_norm=norm,
+                         tokens=run.batch_tokens[run.step - 1])
+        evaluator.on_step(a, run.step, len(run.batch_tokens))
+
+    def on_microbatch(index: int) -> None:
+        evaluator.run_due()
+        session.after_microbatch(index)
+
+    return on_step, on_microbatch
 
 
 def _full_adapter_states(lora, sizes: dict[str, int]) -> list[dict[str, torch.Tensor]] | None:
@@ -170,6 +232,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     """
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
+    datasets, held = split_eval_datasets(cfg, datasets, tokenizer)
     problem, orders, batch_tokens = prepare_problem(cfg, datasets)
 
     from megatron_lorafusion import mcore
@@ -193,7 +256,8 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                       post_process=groups is None or groups.is_last,
                                       sequence_parallel=shards > 1)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens])
+        optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens],
+                                 **_clipping(cfg, sizes, groups, held, lora))
         runs = [AdapterRun(adapter.name, tokens)
                 for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
         out = Path(cfg.train.output_dir)
@@ -215,6 +279,14 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         # Written only once the resume is accepted: a refused one leaves the run as it was.
         out.mkdir(parents=True, exist_ok=True)
         (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
+        metrics = MetricsWriter(out, [a.name for a in cfg.adapters], device=device,
+                                enabled=_writes_metrics(sizes, groups))
+        evaluator = Evaluator(cfg, held, model, forward, lambda mb, rows, order: pack_microbatch(
+            mb, rows, order, len(cfg.adapters), device, dropout_seed=0, pad_to_multiple=shards),
+            lora, optimizer, metrics.log_eval, is_writer)
+        if first:
+            evaluator.restore(_metrics_records(out), [run.step for run in runs])
+        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, sizes)
         model.train()
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:
@@ -222,17 +294,22 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                 run_plan(session.stream(checked_stream(planner, problem)), forward, make_batch,
                          runs, optimizer, progress_bar=cfg.logging.progress_bar and is_writer,
                          log_every=cfg.logging.log_every, first_index=first,
-                         on_microbatch=session.after_microbatch)
+                         on_step=on_step, on_microbatch=on_microbatch)
             else:
                 _run_pipelined(cfg, checked_stream(planner, problem), model, lora, make_batch,
-                               runs, optimizer, groups, device, session, shards)
+                               runs, optimizer, groups, device, session, shards, on_step)
+        metrics.close()
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
         if is_writer:
+            for a, adapter in enumerate(cfg.adapters):  # all or none: never a NaN weight out
+                check_finite_weights(adapter, lora.adapter_state_dict(a) if states is None
+                                     else states[a])
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):
                 folder = write_peft_folder(out / "adapters" / adapter.name, adapter,
-                                           lora.adapter_state_dict(a) if states is None
-                                           else states[a], cfg.model)
+                                           evaluator.export_state(a)  # best by eval
+                                           or (lora.adapter_state_dict(a) if states is None
+                                               else states[a]), cfg.model)
                 logger.info("adapter %s (scale %.3g): %d steps, loss %.4f -> %.4f, exported to %s",
                             adapter.name, adapter_scaling(adapter), run.step, run.losses[0],
                             run.losses[-1], folder)

@@ -5,12 +5,16 @@ Adapter ``a``'s weights, gradients and moments are row ``a`` of (A, S) fp32 tabl
 together in one `ops.adapter_adamw_` launch, each with its own learning rate (its schedule at
 its own step count), betas, epsilon and weight decay. Each adapter's state stays its own:
 step count and moments are saved and restored per adapter (`adapter_state`).
+
+Before the launch each stepping adapter's gradient row is clipped to its ``max_grad_norm``
+(``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1):
+one norm over the table's rows and one row scaling, both on the device.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -21,6 +25,15 @@ from megatron_lorafusion.ops.adapter_adamw import HYPER_COLUMNS, adapter_adamw_
 
 _BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, as PEFT recipes use them
 _EPS = 1e-8
+_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+SquaredNormReduce = Callable[[torch.Tensor], torch.Tensor]
+"""``(grads (A, S) fp32) -> (A,) fp32``: every adapter's squared gradient norm over all ranks
+holding its factors (each factor counted once); the default, one process, sums the row."""
+
+
+def _local_squared_norms(grads: torch.Tensor) -> torch.Tensor:
+    return grads.square().sum(dim=1)
 
 
 def lr_multiplier(step: int, total_steps: int, adapter: AdapterConfig) -> float:
@@ -49,13 +62,25 @@ class AdapterAdamW:
         lora: the context whose ``weights`` and ``grads`` tables it steps.
         adapters: the run's adapters (lr, schedule, weight decay), by id.
         total_steps: per adapter, its optimizer steps in the run (the schedule's length).
+        squared_norms: computes the adapters' squared gradient norms (see
+            `SquaredNormReduce`); model-parallel runs pass one that sums over their ranks.
+
+    Attributes:
+        stopped: adapters that no longer step (early stopping): `step` zeroes their
+            gradients and leaves their weights, moments and step counts as they are.
+        last_lr: per adapter, the learning rate of its last step (0.0 before any).
 
     Raises:
         ValueError: when ``adapters`` or ``total_steps`` do not match the context's adapters.
     """
 
     def __init__(
-        self, lora: LoRAContext, adapters: Sequence[AdapterConfig], total_steps: Sequence[int]
+        self,
+        lora: LoRAContext,
+        adapters: Sequence[AdapterConfig],
+        total_steps: Sequence[int],
+        *,
+        squared_norms: SquaredNormReduce = _local_squared_norms,
     ):
         if len(adapters) != lora.num_adapters or len(total_steps) != lora.num_adapters:
             raise ValueError(
@@ -68,6 +93,12 @@ class AdapterAdamW:
         self.exp_avg = torch.zeros_like(lora.weights)
         self.exp_avg_sq = torch.zeros_like(lora.weights)
         self.steps = [0] * lora.num_adapters
+        self.stopped: set[int] = set()
+        self.last_lr = [0.0] * lora.num_adapters
+        self._squared_norms = squared_norms
+        self._max_norms = torch.tensor([a.max_grad_norm for a in adapters], dtype=torch.float32)
+        self._norms: torch.Tensor | None = None  # (A,) device, of the last step's gradients
+        self._norms_host: list[float] | None = None
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
@@ -77,13 +108,18 @@ class AdapterAdamW:
         )
 
     def step(self, adapter_ids: Iterable[int]) -> None:
-        """Step the given adapters (one launch) and zero their gradients.
+        """Clip and step the given adapters (one launch) and zero their gradients.
 
-        The other adapters' weights, moments and accumulated gradients are left untouched.
+        The other adapters' weights, moments and accumulated gradients are left untouched;
+        stopped adapters' gradients are zeroed without a step.
         """
         stepping = set(adapter_ids)
+        for a in stepping & self.stopped:
+            self.lora.grads[a].zero_()
+        stepping -= self.stopped
         if not stepping:
             return
+        self._clip(stepping)
         rows = []
         for a in range(self.lora.num_adapters):
             if a not in stepping:
@@ -91,9 +127,10 @@ class AdapterAdamW:
                 continue
             step = self.steps[a] + 1
             beta1, beta2 = _BETAS
+            self.last_lr[a] = self.lr(a)
             rows.append(
                 [
-                    self.lr(a),
+                    self.last_lr[a],
                     beta1,
                     beta2,
                     _EPS,
@@ -107,6 +144,29 @@ class AdapterAdamW:
         adapter_adamw_(self.lora.weights, self.lora.grads, self.exp_avg, self.exp_avg_sq, hyper)
         for a in stepping:
             self.steps[a] += 1
+
+    def _clip(self, stepping: set[int]) -> None:
+        """Norms of every row; rows of clipping adapters about to step scaled to their max."""
+        grads = self.lora.grads
+        norms = self._squared_norms(grads).sqrt()  # (A,)
+        self._norms, self._norms_host = norms, None
+        if not any(self.adapters[a].max_grad_norm > 0 for a in stepping):
+            return
+        device = grads.device
+        mask = torch.zeros(self.lora.num_adapters, dtype=torch.bool)
+        mask[sorted(a for a in stepping if self.adapters[a].max_grad_norm > 0)] = True
+        max_norms = copy_to_device(self._max_norms, device)
+        coef = (max_norms / (norms + _CLIP_EPS)).clamp(max=1.0)
+        coef = torch.where(copy_to_device(mask, device), coef, torch.ones_like(coef))
+        grads.mul_(coef[:, None])  # rows at 1.0 stay bit-identical
+
+    def grad_norm(self, adapter_id: int) -> float:
+        """Gradient norm (before clipping) of the adapter at the last `step` (a host read)."""
+        if self._norms is None:
+            return float("nan")
+        if self._norms_host is None:
+            self._norms_host = self._norms.tolist()
+        return self._norms_host[adapter_id]
 
     def adapter_state(self, adapter_id: int) -> dict:
         """One adapter's optimizer state: step count and moments by factor name (CPU copies)."""
@@ -133,3 +193,37 @@ class AdapterAdamW:
             views = self.lora.adapter_views(getattr(self, key), adapter_id)
             load_views(views, state[key], f"the {key} of adapter {adapter_id} ({name!r})")
         self.steps[adapter_id] = int(state["step"])
+
+
+def tensor_parallel_squared_norms(
+    lora: LoRAContext, tp_rank: int, tp_group
+) -> SquaredNormReduce:
+    """`SquaredNormReduce` of a TP group: split factors summed, replicated ones counted once.
+
+    Column-parallel linears split lora_B and replicate lora_A, row-parallel ones the reverse
+    (`LoRAContext.sharding`); replicated factors' gradients agree across TP ranks, so only TP
+    rank 0 counts them. One all-reduce of (A,) over ``tp_group`` per step (TP ranks run in
+    lockstep, so a blocking collective is safe here).
+
+    Args:
+        lora: this rank's adapters.
+        tp_rank: this rank's position in its TP group.
+        tp_group: the TP process group.
+    """
+    import torch.distributed as dist
+
+    weight = torch.ones_like(lora.grads)  # (A, S) 1 where this rank counts the column
+    if tp_rank != 0:
+        replicated = [n for n, split in lora.sharding().items() if split is None]
+        for a in range(lora.num_adapters):
+            views = lora.adapter_views(weight, a)
+            for name in replicated:
+                if name in views:
+                    views[name].zero_()
+
+    def reduce(grads: torch.Tensor) -> torch.Tensor:
+        squared = (grads.square() * weight).sum(dim=1)  # (A,)
+        dist.all_reduce(squared, group=tp_group)
+        return squared
+
+    return reduce

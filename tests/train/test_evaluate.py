@@ -1,0 +1,85 @@
+"""Evaluation and early stopping per adapter: one adapter stops, the other trains on."""
+
+import json
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from megatron_lorafusion.config import load_config
+from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
+from megatron_lorafusion.train.export import write_peft_folder
+from megatron_lorafusion.train.main import main
+
+STEPS = 6
+
+
+def _job(tmp_path):
+    adapters = []
+    # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early.
+    for task, lr, patience in (("sort", 1e-2, 0), ("add", 1.0, 1)):
+        path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=4)
+        adapters.append(
+            {
+                "name": "wild" if lr == 1.0 else task,
+                "rank": 4,
+                "alpha": 8,
+                "lr": lr,
+                "lr_schedule": "constant",
+                "global_batch_size": 4,
+                "eval_fraction": 0.2,
+                "early_stopping_patience": patience,
+                "dataset": {"path": str(path)},
+            }
+        )
+    job = {
+        "model": {"preset": "tiny", "num_layers": 1},
+        "adapters": adapters,
+        "data": {"max_seq_length": 48},
+        "planner": {"solver": "greedy", "token_capacity": 96},
+        "train": {
+            "steps": STEPS,
+            "device": "cpu",
+            "output_dir": str(tmp_path / "out"),
+            "eval_every": 1,
+        },
+        "logging": {"progress_bar": False},
+    }
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return load_config(path)
+
+
+def test_early_stopping_stops_one_adapter_and_exports_its_best(tmp_path):
+    cfg = _job(tmp_path)
+    losses = main(cfg)
+    out = tmp_path / "out"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = {
+        name: [
+            (r["step"], r["eval_loss"]) for r in lines if r["adapter"] == name and "eval_loss" in r
+        ]
+        for name in losses
+    }
+    assert [s for s, _ in evals["sort"]] == list(range(1, STEPS + 1)), evals["sort"]
+    wild = evals["wild"]
+    assert len(wild) < STEPS, f"wild must stop early, evaluated at {wild}"
+    best_step, best_loss = min(wild, key=lambda e: e[1])
+    assert all(loss >= best_loss for _, loss in wild[wild.index((best_step, best_loss)) :]), wild
+    assert len(losses["wild"]) == STEPS, "a stopped adapter's samples still flow"
+    stepped = [r["lr"] for r in lines if r["adapter"] == "wild" and "loss" in r]
+    assert stepped[len(wild) :] == [0.0] * (STEPS - len(wild)), f"no steps after stop: {stepped}"
+
+    best = torch.load(out / "best" / "wild.pt", weights_only=True)
+    assert best["step"] == best_step
+    write_peft_folder(tmp_path / "ref", cfg.adapters[1], best["state"], cfg.model)
+    exported = load_file(str(out / "adapters" / "wild" / "adapter_model.safetensors"))
+    expected = load_file(str(tmp_path / "ref" / "adapter_model.safetensors"))
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), f"exported {key} is not the best weights"
+    final = full_adapter_tensors(find_resume_checkpoint(out / "checkpoints", "auto"))["wild"]
+    assert any(not torch.equal(final[k], best["state"][k]) for k in best["state"]), (
+        "the best weights (step 1) must differ from the last ones"
+    )

@@ -1,0 +1,73 @@
+"""`AdapterAdamW`'s per-adapter gradient clipping and stopped adapters, against torch's rule."""
+
+from types import SimpleNamespace
+
+import torch
+
+from megatron_lorafusion.config import AdapterConfig
+from megatron_lorafusion.train.optim import AdapterAdamW
+
+# fp32 on the CPU: clipping is one row scale, the same multiply torch's clip_grad_norm_ does.
+TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6)}
+
+
+def _table(grads: torch.Tensor) -> SimpleNamespace:
+    """The two (A, S) tables `AdapterAdamW.step` reads (a `LoRAContext` stand-in)."""
+    weights = torch.linspace(-1.0, 1.0, grads.numel()).view_as(grads).clone()
+    return SimpleNamespace(weights=weights, grads=grads.clone(), num_adapters=grads.shape[0])
+
+
+def _optimizer(lora, max_norms):
+    adapters = [
+        AdapterConfig(name=f"a{i}", lr=1e-2, max_grad_norm=m) for i, m in enumerate(max_norms)
+    ]
+    return AdapterAdamW(lora, adapters, [10] * len(adapters))
+
+
+def test_clip_scales_each_adapter_to_its_max_norm_like_torch():
+    grads = torch.randn(4, 37, generator=torch.Generator().manual_seed(0)) * 3.0
+    grads[2] *= 1e-3  # below its max: untouched
+    max_norms = [1.0, 0.0, 1.0, 0.5]  # adapter 1: clipping off
+    clipped = _table(grads)
+    opt = _optimizer(clipped, max_norms)
+    opt.step([0, 1, 2, 3])
+
+    expected_grads = grads.clone()
+    for a, m in enumerate(max_norms):
+        if m > 0:
+            row = expected_grads[a].clone().requires_grad_()
+            row.grad = expected_grads[a].clone()
+            torch.nn.utils.clip_grad_norm_([row], m)
+            expected_grads[a] = row.grad
+    reference = _table(expected_grads)
+    _optimizer(reference, [0.0] * 4).step([0, 1, 2, 3])
+    torch.testing.assert_close(
+        clipped.weights,
+        reference.weights,
+        **TOL[torch.float32],
+        msg="clipped step differs from torch's clip + unclipped step",
+    )
+    for a in range(4):
+        torch.testing.assert_close(
+            torch.tensor(opt.grad_norm(a)),
+            grads[a].norm(),
+            **TOL[torch.float32],
+            msg=f"norm of adapter {a}",
+        )
+    assert torch.equal(clipped.weights[[1, 2]], reference.weights[[1, 2]]), (
+        "adapters that are not clipped must step bit-identically"
+    )
+    assert torch.count_nonzero(clipped.grads) == 0, "stepping zeroes the gradient rows"
+
+
+def test_stopped_adapter_keeps_weights_and_drops_gradients():
+    grads = torch.randn(2, 11, generator=torch.Generator().manual_seed(1))
+    lora = _table(grads)
+    before = lora.weights.clone()
+    opt = _optimizer(lora, [1.0, 1.0])
+    opt.stopped.add(1)
+    opt.step([0, 1])
+    assert torch.equal(lora.weights[1], before[1]), "a stopped adapter must not move"
+    assert not torch.equal(lora.weights[0], before[0]), "the other adapter steps"
+    assert opt.steps == [1, 0], f"a stopped adapter's step count stays, got {opt.steps}"
+    assert torch.count_nonzero(lora.grads) == 0, "a stopped adapter's gradients are dropped"
