@@ -115,3 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # one line, not a traceback; 130 = 128 + SIGINT
+        print(f"interrupted: {args.command} stopped"
+              + ("; rerun the same command to resume from its last checkpoint"
+                 if args.command == "train" else ""), file=sys.stderr)
+        return 130

@@ -109,3 +109,41 @@ def test_cli_export_never_overwrites_foreign_files(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a file; --out must name a folder" in err
     assert "Traceback" not in err
+
+
+def test_cli_ctrl_c_during_train_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+    import megatron_lorafusion.train.main as train_main
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_main, "main", interrupted)
+    assert main(["train", str(_job(tmp_path))]) == 130
+    err = capsys.readouterr().err
+    assert err == ("interrupted: train stopped; rerun the same command to resume from its last "
+                   "checkpoint\n")
+
+
+def test_cli_checkpoint_with_pickled_object_exits_2_in_one_line(tmp_path, capsys):
+    import torch
+
+    from megatron_lorafusion.train.checkpoint import _sha256
+
+    assert main(["train", str(_job(tmp_path))]) == 0
+    (ckpt,) = sorted((tmp_path / "out" / "checkpoints").glob("ckpt_*"))
+    shard = ckpt / "shard_tp0_pp0.pt"
+    torch.save({"payload": _Payload()}, shard)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": _sha256(shard)}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))  # the hashes agree: only the
+    capsys.readouterr()                                        # contents give it away
+    for argv in (["train", str(tmp_path / "job.yaml")],
+                 ["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "holds more than tensors and plain data" in err, err
+        assert len(err.strip().splitlines()) == 1, f"{argv[0]}: one line, got {err}"
+
+
+class _Payload:
+    """Any object a full pickle load would construct."""
