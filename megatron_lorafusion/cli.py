@@ -4,6 +4,7 @@
     lorafusion train JOB.yaml [section.key=value ...]
     lorafusion synth-data --out-dir DIR [--tasks reverse sort add upper] [--num N]
     lorafusion export RUN_DIR|CHECKPOINT --out DIR [--merge] [--adapters NAME ...]
+    lorafusion report RUN_DIR [--png FILE]             (per-adapter table, loss curves)
     lorafusion plan --lengths xsum --adapters 4 ...     (write and summarise a plan)
     lorafusion simulate --lengths mix --stages 4 ...    (bubble ratios of three schedules, PNG)
 
@@ -29,6 +30,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="YAML job file")
         cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
+        cmd.add_argument("--verbose", action="store_true",
+                         help="show third-party warnings and logs, on every rank")
+    report = sub.add_parser("report", help="per-adapter summary and loss curves of a run")
+    report.add_argument("run", help="run folder (train.output_dir, with metrics.jsonl)")
+    report.add_argument("--png", help="curves PNG (default: RUN/curves.png)")
     synth = sub.add_parser("synth-data", help="write the synthetic demo tasks as JSONL")
     synth.add_argument("--out-dir", required=True, help="folder for <task>.jsonl files")
     synth.add_argument("--tasks", nargs="+", default=["reverse", "sort", "add", "upper"])
@@ -65,6 +71,48 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megatron_lorafusion.train.metrics import read_metrics
+    from megatron_lorafusion.train.report import format_table, plot_curves, summarize
+
+    try:
+        records = read_metrics(args.run)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(summarize(records)))
+    png = plot_curves(records, Path(args.png) if args.png else Path(args.run) / "curves.png")
+    print(f"wrote {png}")
+    return 0
+
+
+def _quiet_start(verbose: bool, level: str) -> None:
+    """Our loggers at ``level`` on rank 0 only; third-party warnings and logs filtered.
+
+    Megatron, torch and datasets warn at import and model build (no TE/Apex, deprecations,
+    no CUDA runtime): a dozen lines per rank that say nothing about the job. ``--verbose``
+    keeps everything.
+    """
+    import os
+    import warnings
+
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    if verbose:
+        logging.basicConfig(level=level, format=fmt)
+        return
+    import torch  # noqa: F401  (its import sets up torch's loggers and warning filters)
+
+    warnings.filterwarnings("ignore", module=r"(megatron|torch|transformers|datasets|triton)\b")
+    logging.basicConfig(level=logging.WARNING, format=fmt)
+    # torch re-levels its own registered loggers later; a child's explicit level stays.
+    for name in ("megatron", "torch", "torch.utils.cpp_extension", "datasets", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's; a plain run is rank 0
+    logging.getLogger("megatron_lorafusion").setLevel(level if rank0 else logging.ERROR)
+
+
 def _export(args: argparse.Namespace) -> int:
     from megatron_lorafusion.train.export import export_checkpoint
 
@@ -86,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return _synth(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "report":
+            return _report(args)
         if args.command in ("plan", "simulate"):
             from megatron_lorafusion.planner.commands import run_plan, run_simulate
 
@@ -98,13 +148,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "validate":
             print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
             return 0
+        _quiet_start(args.verbose, cfg.logging.level)  # before Megatron is imported
         from megatron_lorafusion.data import DataError
-        from megatron_lorafusion.train.main import main as train_main
-
-        logging.basicConfig(level=cfg.logging.level,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         from megatron_lorafusion.train.checkpoint import CheckpointError
         from megatron_lorafusion.train.export import ExportError
+        from megatron_lorafusion.train.main import main as train_main
 
         try:
             train_main(cfg)
