@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from megatron_lorafusion.config import ConfigError, load_config
 
@@ -126,6 +128,14 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so a run unwinds as on Ctrl-C (children stopped)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; returns the process exit status."""
     args = _parser().parse_args(argv)
@@ -154,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_lorafusion.train.export import ExportError
         from megatron_lorafusion.train.main import main as train_main
 
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, _raise_terminated)  # a scheduler's stop, torchrun's
         try:
             train_main(cfg)
         except (DataError, CheckpointError, ExportError) as err:
@@ -163,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # one line, not a traceback; 130 = 128 + SIGINT
-        print(f"interrupted: {args.command} stopped"
+    except KeyboardInterrupt as stop:  # one line, not a traceback; 128 + SIGINT or SIGTERM
+        terminated = isinstance(stop, _Terminated)
+        print(f"{'terminated' if terminated else 'interrupted'}: {args.command} stopped"
               + ("; rerun the same command to resume from its last checkpoint"
                  if args.command == "train" else ""), file=sys.stderr)
-        return 130
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
