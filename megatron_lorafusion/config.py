@@ -200,8 +200,8 @@ class DataConfig:
 class PlannerConfig:
     """How samples of all adapters are packed into microbatches."""
 
-    solver: Literal["greedy", "milp"] = "milp"
-    """Packing algorithm; milp keeps the greedy plan wherever greedy is as good or better."""
+    solver: Literal["greedy", "milp"] = "greedy"
+    """Packing algorithm; greedy: the MILP saved <= 1 % of microbatches (docs/planner.md)."""
     token_capacity: int = 1024
     """Tokens per microbatch (tile padding included); higher = fewer bubbles, more memory."""
     tile_height: int = 1

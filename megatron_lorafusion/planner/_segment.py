@@ -45,13 +45,21 @@ class Segment:
         return load_of(self.carry, self.tile_height)
 
     def lower_bound(self) -> int:
-        """A lower bound on the bins any packing of this segment needs."""
+        """A lower bound on the bins any packing of this segment needs, release bins included.
+
+        Each adapter occupies at least its tokens padded once; the adapters released at bin
+        ``t`` or later all sit in bins ``>= t``, so for every release ``t`` the segment needs
+        ``t + ceil(their padded tokens / capacity)`` bins (``t = 0`` counts the carry too).
+        """
         per_adapter: dict[int, int] = {}
         for s in self.items:
             per_adapter[s.adapter] = per_adapter.get(s.adapter, 0) + s.tokens
-        total = self.carry_load() + sum(padded(n, self.tile_height) for n in per_adapter.values())
-        last_release = max((self.first_bin(a) for a in per_adapter), default=0)
-        return max(1, -(-total // self.capacity), last_release + 1)
+        load = {a: padded(n, self.tile_height) for a, n in per_adapter.items()}
+        bound = max(1, -(-(self.carry_load() + sum(load.values())) // self.capacity))
+        for t in {self.first_bin(a) for a in load} - {0}:
+            later = sum(n for a, n in load.items() if self.first_bin(a) >= t)
+            bound = max(bound, t + -(-later // self.capacity))
+        return bound
 
     def min_total(self) -> int:
         """Fewest padded tokens the segment can occupy (each adapter padded once)."""

@@ -23,7 +23,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Literal
 
-from megatron_lorafusion.planner.plan import DEFAULT_TIME_LIMIT_S, iter_plan_chunks
+from megatron_lorafusion.planner.cost import CostModel
+from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, iter_plan_chunks
 from megatron_lorafusion.planner.types import Plan, PlanProblem
 
 __all__ = ["BackgroundPlanner", "PlannerWorkerError"]
@@ -63,13 +64,14 @@ def _put(out: mp.Queue, message: tuple, parent_pid: int, poll_s: float) -> None:
 
 
 def _produce(
-    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float, out: mp.Queue,
-    parent_pid: int, poll_s: float,
+    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float,
+    cost: CostModel | None, out: mp.Queue, parent_pid: int, poll_s: float,
 ) -> None:
     """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks."""
     _die_with(parent_pid)
     try:
-        for chunk in iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s):
+        chunks = iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s, cost=cost)
+        for chunk in chunks:
             _put(out, (_CHUNK, chunk), parent_pid, poll_s)
         _put(out, (_DONE, None), parent_pid, poll_s)
     except BaseException:  # the parent must see every failure, then we exit
@@ -86,13 +88,14 @@ class BackgroundPlanner:
     Args:
         problem: the whole problem.
         rounds_per_chunk: rounds (one global batch per active adapter) per chunk.
-        solver: ``"milp"`` or ``"greedy"``.
-        time_limit_s: seconds per PuLP solve.
+        solver: ``"greedy"`` or ``"milp"``.
+        time_limit_s: wall-clock safety limit of each MILP solve, in seconds.
         max_chunks_ahead: queue bound: chunks the worker may compute before they are read.
         start_method: multiprocessing start method; ``"spawn"`` is safe after CUDA and NCCL
             are initialised in the parent.
         poll_s: seconds between liveness checks of the worker while waiting for a chunk, and
             of the parent while the worker waits for room in the queue.
+        cost: cost model for the packed / round-robin choice (default `CostModel()`).
 
     Raises:
         PlannerWorkerError: from iteration, if the worker raised (its traceback is in the
@@ -103,11 +106,13 @@ class BackgroundPlanner:
         self,
         problem: PlanProblem,
         rounds_per_chunk: int = 4,
-        solver: Literal["milp", "greedy"] = "milp",
+        solver: Literal["milp", "greedy"] = DEFAULT_SOLVER,
         time_limit_s: float = DEFAULT_TIME_LIMIT_S,
         max_chunks_ahead: int = 2,
         start_method: str = "spawn",
         poll_s: float = 1.0,
+        *,
+        cost: CostModel | None = None,
     ) -> None:
         if max_chunks_ahead < 1:
             raise ValueError(f"max_chunks_ahead must be >= 1, got {max_chunks_ahead}")
@@ -121,8 +126,8 @@ class BackgroundPlanner:
         self._done = False
         self._process = ctx.Process(
             target=_produce,
-            args=(problem, rounds_per_chunk, solver, time_limit_s, self._queue, os.getpid(),
-                  poll_s),
+            args=(problem, rounds_per_chunk, solver, time_limit_s, cost, self._queue,
+                  os.getpid(), poll_s),
             name="lorafusion-planner",
             daemon=True,
         )

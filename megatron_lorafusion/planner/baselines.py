@@ -2,9 +2,12 @@
 
 (a) ``megatron``: one adapter at a time, each global batch packed into microbatches by
     first-fit-decreasing and run as its own pipeline (a flush per optimizer step).
-(b) ``mlora``: adapters take turns microbatch by microbatch (round-robin), each microbatch a
-    fixed number of one adapter's samples padded to the longest (no packing); idle
+(b) ``mlora``: adapters take turns microbatch by microbatch (round-robin), each microbatch up
+    to a fixed number of one adapter's consecutive samples padded to the longest (no
+    packing), cut earlier where the padded samples would exceed the token capacity; idle
     microbatches are added only where fewer than ``S`` adapters are left to separate batches.
+    Its computed tokens are the padded samples rounded up to the tile height, as our kernels
+    (which the GPU benchmark runs it on) compute them.
 (c) ``ours``: the plan of `plan_microbatches`.
 """
 
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from megatron_lorafusion.planner._segment import Segment
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
+from megatron_lorafusion.planner.round_robin import padded_pieces, padded_tokens_of, round_robin
 from megatron_lorafusion.planner.simulator import Job, SimResult, simulate, simulate_flushed
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample
 
@@ -28,6 +32,7 @@ __all__ = [
     "mlora_jobs",
     "mlora_microbatches",
     "plan_jobs",
+    "stream_jobs",
 ]
 
 
@@ -73,7 +78,14 @@ def _job(
 
 def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
     """Jobs of a plan: padded tokens for the linear term, each sample's square for attention."""
-    return [_job(mb.samples, mb.finishes, cost, plan.tile_height) for mb in plan.microbatches]
+    return stream_jobs(plan.microbatches, cost, plan.tile_height)
+
+
+def stream_jobs(
+    microbatches: Sequence[Microbatch], cost: CostModel, tile_height: int
+) -> list[Job]:
+    """Jobs of a microbatch stream (as `plan_jobs`, without a `Plan` around it)."""
+    return [_job(mb.samples, mb.finishes, cost, tile_height) for mb in microbatches]
 
 
 def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
@@ -102,36 +114,14 @@ def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
 def mlora_microbatches(problem: PlanProblem, samples_per_microbatch: int) -> list[Microbatch]:
     """Strategy (b) as a runnable stream: round-robin microbatches of one adapter's samples.
 
-    Each holds ``samples_per_microbatch`` samples of one adapter (the runner pads them to the
-    longest, see `scripts/bench_multi_gpu.py`); idle microbatches (no samples) are added only
-    where fewer than ``S`` adapters are left to separate an adapter's global batches.
+    Each holds up to ``samples_per_microbatch`` consecutive samples of one adapter, fewer
+    where padding them to the longest (the runner does, see `scripts/bench_multi_gpu.py`)
+    would exceed the capacity; idle microbatches (no samples) are added only where fewer
+    than ``S`` adapters are left to separate an adapter's global batches.
     """
-    k = samples_per_microbatch
-    queues: list[list[tuple[list[Sample], bool]]] = []
-    for a in range(problem.num_adapters):
-        chunks = []
-        for j in range(problem.num_global_batches(a)):
-            batch = problem.global_batch(a, j)
-            for i in range(0, len(batch), k):
-                chunks.append((batch[i : i + k], i + k >= len(batch)))
-        queues.append(chunks)
-    stream: list[Microbatch] = []
-    last_step: dict[int, int] = {}
-    heads = [0] * problem.num_adapters
-    while any(h < len(q) for h, q in zip(heads, queues, strict=True)):
-        for a in range(problem.num_adapters):
-            if heads[a] == len(queues[a]):
-                continue
-            samples, ends = queues[a][heads[a]]
-            first_of_batch = heads[a] == 0 or queues[a][heads[a] - 1][1]
-            gap = len(stream) - last_step.get(a, -problem.num_stages)
-            for _ in range(problem.num_stages - gap if first_of_batch else 0):
-                stream.append(Microbatch(()))  # idle: too few adapters left to separate steps
-            stream.append(Microbatch(tuple(samples), (a,) if ends else ()))
-            if ends:
-                last_step[a] = len(stream) - 1
-            heads[a] += 1
-    return stream
+    pieces = padded_pieces(samples_per_microbatch, problem.capacity, problem.tile_height)
+    rounds = range(max(problem.num_global_batches(a) for a in range(problem.num_adapters)))
+    return round_robin(problem, pieces, rounds)[0]
 
 
 def mlora_jobs(
@@ -140,7 +130,8 @@ def mlora_jobs(
     """Strategy (b): the jobs of `mlora_microbatches`, every sample padded to the longest.
 
     Returns:
-        The jobs (idle ones included) and the computed (padded) tokens.
+        The jobs (idle ones included) and the computed tokens (samples padded to the
+        longest, the total to the tile height).
     """
     jobs, computed = [], 0
     for mb in mlora_microbatches(problem, samples_per_microbatch):
@@ -148,7 +139,7 @@ def mlora_jobs(
             jobs.append(Job(0.0, 0.0))
             continue
         longest = max(s.tokens for s in mb.samples)
-        tokens = longest * len(mb.samples)
+        tokens = padded_tokens_of(mb.samples, problem.tile_height)
         fwd = cost.forward_ms(tokens, longest * longest * len(mb.samples))
         jobs.append(Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes,
                         mb.samples[0].adapter))

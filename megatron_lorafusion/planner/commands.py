@@ -18,7 +18,7 @@ from megatron_lorafusion.planner.check import check_plan
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.distributions import DISTRIBUTIONS, adapter_lengths
 from megatron_lorafusion.planner.io import load_plan, save_plan
-from megatron_lorafusion.planner.plan import DEFAULT_TIME_LIMIT_S, plan_microbatches
+from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, plan_microbatches
 from megatron_lorafusion.planner.policy import apply_length_policy
 from megatron_lorafusion.planner.types import Plan, PlanProblem
 
@@ -71,12 +71,12 @@ def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
         help="samples longer than a microbatch: cut them or fail (default truncate)",
     )
     s = parser.add_argument_group("solver")
-    s.add_argument("--solver", choices=("milp", "greedy"), default="milp")
+    s.add_argument("--solver", choices=("milp", "greedy"), default=DEFAULT_SOLVER)
     s.add_argument(
         "--time-limit",
         type=float,
         default=DEFAULT_TIME_LIMIT_S,
-        help=f"seconds per MILP solve (default {DEFAULT_TIME_LIMIT_S})",
+        help=f"wall-clock safety limit per MILP solve, s (default {DEFAULT_TIME_LIMIT_S})",
     )
 
 

@@ -7,7 +7,20 @@ of `milp`. A segment's last microbatch stays open and becomes bin 0 of the next 
 (tail merging); each adapter may only use bins at least ``S`` positions after its previous
 global batch finished (bubble lemma), and empty bins forced that way are idle microbatches.
 The MILP stream is compared with the pure-greedy stream from the same state and the one
-with fewer microbatches is kept, so the MILP plan is never longer than the greedy plan.
+with fewer microbatches is kept, so the MILP packing is never longer than the greedy one.
+
+Makespan first: when the packed stream needs idle microbatches, two round-robin streams of
+the same rounds are built too (`round_robin`: adapters take turns, each global batch spread
+over microbatches of its own, cut by first-fit-decreasing or as mLoRA cuts it) and the
+stream whose simulated makespan (`simulate`, the given `CostModel`) is shortest is kept.
+The mLoRA-cut stream has the mLoRA-style baseline's microbatches with tile padding instead
+of padding to the longest sample, so on a whole plan ours is never slower than that
+baseline in the simulator.
+
+Every choice is deterministic (greedy packing, MILP work limits, simulated times), so a
+problem and seed give the same plan in any process and on any machine load; the only
+exception is a MILP solve that reaches its wall-clock safety limit (counted in
+``SolveReport.time_limit_hits``).
 """
 
 from __future__ import annotations
@@ -19,19 +32,33 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatron_lorafusion.planner._segment import Segment
+from megatron_lorafusion.planner.baselines import default_samples_per_microbatch, stream_jobs
 from megatron_lorafusion.planner.check import PlanVerifier, check_plan
+from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.grouping import group_adapters
+from megatron_lorafusion.planner.round_robin import packed_pieces, padded_pieces, round_robin
+from megatron_lorafusion.planner.simulator import simulate
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample, SolveReport
 
-__all__ = ["DEFAULT_TIME_LIMIT_S", "StreamState", "iter_plan_chunks", "plan_microbatches"]
+__all__ = [
+    "DEFAULT_SOLVER",
+    "DEFAULT_TIME_LIMIT_S",
+    "StreamState",
+    "iter_plan_chunks",
+    "plan_microbatches",
+]
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_SOLVER = "greedy"
+"""Greedy by default: over 120 MILP runs (issue 18) the MILP saved at most 3 microbatches
+(<= 1 %) and its makespan ranged 0.992-1.0035 of greedy's, at 40x the planning time; on the
+bench (docs/planner.md) it never used fewer microbatches than greedy."""
+
 DEFAULT_TIME_LIMIT_S = 0.1
-"""Seconds per PuLP solve. Most segments never reach the solver (greedy meets the bound);
-of those that do, HiGHS either improves within ~0.1 s or not within 0.25 s (measured on
-64-sample segments), and this keeps planning above 1000 samples/s per core."""
+"""Wall-clock safety limit of one MILP solve, model building included (the work limit is
+`milp.NODE_LIMIT`); a solve that reaches it keeps the greedy bins. Unused by greedy."""
 
 _NEVER = -(10**9)
 
@@ -67,6 +94,7 @@ class _Counters:
     milp_improved: int = 0
     time_limit_hits: int = 0
     bins_over_bound: int = 0
+    max_solve_s: float = 0.0
 
 
 def _num_rounds(problem: PlanProblem) -> int:
@@ -90,6 +118,7 @@ def _pack(
         counters.milp_solves += outcome.solves
         counters.milp_improved += int(outcome.improved)
         counters.time_limit_hits += int(outcome.time_limit_hit)
+        counters.max_solve_s = max(counters.max_solve_s, outcome.max_solve_s)
         bins = outcome.bins
     counters.segments += 1
     counters.bins_over_bound += len(bins) - segment.lower_bound()
@@ -145,10 +174,48 @@ def _flush(state: StreamState) -> tuple[list[Microbatch], StreamState]:
     return [tail], replace(state, position=state.position + 1, carry=(), carry_finishes=())
 
 
+def _round_robin_chunk(
+    problem: PlanProblem, state: StreamState, round_stop: int, name: str, flush: bool
+) -> tuple[list[Microbatch], StreamState]:
+    """Rounds ``[state.next_round, round_stop)`` as a round-robin stream after the open tail."""
+    cap, tile = problem.capacity, problem.tile_height
+    if name == "round_robin":
+        pieces = packed_pieces(cap, tile)
+    else:
+        pieces = padded_pieces(default_samples_per_microbatch(problem), cap, tile)
+    out = [_microbatch(list(state.carry), set(state.carry_finishes))] if state.carry else []
+    rr, last = round_robin(
+        problem, pieces, range(state.next_round, round_stop), state.position + len(out),
+        state.last_finish,
+    )
+    out += rr
+    if flush:
+        return out, StreamState(state.position + len(out), (), (), tuple(last), round_stop)
+    tail = out.pop()  # stays open, as the packed stream's last microbatch does
+    return out, StreamState(state.position + len(out), tail.samples, tail.finishes,
+                            tuple(last), round_stop)
+
+
+def _makespan(problem: PlanProblem, mbs: list[Microbatch], state: StreamState,
+              cost: CostModel) -> float:
+    stream = mbs + [_microbatch(list(state.carry), set(state.carry_finishes))] * bool(state.carry)
+    jobs = stream_jobs(stream, cost, problem.tile_height)
+    return simulate(jobs, problem.num_stages, cost).makespan_ms
+
+
 def _plan_chunk(
-    problem: PlanProblem, state: StreamState, round_stop: int, solver: str, time_limit_s: float
+    problem: PlanProblem,
+    state: StreamState,
+    round_stop: int,
+    solver: str,
+    time_limit_s: float,
+    cost: CostModel,
 ) -> tuple[list[Microbatch], StreamState, _Counters, str, int]:
-    """One chunk with the greedy floor: (microbatches, state, counters, chosen, greedy count)."""
+    """One chunk: (microbatches, state, counters, chosen, greedy count).
+
+    The packed stream (MILP or its greedy floor, fewer microbatches wins) is kept unless it
+    has idle microbatches and a round-robin stream of the same rounds simulates faster.
+    """
     flush = round_stop >= _num_rounds(problem)
     results = {}
     for name in ("greedy", "milp") if solver == "milp" else ("greedy",):
@@ -165,6 +232,13 @@ def _plan_chunk(
     if chosen == "greedy" and solver == "milp":
         milp_counters = results["milp"][2]
         counters = replace(milp_counters, milp_improved=0)
+    if any(mb.is_idle for mb in mbs):
+        best = _makespan(problem, mbs, new_state, cost)
+        for name in ("round_robin", "round_robin_padded"):
+            rr_mbs, rr_state = _round_robin_chunk(problem, state, round_stop, name, flush)
+            makespan = _makespan(problem, rr_mbs, rr_state, cost)
+            if makespan < best:
+                best, mbs, new_state, chosen = makespan, rr_mbs, rr_state, name
     return mbs, new_state, counters, chosen, greedy_len
 
 
@@ -195,20 +269,26 @@ def _report(
         greedy_microbatches=greedy_len,
         idle_microbatches=sum(mb.is_idle for mb in mbs),
         wall_s=wall_s,
+        max_solve_s=counters.max_solve_s,
     )
 
 
 def plan_microbatches(
     problem: PlanProblem,
-    solver: Literal["milp", "greedy"] = "milp",
+    solver: Literal["milp", "greedy"] = DEFAULT_SOLVER,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    *,
+    cost: CostModel | None = None,
 ) -> Plan:
     """Plan every sample of ``problem`` into a verified stream of microbatches.
 
     Args:
         problem: lengths, global batch sizes, capacity, ``S``, tile height, seed.
-        solver: ``"milp"`` (two-stage MILP per segment, greedy as floor) or ``"greedy"``.
-        time_limit_s: wall-clock limit of each PuLP solve, in seconds.
+        solver: ``"greedy"`` (first-fit-decreasing) or ``"milp"`` (two-stage MILP per
+            segment, greedy as floor).
+        time_limit_s: wall-clock safety limit of each MILP solve, in seconds.
+        cost: cost model that picks between packed and round-robin streams when packing
+            needs idle microbatches (default `CostModel()`).
 
     Returns:
         A plan that passed `check_plan`, with a `SolveReport` in ``plan.report``.
@@ -219,7 +299,8 @@ def plan_microbatches(
     _check_args(solver, time_limit_s)
     start = time.perf_counter()
     mbs, _, counters, chosen, greedy_len = _plan_chunk(
-        problem, StreamState.start(problem), _num_rounds(problem), solver, time_limit_s
+        problem, StreamState.start(problem), _num_rounds(problem), solver, time_limit_s,
+        cost or CostModel(),
     )
     report = _report(solver, chosen, counters, mbs, greedy_len, time.perf_counter() - start)
     plan = Plan(tuple(mbs), problem.capacity, problem.tile_height, problem.num_adapters, report)
@@ -246,20 +327,24 @@ def plan_microbatches(
 def iter_plan_chunks(
     problem: PlanProblem,
     rounds_per_chunk: int = 4,
-    solver: Literal["milp", "greedy"] = "milp",
+    solver: Literal["milp", "greedy"] = DEFAULT_SOLVER,
     time_limit_s: float = DEFAULT_TIME_LIMIT_S,
+    *,
+    cost: CostModel | None = None,
 ) -> Iterator[Plan]:
     """Plan ``problem`` a few rounds at a time, verifying each chunk as it is produced.
 
     The concatenated chunks form a valid plan of the whole problem (the tail of each chunk
-    stays open and merges into the next); the greedy floor applies per chunk. Deterministic
-    for a problem (seed included) and ``rounds_per_chunk``, unless a time limit is hit.
+    stays open and merges into the next); the greedy floor and the choice between packed
+    and round-robin streams apply per chunk. Deterministic for a problem (seed included) and
+    ``rounds_per_chunk``, unless a MILP solve reaches its wall-clock safety limit.
 
     Args:
         problem: the whole problem.
         rounds_per_chunk: rounds (one global batch per active adapter) per chunk, >= 1.
-        solver: ``"milp"`` or ``"greedy"``.
-        time_limit_s: wall-clock limit of each PuLP solve, in seconds.
+        solver: ``"greedy"`` or ``"milp"``.
+        time_limit_s: wall-clock safety limit of each MILP solve, in seconds.
+        cost: cost model for the packed / round-robin choice (default `CostModel()`).
 
     Yields:
         Plans holding consecutive slices of the microbatch stream.
@@ -271,12 +356,13 @@ def iter_plan_chunks(
     if rounds_per_chunk < 1:
         raise ValueError(f"rounds_per_chunk must be >= 1, got {rounds_per_chunk}")
     verifier = PlanVerifier(problem)
+    cost = cost or CostModel()
     state, total = StreamState.start(problem), _num_rounds(problem)
     while state.next_round < total:
         start = time.perf_counter()
         stop = min(total, state.next_round + rounds_per_chunk)
         mbs, state, counters, chosen, greedy_len = _plan_chunk(
-            problem, state, stop, solver, time_limit_s
+            problem, state, stop, solver, time_limit_s, cost
         )
         verifier.feed(mbs)
         report = _report(solver, chosen, counters, mbs, greedy_len, time.perf_counter() - start)

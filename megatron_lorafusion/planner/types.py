@@ -155,16 +155,19 @@ class SolveReport:
 
     Attributes:
         solver: ``"milp"`` or ``"greedy"``, as asked.
-        chosen: which whole-stream result was kept (``"milp"`` or the ``"greedy"`` floor).
+        chosen: which stream was kept: ``"milp"``, the ``"greedy"`` floor, or a round-robin
+            stream (``"round_robin"``, ``"round_robin_padded"``) that simulated faster.
         segments: packed segments (one group's global batches of one round).
         milp_solves: PuLP solves run (segments where greedy missed the lower bound).
         milp_improved: segments where the MILP beat first-fit-decreasing.
-        time_limit_hits: solves stopped by the time limit (their result may vary run to run).
+        time_limit_hits: MILP solves that reached the wall-clock safety limit and kept the
+            greedy bins (only these can make a plan vary run to run).
         bins_over_bound: microbatches above the per-segment lower bound, summed (0 = optimal).
         microbatches: microbatches in the plan, idle ones included.
         greedy_microbatches: microbatches of the greedy stream on the same problem.
         idle_microbatches: no-op microbatches inserted for the bubble lemma.
         wall_s: planning wall-clock time in seconds.
+        max_solve_s: longest single MILP solve in seconds, model building included.
     """
 
     solver: str
@@ -178,6 +181,7 @@ class SolveReport:
     greedy_microbatches: int
     idle_microbatches: int
     wall_s: float
+    max_solve_s: float = 0.0
 
 
 @dataclass(frozen=True)

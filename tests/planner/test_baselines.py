@@ -4,9 +4,15 @@ from megatron_lorafusion.planner import (
     compare_strategies,
     plan_microbatches,
 )
-from megatron_lorafusion.planner.baselines import megatron_jobs, mlora_jobs
+from megatron_lorafusion.planner.baselines import (
+    default_samples_per_microbatch,
+    megatron_jobs,
+    mlora_jobs,
+    mlora_microbatches,
+)
 from megatron_lorafusion.planner.distributions import adapter_lengths
 from megatron_lorafusion.planner.policy import apply_length_policy
+from megatron_lorafusion.planner.round_robin import padded_tokens_of
 
 
 def _problem(adapters=4, stages=4):
@@ -35,3 +41,18 @@ def test_ours_has_the_smallest_bubble():
     assert bubbles["ours"] < bubbles["mlora"]
     assert bubbles["ours"] < bubbles["megatron"]
     assert all(r.useful_tokens == sum(map(sum, problem.lengths)) for r in results)
+
+
+def test_mlora_microbatches_fit_the_capacity_once_padded():
+    lengths = apply_length_policy(adapter_lengths("wikisum", 4, 128, 0), 6144, 64).lengths
+    problem = PlanProblem(lengths, (32,) * 4, 6144, 4, 64)
+    k = default_samples_per_microbatch(problem)
+    stream = mlora_microbatches(problem, k)
+    real = [mb for mb in stream if not mb.is_idle]
+    assert all(padded_tokens_of(mb.samples, 64) <= 6144 for mb in real)
+    assert max(len(mb.samples) for mb in real) <= k
+    placed = sorted((s.adapter, s.index) for mb in real for s in mb.samples)
+    assert placed == [(a, i) for a in range(4) for i in range(128)]
+    result = {r.name: r for r in compare_strategies(problem, plan_microbatches(problem),
+                                                       CostModel())}["mlora"]
+    assert result.fill <= 1.0

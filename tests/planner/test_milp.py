@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_lorafusion.planner import Sample
+from megatron_lorafusion.planner import milp as milp_module
 from megatron_lorafusion.planner._segment import Segment, load_of, validate_bins
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.milp import (
@@ -87,3 +88,60 @@ def test_milp_empties_an_underfilled_tail():
     assert len(outcome.bins) == len(greedy) == 3
     assert load_of(greedy[-1], 1) == 11
     assert load_of(outcome.bins[-1], 1) <= 6 + tail_tolerance(segment)
+
+
+def _big_segment() -> Segment:
+    """256 adapters x 8 XSum samples: the issue's slow case (2,048 samples, 800k variables)."""
+    from megatron_lorafusion.planner.distributions import adapter_lengths
+    from megatron_lorafusion.planner.policy import apply_length_policy
+
+    lengths = apply_length_policy(adapter_lengths("xsum", 256, 8, 0), 6144, 64).lengths
+    items = tuple(Sample(a, i, t) for a, ts in enumerate(lengths) for i, t in enumerate(ts))
+    return Segment(items, (), {}, 6144, 64)
+
+
+def test_milp_solve_never_runs_past_twice_its_limit(monkeypatch):
+    segment = _big_segment()
+    greedy = pack_ffd(segment)
+    monkeypatch.setattr(milp_module, "MAX_ASSIGNMENTS", 10**9)  # build it anyway
+    limit = 0.2
+    outcome = pack_milp(segment, greedy, time_limit_s=limit)
+    assert outcome.solves >= 1
+    assert outcome.time_limit_hit
+    assert outcome.max_solve_s <= 2 * limit, outcome.max_solve_s
+    assert outcome.bins is greedy  # a solve that did not finish keeps the greedy bins
+
+
+def test_milp_leaves_segments_too_large_to_build_to_greedy():
+    segment = _big_segment()
+    greedy = pack_ffd(segment)
+    outcome = pack_milp(segment, greedy, time_limit_s=0.2)
+    assert (outcome.solves, outcome.time_limit_hit, outcome.bins) == (0, False, greedy)
+
+
+def test_plan_milp_on_a_large_instance_is_bounded_per_solve(monkeypatch):
+    from megatron_lorafusion.planner import PlanProblem, plan_microbatches
+    from megatron_lorafusion.planner.distributions import adapter_lengths
+    from megatron_lorafusion.planner.policy import apply_length_policy
+
+    lengths = apply_length_policy(adapter_lengths("xsum", 256, 16, 0), 6144, 64).lengths
+    problem = PlanProblem(lengths, (8,) * 256, 6144, 4, 64)
+    monkeypatch.setattr(milp_module, "MAX_ASSIGNMENTS", 10**9)
+    plan = plan_microbatches(problem, "milp", time_limit_s=0.2)
+    assert plan.report.milp_solves >= 1
+    assert plan.report.max_solve_s <= 0.4, plan.report.max_solve_s
+    assert plan == plan_microbatches(problem, "greedy")  # every unfinished solve kept greedy
+
+
+@settings(max_examples=40, deadline=None)
+@given(segments())
+def test_segment_lower_bound_is_below_brute_force(segment):
+    assert segment.lower_bound() <= _brute_force_bins(segment)
+
+
+def test_segment_lower_bound_counts_release_bins():
+    # Adapter 1 may start at bin 2 and needs two full bins: bins 0..3, though the tokens
+    # fit three bins and the last release is bin 2.
+    items = (Sample(0, 0, 4), Sample(1, 0, 10), Sample(1, 1, 10))
+    segment = Segment(items, (), {1: 2}, capacity=10, tile_height=1)
+    assert segment.lower_bound() == 4 == _brute_force_bins(segment)
