@@ -1,17 +1,21 @@
 """Planner benchmark: bubble ratio of three strategies, token fill, planning throughput.
 
-Run: python -m scripts.bench_planner [--samples 256] [--csv out.csv]
+Run: python -m scripts.bench_planner [--samples 256] [--solver greedy|milp] [--csv out.csv]
 
 For 4 adapters, S = 4 stages, capacity 6144 tokens, tile height 64, global batch 32
 samples per adapter, and each length distribution (XSum, CNN/DM, WikiSum, mix,
-heterogeneous = one adapter of each), it plans with the MILP planner, checks the plan, and
-simulates (a) Megatron-style (one adapter at a time, flush per global batch), (b)
-mLoRA-style (round-robin, fixed samples per microbatch, padded) and (c) our plan.
+heterogeneous = one adapter of each), it plans with the chosen solver (default: the
+planner's default), checks the plan, and simulates (a) Megatron-style (one adapter at a
+time, flush per global batch), (b) mLoRA-style (round-robin, up to a fixed number of samples
+per microbatch, padded, within the capacity) and (c) our plan. Then a pathological table
+(issue 18: inputs where packing alone would need idle microbatches) and the planning
+throughput at 100,000 samples.
 """
 
 import argparse
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -23,9 +27,12 @@ from megatron_lorafusion.planner import (
     compare_strategies,
     plan_microbatches,
 )
+from megatron_lorafusion.planner.bounds import plan_lower_bound
 from megatron_lorafusion.planner.commands import problem_from_args
-from megatron_lorafusion.planner.milp import available_solver
-from megatron_lorafusion.planner.plan import DEFAULT_TIME_LIMIT_S
+from megatron_lorafusion.planner.distributions import adapter_lengths
+from megatron_lorafusion.planner.milp import NODE_LIMIT, available_solver
+from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S
+from megatron_lorafusion.planner.policy import apply_length_policy
 
 DISTS = ("xsum", "cnn_dm", "wikisum", "mix", "heterogeneous")
 
@@ -44,7 +51,7 @@ def _bench_one(dist: str, args: argparse.Namespace) -> dict:
     times = []
     for _ in range(args.repeats):
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        plan = plan_microbatches(problem, "milp", args.time_limit)
+        plan = plan_microbatches(problem, args.solver, args.time_limit)
         times.append((time.process_time() - cpu0, time.perf_counter() - wall0))
     check_plan(plan, problem)  # correctness before numbers
     cpu_s = statistics.median(t[0] for t in times)
@@ -104,6 +111,81 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _lengths(dist: str, adapters: int, samples: int, seed: int) -> list[list[int]]:
+    if dist == "ones":
+        return [[1] * samples for _ in range(adapters)]
+    if dist == "pareto":  # x_m 200 tokens, alpha 1.2: most short, a few at the capacity
+        rngs = [random.Random(f"pareto:{seed + a}") for a in range(adapters)]
+        return [[int(200 * r.paretovariate(1.2)) for _ in range(samples)] for r in rngs]
+    return adapter_lengths(dist, adapters, samples, seed)
+
+
+def _pathological_cases(args: argparse.Namespace) -> list[tuple[str, PlanProblem]]:
+    """(name, problem): the issue-18 inputs, capacity/tile as the main table."""
+    cap, tile, seed = args.capacity, args.tile_height, args.seed
+
+    def problem(dist, adapters, samples, gbs, stages=4, extra=None):
+        lengths = _lengths(dist, adapters, samples, seed)
+        if extra is not None:
+            lengths = [extra] + lengths
+        lengths = apply_length_policy(lengths, cap, tile).lengths
+        gbs = gbs if isinstance(gbs, tuple) else (gbs,) * len(lengths)
+        return PlanProblem(lengths, gbs, cap, stages, tile, seed)
+
+    huge = adapter_lengths("xsum", 1, 1024, seed + 99)[0]
+    return [
+        ("4 adapters, global batch 1", problem("xsum", 4, 64, 1)),
+        ("4 adapters, 1-token samples", problem("ones", 4, 256, 32)),
+        ("64 adapters, global batch 4", problem("xsum", 64, 16, 4)),
+        ("256 adapters, global batch 8", problem("xsum", 256, 16, 8)),
+        ("1 x batch 1024 + 3 x batch 4", problem("xsum", 3, 64, (1024, 4, 4, 4), extra=huge)),
+        ("1 adapter, S = 4", problem("xsum", 1, 256, 32, 4)),
+        ("1 adapter, S = 8", problem("xsum", 1, 256, 32, 8)),
+        ("2 adapters, S = 8", problem("xsum", 2, 256, 32, 8)),
+        ("4 adapters, Pareto lengths", problem("pareto", 4, 256, 32)),
+    ]
+
+
+def _pathological_table(args: argparse.Namespace) -> tuple[str, bool]:
+    head = ("| case | samples | microbatches (idle) | lower bound | kept | makespan s ours "
+            "| Megatron-style | mLoRA-style | ours / min(baselines) | plan s |")
+    lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
+    ok = True
+    for name, problem in _pathological_cases(args):
+        t0 = time.perf_counter()
+        plan = plan_microbatches(problem, args.solver, args.time_limit)
+        plan_s = time.perf_counter() - t0
+        check_plan(plan, problem)
+        res = {r.name: r.sim.makespan_ms / 1e3 for r in
+               compare_strategies(problem, plan, CostModel())}
+        best = min(res["megatron"], res["mlora"])
+        ok &= res["ours"] <= best
+        r = plan.report
+        lines.append(
+            f"| {name} | {sum(map(len, problem.lengths))} | {r.microbatches} "
+            f"({r.idle_microbatches}) | {plan_lower_bound(problem)} | {r.chosen} "
+            f"| {res['ours']:.2f} | {res['megatron']:.2f} | {res['mlora']:.2f} "
+            f"| {res['ours'] / best:.3f} | {plan_s:.3f} |"
+        )
+    return "\n".join(lines), ok
+
+
+def _throughput(args: argparse.Namespace, total: int = 100_000) -> str:
+    per = total // args.adapters
+    lengths = apply_length_policy(adapter_lengths("mix", args.adapters, per, args.seed),
+                                  args.capacity, args.tile_height).lengths
+    problem = PlanProblem(lengths, (args.global_batch_size,) * args.adapters, args.capacity,
+                          args.stages, args.tile_height, args.seed)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    plan = plan_microbatches(problem, args.solver, args.time_limit)
+    cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
+    n = per * args.adapters
+    return (f"throughput: {n} samples (mix, {args.adapters} adapters) planned with "
+            f"{args.solver} in {wall_s:.2f} s wall / {cpu_s:.2f} s CPU: "
+            f"{n / max(cpu_s, wall_s):.0f} samples/s per core (target >= 5000), "
+            f"{len(plan.microbatches)} microbatches, kept {plan.report.chosen}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapters", type=int, default=4)
@@ -112,9 +194,13 @@ def main() -> int:
     parser.add_argument("--capacity", type=int, default=6144)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--tile-height", type=int, default=64)
+    parser.add_argument("--solver", choices=("greedy", "milp"), default=DEFAULT_SOLVER)
     parser.add_argument(
-        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="s per MILP solve"
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+        help="wall-clock safety limit per MILP solve, s",
     )
+    parser.add_argument("--no-extra", action="store_true",
+                        help="skip the pathological table and the throughput line")
     parser.add_argument("--repeats", type=int, default=3, help="timed planning runs (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="append rows to this CSV")
@@ -131,7 +217,8 @@ def main() -> int:
     print(
         f"# A={args.adapters} adapters x {args.samples} samples, S={args.stages}, capacity "
         f"{args.capacity}, tile {args.tile_height}, global batch {args.global_batch_size}, "
-        f"MILP limit {args.time_limit} s/solve, seed {args.seed}"
+        f"solver {args.solver} (MILP: {NODE_LIMIT} nodes, safety limit {args.time_limit} "
+        f"s/solve), seed {args.seed}"
     )
     print(f"# cost model per stage (ms): {cost}")
     _warm_up()
@@ -141,8 +228,14 @@ def main() -> int:
     print(
         f"\nours: worst bubble {100 * worst:.2f}% (target <= 8%), min fill "
         f"{100 * min(r['fill'] for r in rows):.2f}% (target >= 97%), min planning "
-        f"{min(r['sps_core'] for r in rows):.0f} samples/s/core (target >= 1000)"
+        f"{min(r['sps_core'] for r in rows):.0f} samples/s/core (target >= 5000)"
     )
+    if not args.no_extra:
+        table, ok = _pathological_table(args)
+        print("\npathological cases (issue 18), makespans simulated with the cost model above:")
+        print(table)
+        print(f"\nours <= min(baselines) on every row: {ok}")
+        print(_throughput(args))
     if args.csv:
         new = not os.path.exists(args.csv)
         with open(args.csv, "a") as f:
