@@ -240,10 +240,11 @@ def lemma_worker(rank: int, world: int, workdir: str) -> None:
 
     init_world(rank, world, workdir, 1, world)
     try:
-        job = make_job(1)
-        model, lora, training, groups = build_stage(job)
+        adapters = ADAPTERS[:1]  # planned alone for one stage: its global batches back to back
+        job = make_job(1, adapters)
+        model, lora, training, groups = build_stage(job, adapters)
         try:
-            run_stage(job, model, lora, training, groups)
+            run_stage(job, model, lora, training, groups, adapters)
         except LemmaError as err:
             torch.save({"error": str(err)}, os.path.join(workdir, f"refused_{rank}.pt"))
     finally:

@@ -6,7 +6,14 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
-from pipeline_testing import config_worker, fault_worker, lemma_worker, make_job, stuck_worker
+from pipeline_testing import (
+    ADAPTERS,
+    config_worker,
+    fault_worker,
+    lemma_worker,
+    make_job,
+    stuck_worker,
+)
 
 from megatron_lorafusion.pipeline import LemmaError, schedule
 
@@ -31,7 +38,7 @@ def test_stuck_peer_fails_the_wait_after_the_group_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_lemma_violation_is_refused_on_every_rank(tmp_path):
-    job = make_job(1)  # planned for one stage: global batches back to back
+    job = make_job(1, ADAPTERS[:1])  # one adapter for one stage: its batches back to back
     with pytest.raises(LemmaError):
         schedule(2, job.microbatches)
     mp.spawn(lemma_worker, args=(2, str(tmp_path)), nprocs=2, join=True)

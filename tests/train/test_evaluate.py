@@ -3,11 +3,9 @@
 import json
 
 import torch
-import yaml
+from eval_testing import eval_job
 from safetensors.torch import load_file
 
-from megatron_lorafusion.config import load_config
-from megatron_lorafusion.data import write_task
 from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.main import main
@@ -16,39 +14,14 @@ STEPS = 6
 
 
 def _job(tmp_path):
-    adapters = []
     # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early.
-    for task, lr, patience in (("sort", 1e-2, 0), ("add", 1.0, 1)):
-        path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=4)
-        adapters.append(
-            {
-                "name": "wild" if lr == 1.0 else task,
-                "rank": 4,
-                "alpha": 8,
-                "lr": lr,
-                "lr_schedule": "constant",
-                "global_batch_size": 4,
-                "eval_fraction": 0.2,
-                "early_stopping_patience": patience,
-                "dataset": {"path": str(path)},
-            }
-        )
-    job = {
-        "model": {"preset": "tiny", "num_layers": 1},
-        "adapters": adapters,
-        "data": {"max_seq_length": 48},
-        "planner": {"solver": "greedy", "token_capacity": 96},
-        "train": {
-            "steps": STEPS,
-            "device": "cpu",
-            "output_dir": str(tmp_path / "out"),
-            "eval_every": 1,
-        },
-        "logging": {"progress_bar": False},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return load_config(path)
+    adapters = [
+        {"task": "sort", "lr_schedule": "constant", "global_batch_size": 4,
+         "early_stopping_patience": 0},
+        {"task": "add", "name": "wild", "lr": 1.0, "lr_schedule": "constant",
+         "global_batch_size": 4, "early_stopping_patience": 1},
+    ]
+    return eval_job(tmp_path, adapters, STEPS, seed=4, eval_every=1)
 
 
 def test_early_stopping_stops_one_adapter_and_exports_its_best(tmp_path):

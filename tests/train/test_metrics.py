@@ -3,10 +3,8 @@
 import json
 
 import pytest
-import yaml
+from eval_testing import eval_job
 
-from megatron_lorafusion.config import load_config
-from megatron_lorafusion.data import write_task
 from megatron_lorafusion.train.main import main
 from megatron_lorafusion.train.metrics import read_metrics
 
@@ -14,37 +12,8 @@ STEPS = 4
 
 
 def _job(tmp_path, **train):
-    adapters = []
-    for task, gbs in (("sort", 4), ("add", 3)):
-        path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=3)
-        adapters.append(
-            {
-                "name": task,
-                "rank": 4,
-                "alpha": 8,
-                "lr": 1e-2,
-                "global_batch_size": gbs,
-                "eval_fraction": 0.2,
-                "dataset": {"path": str(path)},
-            }
-        )
-    job = {
-        "model": {"preset": "tiny", "num_layers": 1},
-        "adapters": adapters,
-        "data": {"max_seq_length": 48},
-        "planner": {"solver": "greedy", "token_capacity": 96},
-        "train": {
-            "steps": STEPS,
-            "device": "cpu",
-            "output_dir": str(tmp_path / "out"),
-            "eval_every": 2,
-            **train,
-        },
-        "logging": {"progress_bar": False},
-    }
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return load_config(path)
+    adapters = [{"task": "sort", "global_batch_size": 4}, {"task": "add", "global_batch_size": 3}]
+    return eval_job(tmp_path, adapters, STEPS, seed=3, **{"eval_every": 2, **train})
 
 
 def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
