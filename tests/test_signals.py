@@ -1,4 +1,5 @@
-"""A training run stopped by SIGTERM: one line, exit 143, no process left, and a rerun resumes."""
+"""Training runs stopped by signals: SIGTERM ends one cleanly (one line, exit 143, a rerun
+resumes); after a SIGKILL of the run, or of torchrun's launcher, no process of it is left."""
 
 import os
 import select
@@ -13,12 +14,13 @@ from megatron_lorafusion.data import write_task
 from megatron_lorafusion.train import checkpoint_problems
 
 
-def _job(tmp_path):
+def _job(tmp_path, pp=1):
     data = tmp_path / "add.jsonl"
     write_task("add", data, 200)
     job = {"model": {"preset": "tiny"},
            "adapters": [{"name": "add", "dataset": {"path": str(data)}, "global_batch_size": 4}],
            "planner": {"solver": "greedy", "token_capacity": 256},
+           "parallel": {"tp": 1, "pp": pp},
            "train": {"steps": 400, "save_every": 1, "output_dir": str(tmp_path / "run")},
            "logging": {"progress_bar": False}}
     path = tmp_path / "job.yaml"
@@ -26,23 +28,54 @@ def _job(tmp_path):
     return path
 
 
-def _train(job, *overrides):
-    return subprocess.Popen([sys.executable, "-m", "megatron_lorafusion", "train", str(job),
-                             *overrides], stderr=subprocess.PIPE, text=True)
+def _train(job, *overrides, nproc=1):
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([*launcher, "-m", "megatron_lorafusion", "train", str(job),
+                             *overrides], stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _until_first_checkpoint(run) -> list[str]:
+    """The run's stderr lines up to the one saying its first checkpoint is on disk."""
+    lines = []
+    for line in run.stderr:
+        lines.append(line)
+        if "saved checkpoint" in line:
+            return lines
+    raise AssertionError("the run ended before its first checkpoint:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pp", "nproc"), [(1, 1), (2, 2)])
+def test_sigkill_leaves_no_process_of_the_run(tmp_path, pp, nproc):
+    """SIGKILL of `lorafusion train`, or of torchrun with a PP = 2 gloo job mid-plan."""
+    run = _train(_job(tmp_path, pp=pp), nproc=nproc)
+    try:
+        _until_first_checkpoint(run)
+        left = _descendants(run.pid)  # ranks, planner workers, multiprocessing helpers
+        handles = {pid: os.pidfd_open(pid) for pid in left}
+    finally:
+        run.kill()
+        run.wait()
+        run.stderr.close()
+    assert left, "the run started no child process (planner worker)"
+    alive = []
+    for pid, handle in handles.items():
+        if not select.select([handle], [], [], 10.0)[0]:
+            alive.append(pid)
+            os.kill(pid, signal.SIGKILL)
+        os.close(handle)
+    assert not alive, f"processes {alive} outlived the killed run by 10 s"
 
 
 @pytest.mark.slow
 def test_sigterm_ends_training_cleanly_and_a_rerun_resumes(tmp_path):
     job = _job(tmp_path)
     run = _train(job)
-    lines = []
     try:
-        for line in run.stderr:  # the first checkpoint is on disk once this line is logged
-            lines.append(line)
-            if "saved checkpoint" in line:
-                break
-        assert any("saved checkpoint" in line for line in lines), "".join(lines)
-        pidfds = [os.pidfd_open(int(pid)) for pid in _children(run.pid)]
+        _until_first_checkpoint(run)
+        pidfds = [os.pidfd_open(pid) for pid in _descendants(run.pid)]
         run.send_signal(signal.SIGTERM)
         rest = run.stderr.read()
         assert run.wait(timeout=60) == 143, rest
@@ -72,16 +105,19 @@ def test_sigterm_ends_training_cleanly_and_a_rerun_resumes(tmp_path):
         again.stderr.close()
 
 
-def _children(pid: int) -> list[str]:
-    """Process ids whose parent is ``pid`` (from /proc)."""
-    children = []
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (children, their children, ...), from /proc."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except OSError:
                 continue
-            if int(fields[1]) == pid:
-                children.append(entry)
-    return children
+    found, frontier = [], [pid]
+    while frontier:
+        below = [child for child, parent in parents.items() if parent in frontier]
+        found += below
+        frontier = below
+    return found

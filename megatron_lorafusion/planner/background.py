@@ -11,18 +11,16 @@ wait.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
-import sys
 import traceback
 from collections.abc import Iterator
 from typing import Literal
 
+from megatron_lorafusion.lifetime import die_with_parent, parent_alive
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, iter_plan_chunks
 from megatron_lorafusion.planner.types import Plan, PlanProblem
@@ -40,18 +38,6 @@ class PlannerWorkerError(RuntimeError):
     """The background planner's worker process raised or died; the message says how."""
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def _die_with(parent_pid: int) -> None:
-    """Have the kernel kill this process when its parent dies (Linux); exit if it already has."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # died before the request took effect
-        os._exit(1)
-
-
 def _put(out: mp.Queue, message: tuple, parent_pid: int, poll_s: float) -> None:
     """``out.put(message)``, checking every ``poll_s`` seconds that the parent still lives."""
     while True:
@@ -59,7 +45,7 @@ def _put(out: mp.Queue, message: tuple, parent_pid: int, poll_s: float) -> None:
             out.put(message, timeout=poll_s)
             return
         except queue.Full:
-            if os.getppid() != parent_pid:  # nobody will read: end without cleanup
+            if not parent_alive(parent_pid):  # nobody will read: end without cleanup
                 os._exit(1)
 
 
@@ -68,7 +54,7 @@ def _produce(
     cost: CostModel | None, out: mp.Queue, parent_pid: int, poll_s: float,
 ) -> None:
     """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks."""
-    _die_with(parent_pid)
+    die_with_parent(parent_pid)
     try:
         chunks = iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s, cost=cost)
         for chunk in chunks:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from megatron_lorafusion.data import (
     pack_microbatch,
     training_order,
 )
+from megatron_lorafusion.lifetime import die_with_parent
 from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
 from megatron_lorafusion.train.evaluate import Evaluator, split_eval_datasets
 from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
@@ -230,6 +232,8 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         DataError: on an unusable dataset (before anything is created).
         LemmaError: when the plan breaks the bubble lemma for ``parallel.pp`` stages.
     """
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank dies with its launcher
+        die_with_parent(os.getppid())
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
     datasets, held = split_eval_datasets(cfg, datasets, tokenizer)
@@ -257,6 +261,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                       sequence_parallel=shards > 1)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
         optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens],
+                                 track_grad_norms=True,  # metrics.jsonl's grad_norm
                                  **_clipping(cfg, sizes, groups, held, lora))
         runs = [AdapterRun(adapter.name, tokens)
                 for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
