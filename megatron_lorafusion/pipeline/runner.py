@@ -117,7 +117,8 @@ class _PendingStep:
     """One step group: adapters finishing on this stage at one microbatch."""
 
     adapters: tuple[int, ...]
-    losses: list[float]  # this replica's loss sums, replaced by the all-reduced ones
+    rows: torch.Tensor  # (k,) the adapter ids, on the device
+    sums: torch.Tensor  # (k,) float64 this replica's loss sums, on the device
     work: dist.Work | None = None
     bucket: torch.Tensor | None = None  # (k·S + k,) gradient rows, then the loss sums
 
@@ -130,7 +131,7 @@ class _State:
     stash: dict[int, _Stash] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     pending: dict[int, _PendingStep] = field(default_factory=dict)
-    loss_sums: list[float] = field(default_factory=list)
+    loss_sums: torch.Tensor | None = None  # (A,) float64 on the device: each batch so far
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
 
@@ -156,7 +157,8 @@ class _Runner:
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
         # A global batch begun in an earlier call (segment) continues its loss sum.
-        self.state = _State(loss_sums=[run.pending_loss for run in adapters])
+        self.state = _State(loss_sums=copy_to_device(
+            torch.tensor([run.pending_loss for run in adapters], dtype=torch.float64), device))
         self.first_index = first_index
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
@@ -234,7 +236,7 @@ class _Runner:
         for work, _ in self.state.sends:
             work.wait()
         self.state.sends.clear()
-        for run, loss in zip(self.adapters, self.state.loss_sums, strict=True):
+        for run, loss in zip(self.adapters, self.state.loss_sums.tolist(), strict=True):
             run.pending_loss = loss  # this replica's part of an unfinished global batch
         self._resolve_gpu_events()
 
@@ -283,8 +285,7 @@ class _Runner:
             denominators[s.adapter] = float(max(
                 self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1))
         losses = per_adapter / copy_to_device(torch.tensor(denominators), token_loss.device)
-        for a, value in enumerate(losses.tolist()):
-            self.state.loss_sums[a] += value
+        self.state.loss_sums += losses.detach()  # read back at steps only: no sync here
         return losses.sum()
 
     def _backward(self, action: Action) -> None:
@@ -315,20 +316,19 @@ class _Runner:
         for a in action.finishes:
             if a in self.state.pending:  # no forward of this replica read `a` since its last step
                 self._finish_step(a)
-        group = _PendingStep(tuple(action.finishes),
-                             [self.state.loss_sums[a] for a in action.finishes])
+        rows = copy_to_device(torch.tensor(action.finishes), self.device)
+        group = _PendingStep(tuple(action.finishes), rows,
+                             self.state.loss_sums.index_select(0, rows))
+        self.state.loss_sums.index_fill_(0, rows, 0.0)
         for a in group.adapters:
-            self.state.loss_sums[a] = 0.0
             self.state.pending[a] = group
         if self.g.dp_size == 1:
             self._finish_step(group.adapters[0])
             return
         # One bucket per step group: the finishing adapters' gradient rows (zeros where this
         # replica saw none of their tokens) and loss sums, summed while other work runs.
-        rows = copy_to_device(torch.tensor(group.adapters), self.grads.device)
-        losses = copy_to_device(torch.tensor(group.losses, dtype=self.grads.dtype),
-                                self.grads.device)
-        group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1), losses])
+        group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1),
+                                  group.sums.to(self.grads.dtype)])
         group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
 
     def _finish_step(self, a: int) -> None:
@@ -338,15 +338,15 @@ class _Runner:
             del self.state.pending[b]
         start = time.perf_counter()
         gpu_start = self._gpu_mark()
+        sums = group.sums
         if group.work is not None:
             group.work.wait()
             count = len(group.adapters)
-            rows = copy_to_device(torch.tensor(group.adapters), self.grads.device)
-            self.grads.index_copy_(0, rows, group.bucket[:-count].view(count, -1))
-            group.losses = group.bucket[-count:].tolist()
+            self.grads.index_copy_(0, group.rows, group.bucket[:-count].view(count, -1))
+            sums = group.bucket[-count:]
         self.optimizer.step(group.adapters)
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
-        for b, loss in zip(group.adapters, group.losses, strict=True):
+        for b, loss in zip(group.adapters, sums.tolist(), strict=True):
             run = self.adapters[b]
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))

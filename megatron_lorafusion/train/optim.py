@@ -64,6 +64,9 @@ class AdapterAdamW:
         total_steps: per adapter, its optimizer steps in the run (the schedule's length).
         squared_norms: computes the adapters' squared gradient norms (see
             `SquaredNormReduce`); model-parallel runs pass one that sums over their ranks.
+        track_grad_norms: compute every step's norms for `grad_norm` even without clipping
+            (one more read of the gradient table per step, about an eighth of the step's
+            memory traffic); every rank of a model-parallel group must pass the same value.
 
     Attributes:
         stopped: adapters that no longer step (early stopping): `step` zeroes their
@@ -81,6 +84,7 @@ class AdapterAdamW:
         total_steps: Sequence[int],
         *,
         squared_norms: SquaredNormReduce = _local_squared_norms,
+        track_grad_norms: bool = False,
     ):
         if len(adapters) != lora.num_adapters or len(total_steps) != lora.num_adapters:
             raise ValueError(
@@ -96,6 +100,7 @@ class AdapterAdamW:
         self.stopped: set[int] = set()
         self.last_lr = [0.0] * lora.num_adapters
         self._squared_norms = squared_norms
+        self._track_grad_norms = track_grad_norms
         self._max_norms = torch.tensor([a.max_grad_norm for a in adapters], dtype=torch.float32)
         self._norms: torch.Tensor | None = None  # (A,) device, of the last step's gradients
         self._norms_host: list[float] | None = None
@@ -148,9 +153,13 @@ class AdapterAdamW:
     def _clip(self, stepping: set[int]) -> None:
         """Norms of every row; rows of clipping adapters about to step scaled to their max."""
         grads = self.lora.grads
+        clipping = any(self.adapters[a].max_grad_norm > 0 for a in stepping)
+        if not (clipping or self._track_grad_norms):
+            self._norms, self._norms_host = None, None
+            return
         norms = self._squared_norms(grads).sqrt()  # (A,)
         self._norms, self._norms_host = norms, None
-        if not any(self.adapters[a].max_grad_norm > 0 for a in stepping):
+        if not clipping:
             return
         device = grads.device
         mask = torch.zeros(self.lora.num_adapters, dtype=torch.bool)
