@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,7 +24,13 @@ from megatron_lorafusion.data import (
     training_order,
 )
 from megatron_lorafusion.lifetime import die_with_parent
-from megatron_lorafusion.planner import BackgroundPlanner, Microbatch, PlanProblem, PlanVerifier
+from megatron_lorafusion.planner import (
+    BackgroundPlanner,
+    Microbatch,
+    Plan,
+    PlanProblem,
+    PlanVerifier,
+)
 from megatron_lorafusion.train.evaluate import Evaluator, split_eval_datasets
 from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
@@ -79,17 +85,35 @@ def prepare_problem(
     return problem, orders, batch_tokens
 
 
-def checked_stream(planner: BackgroundPlanner, problem: PlanProblem) -> Iterator[Microbatch]:
+def checked_stream(planner: Iterable[Plan], problem: PlanProblem,
+                   agree: Callable[[str], None] | None = None) -> Iterator[Microbatch]:
     """The planner's microbatches, each chunk verified before any of it runs.
+
+    Args:
+        planner: the plan's chunks in order (a `BackgroundPlanner`).
+        problem: what was planned.
+        agree: called once, with the problem and the first chunk as text, before anything
+            is yielded: every rank reads its first microbatch before any communication, so a
+            collective there (`check_same_across_ranks`) stops ranks that planned other
+            samples (other data behind the same path, another planner) before they train.
 
     Raises:
         PlanError: when a chunk breaks capacity, coverage or the bubble lemma.
     """
     verifier = PlanVerifier(problem)
-    for chunk in planner:
+    for index, chunk in enumerate(planner):
+        if index == 0 and agree is not None:
+            agree(repr((problem, chunk.microbatches)))
         verifier.feed(chunk.microbatches)
         yield from chunk.microbatches
     verifier.finish()
+
+
+def _plans_agree(payload: str) -> None:
+    """`checked_stream`'s check on a run of several ranks: every rank planned the same."""
+    from megatron_lorafusion.pipeline import check_same_across_ranks
+
+    check_same_across_ranks(payload, "plan (its samples' lengths and first microbatches)")
 
 
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
@@ -293,15 +317,17 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
             evaluator.restore(_metrics_records(out), [run.step for run in runs])
         on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, sizes)
         model.train()
+        agree = None if sizes["world"] == 1 else _plans_agree
         with BackgroundPlanner(problem, solver=cfg.planner.solver,
                                time_limit_s=cfg.planner.time_limit_s) as planner:
+            stream = checked_stream(planner, problem, agree)
             if groups is None:
-                run_plan(session.stream(checked_stream(planner, problem)), forward, make_batch,
+                run_plan(session.stream(stream), forward, make_batch,
                          runs, optimizer, progress_bar=cfg.logging.progress_bar and is_writer,
                          log_every=cfg.logging.log_every, first_index=first,
                          on_step=on_step, on_microbatch=on_microbatch)
             else:
-                _run_pipelined(cfg, checked_stream(planner, problem), model, lora, make_batch,
+                _run_pipelined(cfg, stream, model, lora, make_batch,
                                runs, optimizer, groups, device, session, shards, on_step)
         metrics.close()
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)

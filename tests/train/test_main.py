@@ -112,3 +112,26 @@ def test_train_instruction_jsonl_with_template_masks_loss_to_responses(tmp_path,
             seen += 1
     assert seen == 3 * 4, f"expected 12 trained samples, saw {seen}"
     assert list((tmp_path / "cache" / "tokenized").glob("*.pt")), "tokenised data is cached"
+
+
+def test_checked_stream_lets_ranks_agree_on_the_plan_before_the_first_microbatch():
+    from megatron_lorafusion.planner import PlanProblem, iter_plan_chunks
+    from megatron_lorafusion.train.main import checked_stream
+
+    def payloads(lengths):
+        problem = PlanProblem(lengths, (2, 2), 64, num_stages=1, seed=0)
+        seen = []
+        stream = checked_stream(iter_plan_chunks(problem, 1, "greedy", 1.0), problem,
+                                seen.append)
+        first = next(stream)
+        assert len(seen) == 1, "agree must run once, before the first microbatch is yielded"
+        assert first.samples, "the first microbatch"
+        rest = list(stream)
+        assert rest, "the plan has more microbatches than the first"
+        assert len(seen) == 1, "agree runs once per stream"
+        return seen[0]
+
+    lengths = ((5, 9, 12, 7), (8, 3, 6, 10))
+    assert payloads(lengths) == payloads(lengths), "the same samples must give the same payload"
+    assert payloads(((5, 9, 12, 7), (8, 3, 6, 11))) != payloads(lengths), (
+        "a rank with other sample lengths must disagree")
