@@ -147,3 +147,18 @@ def test_cli_checkpoint_with_pickled_object_exits_2_in_one_line(tmp_path, capsys
 
 class _Payload:
     """Any object a full pickle load would construct."""
+
+
+def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_path, capsys):
+    assert main(["train", str(_job(tmp_path)), "train.steps=2", "train.save_every=1"]) == 0
+    older, newest = sorted((tmp_path / "out" / "checkpoints").glob("ckpt_*"))[-2:]
+    shard = newest / "shard_tp0_pp0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"the newest checkpoint '{newest}' is damaged" in err, err
+    assert f"name it: '{older}'" in err, err
+    assert not (tmp_path / "x").exists(), "nothing exported from an older checkpoint"
+    assert main(["export", str(older), "--out", str(tmp_path / "x")]) == 0, "named: exported"

@@ -33,6 +33,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "Checkpointer",
+    "checkpoint_folders",
     "checkpoint_problems",
     "find_resume_checkpoint",
     "full_adapter_tensors",
@@ -106,12 +107,22 @@ def checkpoint_problems(folder: str | Path) -> list[str]:
     return problems
 
 
+def checkpoint_folders(root: str | Path) -> list[Path]:
+    """Every finished checkpoint folder (``ckpt_<position>``) under ``root``, oldest first.
+
+    Finished means renamed into place; a folder may still fail `checkpoint_problems` if it
+    was damaged since.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [f for f in sorted(root.glob("ckpt_*")) if f.is_dir() and _NAME.match(f.name)]
+
+
 def _complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first; damaged ones are warned about."""
     found = []
-    for folder in sorted(root.glob("ckpt_*")):
-        if not folder.is_dir() or not _NAME.match(folder.name):
-            continue
+    for folder in checkpoint_folders(root):
         problems = checkpoint_problems(folder)
         if problems:
             logger.warning("skipping incomplete checkpoint %s: %s", folder, "; ".join(problems))

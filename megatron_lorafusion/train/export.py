@@ -245,15 +245,27 @@ def _claim_export_folder(out: Path, targets: list[str]) -> list[str]:
 
 
 def _resolve_checkpoint(source: Path) -> Path:
-    from megatron_lorafusion.train.checkpoint import find_resume_checkpoint
+    """``source`` itself (a checkpoint folder), or the newest checkpoint of a run folder.
+
+    Raises:
+        ValueError: when the run has no checkpoint, or its newest one is damaged (never an
+            older one in its place: it would export other weights than the run's last).
+    """
+    from megatron_lorafusion.train.checkpoint import checkpoint_folders, checkpoint_problems
 
     if (source / "manifest.json").is_file():
         return source
-    found = find_resume_checkpoint(source / "checkpoints", "auto")
-    if found is None:
+    folders = checkpoint_folders(source / "checkpoints")
+    if not folders:
         raise ValueError(f"{str(source)!r} is neither a checkpoint folder nor a run folder "
-                         "holding a complete checkpoint under checkpoints/")
-    return found
+                         "holding a checkpoint under checkpoints/")
+    problems = checkpoint_problems(folders[-1])
+    if problems:
+        older = (f"; to export an older one, name it: {str(folders[-2])!r}"
+                 if len(folders) > 1 else "")
+        raise ValueError(f"the newest checkpoint {str(folders[-1])!r} is damaged ("
+                         + "; ".join(problems) + f"){older}")
+    return folders[-1]
 
 
 def export_checkpoint(
