@@ -74,6 +74,9 @@ class AdapterOptimizer(Protocol):
     def lr(self, adapter_id: int) -> float:
         """Learning rate of the adapter's next step."""
 
+    def check_losses(self, losses: dict[int, float]) -> None:
+        """Raise when a loss about to be stepped on is NaN or infinite (names the adapter)."""
+
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
 """``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
 ``(T, 1, H)`` on a non-last stage, fp32 per-token loss ``(1, T)`` on the last stage. Under
@@ -344,9 +347,12 @@ class _Runner:
             count = len(group.adapters)
             self.grads.index_copy_(0, group.rows, group.bucket[:-count].view(count, -1))
             sums = group.bucket[-count:]
+        losses = sums.tolist()
+        if self.g.is_last:  # only the last stage has the losses: it stops every rank
+            self.optimizer.check_losses(dict(zip(group.adapters, losses, strict=True)))
         self.optimizer.step(group.adapters)
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
-        for b, loss in zip(group.adapters, sums.tolist(), strict=True):
+        for b, loss in zip(group.adapters, losses, strict=True):
             run = self.adapters[b]
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))

@@ -101,9 +101,11 @@ def run_plan(
                                                   dtype=torch.float64), token_loss.device)
         pending += adapter_losses.detach()
         tokens_seen += batch.layout.num_tokens
-        optimizer.step(microbatch.finishes)
         if microbatch.finishes:  # read back only here: a sync per microbatch stalls the GPU
             values, pending = pending.tolist(), None
+            optimizer.check_losses({a: values[a] for a in microbatch.finishes})
+        optimizer.step(microbatch.finishes)
+        if microbatch.finishes:
             for a in microbatch.finishes:
                 adapters[a].losses.append(values[a])
                 values[a] = 0.0

@@ -36,6 +36,10 @@ def _local_squared_norms(grads: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(grads, dim=1).square()  # one read of the table, no copy
 
 
+class DivergenceError(RuntimeError):
+    """An adapter's loss or gradient became NaN or infinite; its weights were not stepped."""
+
+
 def lr_multiplier(step: int, total_steps: int, adapter: AdapterConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based) as a fraction of ``adapter.lr``.
 
@@ -105,6 +109,20 @@ class AdapterAdamW:
         self._norms: torch.Tensor | None = None  # (A,) device, of the last step's gradients
         self._norms_host: list[float] | None = None
 
+    def check_losses(self, losses: Mapping[int, float]) -> None:
+        """Raise `DivergenceError` naming the first adapter whose loss is not finite.
+
+        Args:
+            losses: adapter id -> the loss of the global batch it is about to step on.
+        """
+        for a, value in sorted(losses.items()):
+            if not math.isfinite(value):
+                raise DivergenceError(
+                    f"adapter {self.adapters[a].name!r}: loss {value} at step "
+                    f"{self.steps[a] + 1}; training stopped before that step (the last "
+                    "checkpoint holds the weights before it); lower its lr or set its "
+                    "max_grad_norm")
+
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
         adapter = self.adapters[adapter_id]
@@ -158,7 +176,12 @@ class AdapterAdamW:
             self._norms, self._norms_host = None, None
             return
         norms = self._squared_norms(grads).sqrt()  # (A,)
-        self._norms, self._norms_host = norms, None
+        self._norms, self._norms_host = norms, norms.tolist()
+        for a in sorted(stepping):  # never step on a NaN/inf gradient
+            if not math.isfinite(self._norms_host[a]):
+                raise DivergenceError(
+                    f"adapter {self.adapters[a].name!r}: gradient norm {self._norms_host[a]} "
+                    f"at step {self.steps[a] + 1}; training stopped before that step")
         if not clipping:
             return
         device = grads.device

@@ -2,10 +2,11 @@
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from megatron_lorafusion.config import AdapterConfig
-from megatron_lorafusion.train.optim import AdapterAdamW
+from megatron_lorafusion.train.optim import AdapterAdamW, DivergenceError
 
 # fp32 on the CPU: clipping is one row scale, the same multiply torch's clip_grad_norm_ does.
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6)}
@@ -71,3 +72,20 @@ def test_stopped_adapter_keeps_weights_and_drops_gradients():
     assert not torch.equal(lora.weights[0], before[0]), "the other adapter steps"
     assert opt.steps == [1, 0], f"a stopped adapter's step count stays, got {opt.steps}"
     assert torch.count_nonzero(lora.grads) == 0, "a stopped adapter's gradients are dropped"
+
+
+def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
+    grads = torch.randn(3, 11, generator=torch.Generator().manual_seed(2))
+    grads[1, 4] = float("nan")
+    lora = _table(grads)
+    adapters = [AdapterConfig(name=f"a{i}", lr=1e-2) for i in range(3)]
+    opt = AdapterAdamW(lora, adapters, [10] * 3, track_grad_norms=True)
+    before = lora.weights.clone()
+    with pytest.raises(DivergenceError, match=r"adapter 'a1': gradient norm nan at step 1"):
+        opt.step([0, 1])
+    torch.testing.assert_close(lora.weights, before, atol=0, rtol=0,
+                               msg="no adapter may step when one gradient is not finite")
+    assert opt.steps == [0, 0, 0]
+    with pytest.raises(DivergenceError, match=r"adapter 'a2': loss inf at step 1"):
+        opt.check_losses({0: 1.5, 2: float("inf")})
+    opt.check_losses({0: 1.5, 1: 2.0})  # finite: no error
