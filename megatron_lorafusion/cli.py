@@ -163,12 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_lorafusion.train.checkpoint import CheckpointError
         from megatron_lorafusion.train.export import ExportError
         from megatron_lorafusion.train.main import main as train_main
+        from megatron_lorafusion.train.optim import DivergenceError
 
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _raise_terminated)  # a scheduler's stop, torchrun's
         try:
             train_main(cfg)
-        except (DataError, CheckpointError, ExportError) as err:
+        except (DataError, CheckpointError, ExportError, DivergenceError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
@@ -177,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as stop:  # one line, not a traceback; 128 + SIGINT or SIGTERM
         terminated = isinstance(stop, _Terminated)
-        print(f"{'terminated' if terminated else 'interrupted'}: {args.command} stopped"
+        where = f" at {stop.args[0]}" if stop.args else ""  # train.main names the step
+        print(f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
               + ("; rerun the same command to resume from its last checkpoint"
                  if args.command == "train" else ""), file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)

@@ -255,6 +255,10 @@ class TrainConfig:
     resume: str = "auto"
     """``auto``: continue from the newest complete checkpoint in output_dir (if any);
     ``never``: start fresh; or the path of one checkpoint folder."""
+    overwrite: bool = False
+    """Write into an output_dir that holds files not of a lorafusion run (refused by
+    default); the run's own files (job.json, checkpoints/, adapters/<name>/, ...) replace
+    same-named ones there."""
     keep_last: int = 3
     """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all."""
     eval_every: int = 0

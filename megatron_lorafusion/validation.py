@@ -206,7 +206,7 @@ def _output_dir_problem(cfg: JobConfig) -> str | None:
         entries = sorted(out.iterdir())
     except OSError as err:
         return f"train.output_dir must be a readable folder, got {str(out)!r} ({err.strerror})"
-    if not entries or _is_run_folder(out):
+    if not entries or _is_run_folder(out) or cfg.train.overwrite:
         return None
     inputs = [Path(a.dataset.path).resolve() for a in cfg.adapters if a.dataset.path]
     inputs += [Path(q).resolve() for q in (cfg.data.cache_dir, cfg.data.tokenizer,
@@ -217,7 +217,8 @@ def _output_dir_problem(cfg: JobConfig) -> str | None:
         return None
     return (f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
             f"checkpoints/), got {str(out)!r}, which holds {foreign[:3]}"
-            f"{' and more' if len(foreign) > 3 else ''}; choose another folder")
+            f"{' and more' if len(foreign) > 3 else ''}; choose another folder (or set "
+            f"train.overwrite: true to write there anyway)")
 
 
 def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]:

@@ -71,15 +71,23 @@ def test_cli_train_into_a_foreign_folder_exits_2_and_keeps_its_files(tmp_path, c
     assert "train.output_dir must be a new or empty folder or a lorafusion run" in (
         capsys.readouterr().err)
     assert _files(tmp_path / "out") == before, "the user's files must survive"
+    with (tmp_path / "out" / "notes.txt").open("w") as f:
+        f.write("mine")
+    assert main(["train", str(path), "train.overwrite=true"]) == 0, "asked for: written"
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine", "other files stay"
+    assert (tmp_path / "out" / "adapters" / "a" / "adapter_model.safetensors").is_file()
 
 
-def test_cli_train_refuses_to_export_non_finite_weights(tmp_path, capsys):
-    # A finite but absurd lr: Adam's first steps move every weight by ~1e30, the forward
-    # overflows and the weights turn NaN.
-    status = main(["train", str(_job(tmp_path, lr=1e30)), "train.steps=3"])
+def test_cli_train_stops_on_a_non_finite_loss_and_exports_nothing(tmp_path, capsys):
+    # A finite but absurd lr: Adam's first step moves every weight by ~1e30, the next
+    # forward overflows: the run stops before stepping on the NaN, naming adapter and step.
+    status = main(["train", str(_job(tmp_path, lr=1e30)), "train.steps=3",
+                   "logging.progress_bar=false"])
     err = capsys.readouterr().err
     assert status == 2, err
-    assert "adapter 'a' has NaN or infinite weights" in err
+    assert "error: adapter 'a': " in err, err
+    assert "at step 2; training stopped before that step" in err, err
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out" / "adapters").exists(), "no NaN weight may be exported"
 
 

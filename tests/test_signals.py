@@ -82,8 +82,10 @@ def test_sigterm_ends_training_cleanly_and_a_rerun_resumes(tmp_path):
     finally:
         run.kill()
         run.stderr.close()
-    assert rest.strip().splitlines()[-1] == (
-        "terminated: train stopped; rerun the same command to resume from its last checkpoint")
+    last = rest.strip().splitlines()[-1]
+    assert last.startswith("terminated at step "), last
+    assert last.endswith(
+        ": train stopped; rerun the same command to resume from its last checkpoint"), last
     assert "Traceback" not in rest, rest
     for fd in pidfds:  # every child process (the planner worker) has exited too
         assert select.select([fd], [], [], 10.0)[0], "a child outlived the terminated run"

@@ -318,17 +318,21 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, sizes)
         model.train()
         agree = None if sizes["world"] == 1 else _plans_agree
-        with BackgroundPlanner(problem, solver=cfg.planner.solver,
-                               time_limit_s=cfg.planner.time_limit_s) as planner:
-            stream = checked_stream(planner, problem, agree)
-            if groups is None:
-                run_plan(session.stream(stream), forward, make_batch,
-                         runs, optimizer, progress_bar=cfg.logging.progress_bar and is_writer,
-                         log_every=cfg.logging.log_every, first_index=first,
-                         on_step=on_step, on_microbatch=on_microbatch)
-            else:
-                _run_pipelined(cfg, stream, model, lora, make_batch,
-                               runs, optimizer, groups, device, session, shards, on_step)
+        try:
+            with BackgroundPlanner(problem, solver=cfg.planner.solver,
+                                   time_limit_s=cfg.planner.time_limit_s) as planner:
+                stream = checked_stream(planner, problem, agree)
+                if groups is None:
+                    run_plan(session.stream(stream), forward, make_batch, runs, optimizer,
+                             progress_bar=cfg.logging.progress_bar and is_writer,
+                             log_every=cfg.logging.log_every, first_index=first,
+                             on_step=on_step, on_microbatch=on_microbatch)
+                else:
+                    _run_pipelined(cfg, stream, model, lora, make_batch,
+                                   runs, optimizer, groups, device, session, shards, on_step)
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run stopped
+            steps = ", ".join(f"{run.name} {run.step}" for run in runs)
+            raise type(stop)(f"step {min(run.step for run in runs)} ({steps})") from None
         metrics.close()
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
