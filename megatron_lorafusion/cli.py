@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from megatron_lorafusion.config import ConfigError, load_config
 
@@ -50,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--merge", action="store_true",
                         help="also merge each adapter into the Hugging Face base weights")
     export.add_argument("--adapters", nargs="+", help="adapter names (default: all)")
+    export.add_argument("--checkpoint", help="one checkpoint folder of the run (ckpt_<n>, "
+                        "a name under SOURCE/checkpoints/ or a path) instead of its newest")
     from megatron_lorafusion.planner.commands import add_plan_arguments, add_simulate_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="pack samples into a microbatch plan"))
@@ -119,7 +122,12 @@ def _export(args: argparse.Namespace) -> int:
     from megatron_lorafusion.train.export import export_checkpoint
 
     try:
-        folders = export_checkpoint(args.source, args.out, merge=args.merge, names=args.adapters)
+        source = Path(args.source)
+        if args.checkpoint is not None:
+            named = Path(args.checkpoint)
+            source = named if named.is_absolute() or named.exists() else (
+                source / "checkpoints" / named)
+        folders = export_checkpoint(source, args.out, merge=args.merge, names=args.adapters)
     except ValueError as err:  # ConfigError included: a job.json this version cannot read
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -167,6 +167,8 @@ def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_
     assert main(["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert f"the newest checkpoint '{newest}' is damaged" in err, err
-    assert f"name it: '{older}'" in err, err
+    assert f"name it (--checkpoint {older.name}): '{older}'" in err, err
     assert not (tmp_path / "x").exists(), "nothing exported from an older checkpoint"
     assert main(["export", str(older), "--out", str(tmp_path / "x")]) == 0, "named: exported"
+    assert main(["export", str(tmp_path / "out"), "--checkpoint", older.name, "--out",
+                 str(tmp_path / "x")]) == 0, "picked by --checkpoint"

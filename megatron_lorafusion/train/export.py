@@ -261,7 +261,8 @@ def _resolve_checkpoint(source: Path) -> Path:
                          "holding a checkpoint under checkpoints/")
     problems = checkpoint_problems(folders[-1])
     if problems:
-        older = (f"; to export an older one, name it: {str(folders[-2])!r}"
+        older = (f"; to export an older one, name it (--checkpoint {folders[-2].name}): "
+                 f"{str(folders[-2])!r}"
                  if len(folders) > 1 else "")
         raise ValueError(f"the newest checkpoint {str(folders[-1])!r} is damaged ("
                          + "; ".join(problems) + f"){older}")
