@@ -172,3 +172,14 @@ def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_
     assert main(["export", str(older), "--out", str(tmp_path / "x")]) == 0, "named: exported"
     assert main(["export", str(tmp_path / "out"), "--checkpoint", older.name, "--out",
                  str(tmp_path / "x")]) == 0, "picked by --checkpoint"
+
+
+def test_cli_train_on_cuda_without_a_gpu_exits_2_naming_train_device(tmp_path, capsys,
+                                                                      monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    path = _job(tmp_path)
+    assert main(["train", str(path), "train.device=cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "train.device must be 'auto' or 'cpu' on a machine without CUDA, got 'cuda'" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists(), "a device problem must create nothing"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_lorafusion.config import JobConfig, adapter_scaling
+from megatron_lorafusion.config import ConfigError, JobConfig, adapter_scaling
 from megatron_lorafusion.data import (
     TokenizedSample,
     load_adapter_dataset,
@@ -44,8 +44,6 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _device(cfg: JobConfig) -> torch.device:
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device is 'cuda' but no CUDA device is available")
     if cfg.train.device == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda")
@@ -253,11 +251,15 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         Per adapter name, the mean loss of each optimizer step.
 
     Raises:
+        ConfigError: ``train.device: cuda`` without a CUDA device (before anything is created).
         DataError: on an unusable dataset (before anything is created).
         LemmaError: when the plan breaks the bubble lemma for ``parallel.pp`` stages.
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank dies with its launcher
         die_with_parent(os.getppid())
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():  # before anything exists
+        raise ConfigError(["train.device must be 'auto' or 'cpu' on a machine without CUDA, "
+                           "got 'cuda'"])
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
     datasets, held = split_eval_datasets(cfg, datasets, tokenizer)
