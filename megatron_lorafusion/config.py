@@ -177,7 +177,8 @@ class DataConfig:
 
     tokenizer: str = "byte"
     """``byte`` (no download: 256 bytes + pad, bos, eos) or a local folder that
-    ``transformers.AutoTokenizer`` loads (e.g. the model's own)."""
+    ``transformers.AutoTokenizer`` loads. Unset with ``model.hf_path``: that folder (the
+    model's own vocabulary); ``byte`` there only when set explicitly."""
     max_seq_length: int = 256
     """Longest sample after the truncation policy, in tokens."""
     truncation: Literal["truncate", "reject"] = "truncate"
@@ -377,7 +378,11 @@ def _apply_hf_model(raw: dict, problems: list[str]) -> dict:
         if key in model and model[key] != value:
             problems.append(f"model.{key} must match the checkpoint's config.json ({value!r}) "
                             f"or be left out, got {model[key]!r}")
-    return {**raw, "model": {**model, **fields}}
+    raw = {**raw, "model": {**model, **fields}}
+    data = raw.get("data", {})
+    if isinstance(data, dict) and "tokenizer" not in data:  # the model's own vocabulary
+        raw["data"] = {**data, "tokenizer": str(model["hf_path"])}
+    return raw
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

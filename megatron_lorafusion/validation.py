@@ -27,6 +27,10 @@ __all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "adapter_name_problem", "validat
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A model folder holding neither has no tokenizer that ``AutoTokenizer`` finds."""
+
+
 def adapter_name_problem(name: object, where: str) -> str | None:
     """Why ``name`` is not a safe adapter (folder) name, or None when it is."""
     if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
@@ -110,6 +114,11 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
     if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
         p.append(f"data.tokenizer must be 'byte' or an existing tokenizer folder, "
+                 f"got {cfg.data.tokenizer!r}")
+    elif cfg.data.tokenizer == m.hf_path and not any(
+            (Path(m.hf_path) / f).is_file() for f in _TOKENIZER_FILES):
+        p.append(f"data.tokenizer must be a folder with {' or '.join(_TOKENIZER_FILES)} (it "
+                 f"defaults to model.hf_path), or 'byte' to train on byte ids, "
                  f"got {cfg.data.tokenizer!r}")
     if not cfg.adapters:
         p.append("adapters must list at least one adapter, got none")

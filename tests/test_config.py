@@ -120,16 +120,21 @@ def test_config_bad_override_is_named(tmp_path):
         tmp_path, _job(tmp_path), ["train.steps"])
 
 
-def test_config_hf_path_sets_sizes_and_refuses_conflicts(tmp_path):
+def _hf_config_folder(folder):
     import json
 
     hf = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "hidden_size": 96,
           "intermediate_size": 160, "num_attention_heads": 6, "num_key_value_heads": 2,
           "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
           "rope_theta": 1e6, "tie_word_embeddings": True}
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "config.json").write_text(json.dumps(hf))
-    job = _job(tmp_path, model={"hf_path": str(tmp_path / "m")})
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf))
+    return folder
+
+
+def test_config_hf_path_sets_sizes_and_refuses_conflicts(tmp_path):
+    _hf_config_folder(tmp_path / "m")
+    job = _job(tmp_path, model={"hf_path": str(tmp_path / "m")}, data={"tokenizer": "byte"})
     cfg = load_config(_write(tmp_path, job))
     assert (cfg.model.num_layers, cfg.model.num_query_groups, cfg.model.rope_theta) == (3, 2, 1e6)
     assert cfg.model.add_qkv_bias, "Qwen2 has q/k/v biases"
@@ -137,6 +142,27 @@ def test_config_hf_path_sets_sizes_and_refuses_conflicts(tmp_path):
     job["model"]["hidden_size"] = 128
     assert ("model.hidden_size must match the checkpoint's config.json (96) or be left out, "
             "got 128") in _errors(tmp_path, job)
+
+
+def test_config_hf_path_brings_its_own_tokenizer_and_byte_only_when_asked(tmp_path):
+    from hf_testing import save_tiny_tokenizer
+
+    from megatron_lorafusion.data import load_tokenizer
+    from megatron_lorafusion.data.tokenizer import HFTokenizer
+
+    folder = _hf_config_folder(tmp_path / "m")
+    job = _job(tmp_path, model={"hf_path": str(folder)})
+    assert (f"data.tokenizer must be a folder with tokenizer.json or tokenizer_config.json "
+            f"(it defaults to model.hf_path), or 'byte' to train on byte ids, "
+            f"got {str(folder)!r}") in _errors(tmp_path, job), "no silent byte fallback"
+    save_tiny_tokenizer(folder)
+    cfg = load_config(_write(tmp_path, job))
+    assert cfg.data.tokenizer == str(folder), "unset tokenizer: the model's own folder"
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    assert isinstance(tokenizer, HFTokenizer)
+    assert tokenizer.encode("hi") != list(b"hi"), "the model's vocabulary, not byte ids"
+    job["data"] = {"tokenizer": "byte"}
+    assert load_config(_write(tmp_path, job)).data.tokenizer == "byte", "byte when asked"
 
 
 def test_config_hf_path_refuses_unsupported_architecture(tmp_path):

@@ -98,7 +98,8 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
                          "global_batch_size": 4, "dataset": {"path": str(path)},
                          **({"target_modules": targets} if targets else {})})
     job = {"model": {"hf_path": str(base)}, "adapters": adapters,
-           "data": {"max_seq_length": 48}, "planner": {"solver": "greedy", "token_capacity": 96},
+           "data": {"tokenizer": "byte", "max_seq_length": 48},
+           "planner": {"solver": "greedy", "token_capacity": 96},
            "train": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run")},
            "logging": {"progress_bar": False}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
