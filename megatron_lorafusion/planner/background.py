@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import traceback
 from collections.abc import Iterator
 from typing import Literal
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 _DONE = "done"
 _ERROR = "error"
 _CHUNK = "chunk"
+_SIGNALS = {int(s) for s in signal.Signals}
 
 
 class PlannerWorkerError(RuntimeError):
@@ -49,13 +51,16 @@ def _put(out: mp.Queue, message: tuple, parent_pid: int, poll_s: float) -> None:
                 os._exit(1)
 
 
-def _produce(
-    problem: PlanProblem, rounds_per_chunk: int, solver: str, time_limit_s: float,
-    cost: CostModel | None, out: mp.Queue, parent_pid: int, poll_s: float,
-) -> None:
-    """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks."""
-    die_with_parent(parent_pid)
+def _produce(job: bytes, out: mp.Queue, parent_pid: int, poll_s: float) -> None:
+    """Worker body: put ``(kind, payload)`` messages; errors travel as formatted tracebacks.
+
+    ``job`` is the pickled ``(problem, rounds_per_chunk, solver, time_limit_s, cost)``, read
+    here so that a failure to rebuild it reaches the parent too (unpickled by the spawn
+    bootstrap, it would only end the worker with exit code 1).
+    """
     try:
+        die_with_parent(parent_pid)
+        problem, rounds_per_chunk, solver, time_limit_s, cost = pickle.loads(job)
         chunks = iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s, cost=cost)
         for chunk in chunks:
             _put(out, (_CHUNK, chunk), parent_pid, poll_s)
@@ -112,8 +117,8 @@ class BackgroundPlanner:
         self._done = False
         self._process = ctx.Process(
             target=_produce,
-            args=(problem, rounds_per_chunk, solver, time_limit_s, cost, self._queue,
-                  os.getpid(), poll_s),
+            args=(pickle.dumps((problem, rounds_per_chunk, solver, time_limit_s, cost)),
+                  self._queue, os.getpid(), poll_s),
             name="lorafusion-planner",
             daemon=True,
         )
@@ -136,10 +141,18 @@ class BackgroundPlanner:
                 break
             except queue.Empty:
                 if not self._process.is_alive():
+                    try:  # what it sent just before exiting (its traceback) comes first
+                        kind, payload = self._queue.get(timeout=self._poll_s)
+                        break
+                    except queue.Empty:
+                        pass
                     self._done = True
+                    code = self._process.exitcode
+                    how = (f" (killed by {signal.Signals(-code).name})"
+                           if code is not None and code < 0 and -code in _SIGNALS else "")
                     raise PlannerWorkerError(
                         f"planner worker (pid {self._process.pid}) exited with code "
-                        f"{self._process.exitcode} before finishing the plan"
+                        f"{code}{how} before finishing the plan, sending no error"
                     ) from None
             except (EOFError, OSError, pickle.UnpicklingError) as e:
                 # A worker killed in the middle of a write leaves a truncated message.

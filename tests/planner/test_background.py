@@ -1,3 +1,4 @@
+import operator
 import os
 import select
 import signal
@@ -50,7 +51,7 @@ def test_background_planner_surfaces_worker_death():
     try:
         next(planner)  # the worker is alive and blocked on the full queue
         os.kill(planner.pid, signal.SIGKILL)
-        with pytest.raises(PlannerWorkerError, match="exited with code -9"):
+        with pytest.raises(PlannerWorkerError, match=r"exited with code -9 \(killed by SIGKILL\)"):
             for _ in planner:
                 pass
     finally:
@@ -100,6 +101,25 @@ def test_background_planner_surfaces_worker_exception(monkeypatch):
     with BackgroundPlanner(_problem(), start_method="fork", poll_s=0.05) as planner:
         with pytest.raises(PlannerWorkerError, match="solver exploded"):
             next(planner)
+
+
+class _UnloadableCost:
+    """Pickles fine, fails to unpickle: rebuilding it in the worker divides by zero."""
+
+    def __reduce__(self):
+        return operator.truediv, (1, 0)
+
+
+def test_background_planner_surfaces_a_worker_that_cannot_rebuild_its_job():
+    # spawn: the child unpickles the job itself; this used to end it with a bare "exit code 1".
+    with BackgroundPlanner(_problem(), solver="greedy", cost=_UnloadableCost(),
+                           poll_s=0.05) as planner:
+        with pytest.raises(PlannerWorkerError) as info:
+            next(planner)
+    message = str(info.value)
+    assert "planner worker failed" in message, message
+    assert "Traceback" in message, message
+    assert "ZeroDivisionError: division by zero" in message, message
 
 
 def test_background_planner_rejects_bad_queue_bound():
