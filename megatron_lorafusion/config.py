@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -385,6 +386,38 @@ def _apply_hf_model(raw: dict, problems: list[str]) -> dict:
     return raw
 
 
+def _absolute(section: Any, key: str) -> None:
+    """Make ``section[key]`` absolute (from the current folder) when it names a local path.
+
+    A hub dataset name, ``byte`` or a missing path stays as written (validation names it).
+    """
+    if not isinstance(section, dict) or not isinstance(section.get(key), str):
+        return
+    text = section[key]
+    try:
+        local = bool(text) and Path(text).exists()
+    except (OSError, ValueError):  # a NUL byte, a name too long: validation reports it
+        return
+    if local:
+        section[key] = os.path.abspath(text)
+
+
+def _resolve_paths(raw: dict) -> None:
+    """Resolve relative model, tokenizer and dataset paths in place.
+
+    The resolved job (``job.json``, the export's ``base_model_name_or_path``) then names the
+    same files from any folder; resume compares resolved jobs on both sides.
+    """
+    _absolute(raw.get("model"), "hf_path")
+    if isinstance(raw.get("data"), dict) and raw["data"].get("tokenizer") != "byte":
+        _absolute(raw["data"], "tokenizer")  # "byte" is a name, even beside a folder "byte"
+    adapters = raw.get("adapters")
+    for adapter in adapters if isinstance(adapters, list) else []:
+        if isinstance(adapter, dict):
+            _absolute(adapter.get("dataset"), "path")
+            _absolute(adapter.get("eval_dataset"), "path")
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key repeated in one mapping is an error."""
 
@@ -500,6 +533,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     for dotted in overrides or []:
         _set_dotted(raw, dotted, problems)
     raw = _apply_preset(raw, problems)
+    _resolve_paths(raw)
     raw = _apply_hf_model(raw, problems)
     cfg = _build(JobConfig, raw, "job", problems)
     # Section names read better without the "job." prefix.

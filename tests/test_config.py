@@ -304,3 +304,28 @@ def test_config_yaml_syntax_and_encoding_errors_name_file_and_line(tmp_path):
 def test_config_override_that_is_not_yaml_is_named(tmp_path):
     errors = _errors(tmp_path, _job(tmp_path), ["train.steps=\t3: [x"])
     assert "override 'train.steps=\\t3: [x': the value is not valid YAML" in errors
+
+
+def test_config_relative_paths_resolve_to_absolute_ones(tmp_path, monkeypatch):
+    from hf_testing import save_tiny_tokenizer
+
+    save_tiny_tokenizer(_hf_config_folder(tmp_path / "m"))
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    job = {"model": {"hf_path": "m"},
+           "adapters": [{"name": "a", "dataset": {"path": "a.jsonl"},
+                         "eval_dataset": {"path": "a.jsonl"}}],
+           "train": {"steps": 2, "output_dir": str(tmp_path / "out")}}
+    path = _write(tmp_path, job)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(path)
+    monkeypatch.chdir(tmp_path / "m")  # later reads from another folder name the same files
+    assert cfg.model.hf_path == str(tmp_path / "m")
+    assert cfg.data.tokenizer == str(tmp_path / "m"), "the default follows the resolved model"
+    assert cfg.adapters[0].dataset.path == str(tmp_path / "a.jsonl")
+    assert cfg.adapters[0].eval_dataset.path == str(tmp_path / "a.jsonl")
+    job["adapters"][0]["dataset"] = {"path": "owner/hub-set"}
+    job["adapters"][0].pop("eval_dataset")
+    job["model"]["hf_path"] = str(tmp_path / "m")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(_write(tmp_path, job)).adapters[0].dataset.path == "owner/hub-set", (
+        "a hub name is not a path")
