@@ -9,8 +9,10 @@ schema inference would refuse as a whole, reach the per-row checks.
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
+import string
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +93,43 @@ def _read_jsonl(path: Path, data: DataConfig) -> RawRows:
     return RawRows(rows, where, skipped)
 
 
+def _csv_as_text(path: Path) -> dict:
+    """``datasets``' CSV options that keep every cell as written, since a CSV holds text.
+
+    ``42`` stays ``"42"``, ``007`` keeps its zeros, an empty cell is ``""``.
+    """
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    return {"converters": dict.fromkeys(header, str), "keep_default_na": False}
+
+
+def _text_fields(d: DatasetConfig) -> set[str]:
+    """The row keys ``d`` reads as text: prompt and response, or a template's placeholders."""
+    from megatron_lorafusion.data.dataset import PROMPT_TEMPLATES  # it imports this module
+
+    fields = {d.response_field}
+    if d.template is None:
+        fields.add(d.prompt_field)
+    for template in PROMPT_TEMPLATES.get(d.template, (d.template,)) if d.template else ():
+        try:
+            fields.update(name for _, name, _, _ in string.Formatter().parse(template) if name)
+        except ValueError:  # a broken template: validation names it
+            pass
+    return fields
+
+
+def _numbers_as_text(table, d: DatasetConfig):
+    """``table`` with its numeric text-field columns (a typed Parquet file's) cast to strings."""
+    import datasets
+
+    for name in sorted(_text_fields(d) & set(table.column_names)):
+        feature = table.features[name]
+        if isinstance(feature, datasets.Value) and feature.dtype.startswith(
+                ("int", "uint", "float", "decimal")):
+            table = table.cast_column(name, datasets.Value("string"))
+    return table
+
+
 def read_rows(d: DatasetConfig, data: DataConfig) -> RawRows:
     """Every row of dataset ``d``.
 
@@ -118,7 +157,9 @@ def read_rows(d: DatasetConfig, data: DataConfig) -> RawRows:
     try:
         if path.is_file():
             table = datasets.load_dataset(builder, data_files=str(path), split="train",
-                                          cache_dir=cache)
+                                          cache_dir=cache,
+                                          **(_csv_as_text(path) if builder == "csv" else {}))
+            table = _numbers_as_text(table, d)
             label = str(path)
         else:
             table = datasets.load_dataset(d.path, split=d.split, cache_dir=cache)

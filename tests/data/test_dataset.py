@@ -191,3 +191,13 @@ def test_dataset_sample_without_trained_token_is_named_or_skipped(tmp_path, monk
     samples = load_adapter_dataset(adapter, DataConfig(bad_rows="skip"), ByteTokenizer())
     assert len(samples) == 1
     assert "skipped 1 malformed rows" in caplog.text
+
+
+def test_dataset_csv_number_response_trains_as_its_text(tmp_path):
+    path = tmp_path / "sums.csv"
+    path.write_text("prompt,response\n6*7=,42\n")
+    tok = ByteTokenizer()
+    adapter = AdapterConfig(name="a", dataset=DatasetConfig(path=str(path)))
+    (sample,) = load_adapter_dataset(adapter, DataConfig(cache_dir=str(tmp_path / "c")), tok)
+    trained = [t for t, m in zip(sample.labels, sample.loss_mask, strict=True) if m]
+    assert trained == [*b"42", tok.eos_id], "the response is the string '42', then eos"

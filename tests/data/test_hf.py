@@ -86,3 +86,27 @@ def test_read_rows_dataset_folder_by_split(tmp_path):
     raw = read_rows(d, DataConfig(offline=True, cache_dir=str(tmp_path / "c")))
     assert [dict(r) for r in raw.rows] == ROWS[:1]
     assert raw.where == [f"{tmp_path / 'set'}[test] row 1"]
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".parquet"])
+def test_read_rows_numeric_text_columns_read_as_text(tmp_path, suffix):
+    path = tmp_path / f"nums{suffix}"
+    if suffix == ".csv":
+        path.write_text("question,response,id\n6*7,42,1\n,007,2\n1/2,0.5,3\n")
+        expected = [("6*7", "42"), ("", "007"), ("1/2", "0.5")]
+    else:
+        pytest.importorskip("pyarrow", reason="datasets' dependency")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"question": [6, 0, 2], "response": [42, 7, 1],
+                                 "id": [1, 2, 3]}), path)
+        expected = [("6", "42"), ("0", "7"), ("2", "1")]
+    d = DatasetConfig(path=str(path), template="Q: {question}\nA: ")
+    raw = read_rows(d, DataConfig(cache_dir=str(tmp_path / "c")))
+    assert [(r["question"], r["response"]) for r in raw.rows] == expected, (
+        "text fields must come back as the strings written")
+    if suffix == ".csv":
+        assert [r["id"] for r in raw.rows] == ["1", "2", "3"], "a CSV holds text"
+    else:
+        assert [r["id"] for r in raw.rows] == [1, 2, 3], "a column no field reads keeps its type"
