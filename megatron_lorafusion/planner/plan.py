@@ -9,13 +9,14 @@ global batch finished (bubble lemma), and empty bins forced that way are idle mi
 The MILP stream is compared with the pure-greedy stream from the same state and the one
 with fewer microbatches is kept, so the MILP packing is never longer than the greedy one.
 
-Makespan first: when the packed stream needs idle microbatches, two round-robin streams of
-the same rounds are built too (`round_robin`: adapters take turns, each global batch spread
-over microbatches of its own, cut by first-fit-decreasing or as mLoRA cuts it) and the
-stream whose simulated makespan (`simulate`, the given `CostModel`) is shortest is kept.
-The mLoRA-cut stream has the mLoRA-style baseline's microbatches with tile padding instead
-of padding to the longest sample, so on a whole plan ours is never slower than that
-baseline in the simulator.
+Makespan first: three streams of one-adapter microbatches of the same rounds are built too
+(`CANDIDATES`: round-robin cut by first-fit-decreasing or as mLoRA cuts, and the
+Megatron-style order without flushes) and the stream whose simulated makespan (`simulate`,
+the given `CostModel`) is shortest is kept. The mLoRA-cut stream has the mLoRA-style
+baseline's microbatches with tile padding instead of padding to the longest sample, so on a
+whole plan ours is never slower than that baseline in the simulator, nor (checked on random
+problems, docs/planner.md) than the flushed Megatron-style baseline. Per chunk
+(`iter_plan_chunks`) the choice does not compose into that guarantee (docs/planner.md).
 
 Every choice is deterministic (greedy packing, MILP work limits, simulated times), so a
 problem and seed give the same plan in any process and on any machine load; the only
@@ -26,6 +27,7 @@ exception is a MILP solve that reaches its wall-clock safety limit (counted in
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -37,11 +39,17 @@ from megatron_lorafusion.planner.check import PlanVerifier, check_plan
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.grouping import group_adapters
-from megatron_lorafusion.planner.round_robin import packed_pieces, padded_pieces, round_robin
+from megatron_lorafusion.planner.round_robin import (
+    one_at_a_time,
+    packed_pieces,
+    padded_pieces,
+    round_robin,
+)
 from megatron_lorafusion.planner.simulator import simulate
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample, SolveReport
 
 __all__ = [
+    "CANDIDATES",
     "DEFAULT_SOLVER",
     "DEFAULT_TIME_LIMIT_S",
     "StreamState",
@@ -61,6 +69,14 @@ DEFAULT_TIME_LIMIT_S = 0.1
 `milp.NODE_LIMIT`); a solve that reaches it keeps the greedy bins. Unused by greedy."""
 
 _NEVER = -(10**9)
+
+CANDIDATES = ("round_robin", "round_robin_padded", "megatron")
+"""Streams simulated against the packed one in every chunk (ties keep the packed stream):
+round-robin cut by first-fit-decreasing, round-robin cut as mLoRA cuts (the mLoRA-style
+baseline's microbatches at tile padding), and the Megatron-style baseline's microbatches in
+its order without its flushes. Tried even when packing needs no idle microbatch: at S = 1
+the packed stream was up to 9 % slower than Megatron-style on small random problems
+(per-adapter tile padding of mixed microbatches, first-fit-decreasing not monotone)."""
 
 
 @dataclass(frozen=True)
@@ -177,14 +193,19 @@ def _flush(state: StreamState) -> tuple[list[Microbatch], StreamState]:
 def _round_robin_chunk(
     problem: PlanProblem, state: StreamState, round_stop: int, name: str, flush: bool
 ) -> tuple[list[Microbatch], StreamState]:
-    """Rounds ``[state.next_round, round_stop)`` as a round-robin stream after the open tail."""
+    """Rounds ``[state.next_round, round_stop)`` of one-adapter microbatches after the tail.
+
+    Round-robin (``"round_robin"``, ``"round_robin_padded"``) or
+    adapter by adapter (``"megatron"``, the Megatron-style baseline's order).
+    """
     cap, tile = problem.capacity, problem.tile_height
-    if name == "round_robin":
-        pieces = packed_pieces(cap, tile)
-    else:
+    if name == "round_robin_padded":
         pieces = padded_pieces(default_samples_per_microbatch(problem), cap, tile)
+    else:
+        pieces = packed_pieces(cap, tile)
+    order = one_at_a_time if name == "megatron" else round_robin
     out = [_microbatch(list(state.carry), set(state.carry_finishes))] if state.carry else []
-    rr, last = round_robin(
+    rr, last = order(
         problem, pieces, range(state.next_round, round_stop), state.position + len(out),
         state.last_finish,
     )
@@ -197,9 +218,23 @@ def _round_robin_chunk(
 
 
 def _makespan(problem: PlanProblem, mbs: list[Microbatch], state: StreamState,
-              cost: CostModel) -> float:
+              cost: CostModel, beat: float = math.inf) -> float:
+    """Simulated makespan of the chunk, or ``inf`` when it cannot be below ``beat``.
+
+    The bound: the last stage does all of its work (every F and B, every optimizer step)
+    after the first microbatch's forward has passed the ``S - 1`` stages before it, and the
+    last microbatch's backward then passes them again, so no 1F1B schedule of the jobs ends
+    before ``work + (S - 1) * (F_first + B_last)`` (exact at ``S = 1``). A candidate whose
+    bound is not below ``beat`` cannot be kept, so it is not simulated.
+    """
     stream = mbs + [_microbatch(list(state.carry), set(state.carry_finishes))] * bool(state.carry)
     jobs = stream_jobs(stream, cost, problem.tile_height)
+    if not jobs:
+        return 0.0
+    work = sum(j.forward_ms + j.backward_ms + cost.optimizer_ms * len(j.steps) for j in jobs)
+    bound = work + (problem.num_stages - 1) * (jobs[0].forward_ms + jobs[-1].backward_ms)
+    if bound >= beat:
+        return math.inf
     return simulate(jobs, problem.num_stages, cost).makespan_ms
 
 
@@ -213,8 +248,8 @@ def _plan_chunk(
 ) -> tuple[list[Microbatch], StreamState, _Counters, str, int]:
     """One chunk: (microbatches, state, counters, chosen, greedy count).
 
-    The packed stream (MILP or its greedy floor, fewer microbatches wins) is kept unless it
-    has idle microbatches and a round-robin stream of the same rounds simulates faster.
+    The packed stream (MILP or its greedy floor, fewer microbatches wins) is kept unless a
+    stream of one-adapter microbatches of the same rounds (`CANDIDATES`) simulates faster.
     """
     flush = round_stop >= _num_rounds(problem)
     results = {}
@@ -232,13 +267,12 @@ def _plan_chunk(
     if chosen == "greedy" and solver == "milp":
         milp_counters = results["milp"][2]
         counters = replace(milp_counters, milp_improved=0)
-    if any(mb.is_idle for mb in mbs):
-        best = _makespan(problem, mbs, new_state, cost)
-        for name in ("round_robin", "round_robin_padded"):
-            rr_mbs, rr_state = _round_robin_chunk(problem, state, round_stop, name, flush)
-            makespan = _makespan(problem, rr_mbs, rr_state, cost)
-            if makespan < best:
-                best, mbs, new_state, chosen = makespan, rr_mbs, rr_state, name
+    best = _makespan(problem, mbs, new_state, cost)
+    for name in CANDIDATES:
+        rr_mbs, rr_state = _round_robin_chunk(problem, state, round_stop, name, flush)
+        makespan = _makespan(problem, rr_mbs, rr_state, cost, best)
+        if makespan < best:
+            best, mbs, new_state, chosen = makespan, rr_mbs, rr_state, name
     return mbs, new_state, counters, chosen, greedy_len
 
 
@@ -336,8 +370,11 @@ def iter_plan_chunks(
 
     The concatenated chunks form a valid plan of the whole problem (the tail of each chunk
     stays open and merges into the next); the greedy floor and the choice between packed
-    and round-robin streams apply per chunk. Deterministic for a problem (seed included) and
-    ``rounds_per_chunk``, unless a MILP solve reaches its wall-clock safety limit.
+    and `CANDIDATES` streams apply per chunk, each chunk simulated alone, so unlike a whole
+    `plan_microbatches` plan the concatenation can simulate slower than the better
+    baseline (measured up to 5.5 % on small random problems; docs/planner.md).
+    Deterministic for a problem (seed included) and ``rounds_per_chunk``, unless a MILP
+    solve reaches its wall-clock safety limit.
 
     Args:
         problem: the whole problem.

@@ -17,7 +17,14 @@ from megatron_lorafusion.planner._segment import Segment, padded
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.types import Microbatch, PlanProblem, Sample
 
-__all__ = ["Pieces", "packed_pieces", "padded_pieces", "padded_tokens_of", "round_robin"]
+__all__ = [
+    "Pieces",
+    "one_at_a_time",
+    "packed_pieces",
+    "padded_pieces",
+    "padded_tokens_of",
+    "round_robin",
+]
 
 Pieces = Callable[[list[Sample]], list[list[Sample]]]
 """Cuts one global batch (samples in order) into the microbatches of a round-robin stream."""
@@ -106,4 +113,35 @@ def round_robin(
             if ends:
                 last[a] = position + len(stream) - 1
             heads[a] += 1
+    return stream, last
+
+
+def one_at_a_time(
+    problem: PlanProblem,
+    pieces: Pieces,
+    rounds: range,
+    position: int = 0,
+    last_finish: Sequence[int] | None = None,
+) -> tuple[list[Microbatch], list[int]]:
+    """The Megatron-style order as one stream: adapter by adapter, its global batches in turn.
+
+    Adapter ``a``'s global batches ``rounds`` (cut by ``pieces``) follow one another, then
+    adapter ``a + 1``'s; idle microbatches are added only where the bubble lemma needs them
+    (``S - 1`` between two batches of one adapter, fewer after another adapter's batches).
+    Run without a flush, this is the Megatron-style baseline's microbatches in its order.
+
+    Args, Returns: as `round_robin`.
+    """
+    S = problem.num_stages
+    last = list(last_finish) if last_finish is not None else [-S] * problem.num_adapters
+    stream: list[Microbatch] = []
+    for a in range(problem.num_adapters):
+        for j in rounds:
+            if j >= problem.num_global_batches(a):
+                continue
+            cut = pieces(problem.global_batch(a, j))
+            stream += [Microbatch(())] * max(0, S - (position + len(stream) - last[a]))
+            stream += [Microbatch(tuple(p), (a,) if i == len(cut) - 1 else ())
+                       for i, p in enumerate(cut)]
+            last[a] = position + len(stream) - 1
     return stream, last

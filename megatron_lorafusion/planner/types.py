@@ -155,8 +155,9 @@ class SolveReport:
 
     Attributes:
         solver: ``"milp"`` or ``"greedy"``, as asked.
-        chosen: which stream was kept: ``"milp"``, the ``"greedy"`` floor, or a round-robin
-            stream (``"round_robin"``, ``"round_robin_padded"``) that simulated faster.
+        chosen: which stream was kept: ``"milp"``, the ``"greedy"`` floor, or a stream of
+            one-adapter microbatches that simulated faster (``"round_robin"``,
+            ``"round_robin_padded"``, ``"megatron"``; `plan.CANDIDATES`).
         segments: packed segments (one group's global batches of one round).
         milp_solves: PuLP solves run (segments where greedy missed the lower bound).
         milp_improved: segments where the MILP beat first-fit-decreasing.
