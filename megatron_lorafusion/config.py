@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -348,7 +349,11 @@ def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
             suffix = f"; did you mean {hint[0]!r}?" if hint else ""
             problems.append(f"{where}.{key} is not a known key{suffix}")
             continue
-        kwargs[key] = _convert(value, hints[key], f"{where}.{key}", problems)
+        before = len(problems)
+        converted = _convert(value, hints[key], f"{where}.{key}", problems)
+        items = converted if isinstance(converted, list) else [converted]
+        if len(problems) == before or items and all(dataclasses.is_dataclass(v) for v in items):
+            kwargs[key] = converted  # a wrong value keeps the default, so validate() runs
     return cls(**kwargs)
 
 
@@ -538,13 +543,28 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     cfg = _build(JobConfig, raw, "job", problems)
     # Section names read better without the "job." prefix.
     problems = [q.removeprefix("job.") for q in problems]
-    if not problems:
-        from megatron_lorafusion.validation import validate  # it imports this module
+    from megatron_lorafusion.validation import validate  # it imports this module
 
-        problems = validate(cfg)
+    problems += _unmasked(validate(cfg), problems)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _unmasked(rules: list[str], problems: list[str]) -> list[str]:
+    """The cross-field problems that do not involve a key already reported.
+
+    A key with a wrong type or value was built with its default; a rule that reads it would
+    report the default, not what the user wrote. A failed preset or ``hf_path`` leaves the
+    whole model section unknown.
+    """
+    keys = {q.split(" ", 1)[0].rstrip(":") for q in problems}
+    if any(k in ("model.preset", "model.hf_path") for k in keys):
+        keys.add("model")
+    if not keys:
+        return rules
+    masked = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(keys))) + r")(?![\w])")
+    return [q for q in rules if not masked.search(q)]
 
 
 def job_from_dict(raw: dict) -> JobConfig:

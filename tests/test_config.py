@@ -329,3 +329,20 @@ def test_config_relative_paths_resolve_to_absolute_ones(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config(_write(tmp_path, job)).adapters[0].dataset.path == "owner/hub-set", (
         "a hub name is not a path")
+
+
+def test_config_model_problem_does_not_hide_other_problems(tmp_path):
+    """Issue 17 case 8: a bad head_dim (or a wrong type) is listed beside rank=0."""
+    import json
+
+    folder = _hf_config_folder(tmp_path / "m")
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf, "head_dim": 7}))
+    job = _job(tmp_path, model={"hf_path": str(folder)}, data={"tokenizer": "byte"})
+    job["adapters"][0]["rank"] = 0
+    job["train"]["seed"] = "x"
+    errors = _errors(tmp_path, job)
+    assert "config.json': head_dim must be" in errors
+    assert "adapters.0.rank must be in [1, 256], got 0" in errors
+    assert "train.seed must be of type int, got 'x'" in errors
+    assert "train.seed must be in" not in errors, "a defaulted key is not checked again"
