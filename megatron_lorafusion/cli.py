@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
         cfg = load_config(args.config, args.overrides)
+        from megatron_lorafusion.validation import launch_problems
+
+        if problems := launch_problems(cfg):  # the layout against this very launch
+            raise ConfigError(problems)
         if args.command == "validate":
             print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
             return 0

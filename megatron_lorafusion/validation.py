@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
+import string
 from pathlib import Path
 
 from megatron_lorafusion.config import (
@@ -20,7 +22,8 @@ from megatron_lorafusion.config import (
     JobConfig,
 )
 
-__all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "adapter_name_problem", "validate"]
+__all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "adapter_name_problem", "launch_problems",
+           "validate"]
 
 # An adapter's name is a folder name under the run's and the export's folder: no separators,
 # no ".." or hidden names (temporary folders start with "."), bounded length.
@@ -184,7 +187,44 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(problem)
     if cfg.logging.log_every <= 0:
         p.append(f"logging.log_every must be > 0, got {cfg.logging.log_every}")
+    if cfg.data.cache_dir is not None and (problem := _cache_dir_problem(cfg.data.cache_dir)):
+        p.append(problem)
     return p
+
+
+def launch_problems(cfg: JobConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """The layout against this launch: tp × pp must divide the world size.
+
+    Kept out of `validate` (a job file is valid for some launch); the CLI checks it for the
+    process it runs in, where ``WORLD_SIZE`` unset means a one-process run.
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(text)
+    except ValueError:
+        return [f"WORLD_SIZE must be a positive integer (torchrun sets it), got {text!r}"]
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp):
+        run = "a one-process run" if world == 1 else f"WORLD_SIZE={world}"
+        return [f"parallel.tp × parallel.pp must divide the number of processes ({run}), got "
+                f"tp={tp}, pp={pp}; launch with torchrun --nproc-per-node <multiple of "
+                f"{tp * pp}> or set parallel.tp=1 parallel.pp=1"]
+    return []
+
+
+def _cache_dir_problem(cache_dir: str) -> str | None:
+    """Why ``data.cache_dir`` cannot be (made) a folder, or None."""
+    try:
+        at = Path(cache_dir)
+        while not at.exists() and at != at.parent:
+            at = at.parent
+        if at.is_dir():
+            return None
+    except (OSError, ValueError) as err:
+        return f"data.cache_dir must be a folder path, got {cache_dir!r} ({err})"
+    return (f"data.cache_dir must be a folder (or a new path), got {cache_dir!r} "
+            f"({str(at)!r} is a file)")
 
 
 def _is_run_folder(out: Path) -> bool:
@@ -287,6 +327,26 @@ PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/dataset.py
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
+class _AnyField(dict):
+    """A row that has every field, as text: formatting with it finds a broken template."""
+
+    def __missing__(self, key: str) -> str:
+        return "text"
+
+
+def _template_problem(template: str) -> str | None:
+    """Why ``template`` cannot be filled from a row of text fields, or None."""
+    try:
+        fields = [n for _, n, _, _ in string.Formatter().parse(template) if n is not None]
+        positional = [n for n in fields if n == "" or n.isdigit()]
+        if positional:
+            return f"positional placeholder {{{positional[0]}}}"
+        template.format_map(_AnyField())
+    except (ValueError, KeyError, IndexError, AttributeError, TypeError) as err:
+        return str(err) or type(err).__name__
+    return None
+
+
 def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str) -> list[str]:
     p: list[str] = []
     local = Path(d.path).suffix in DATA_SUFFIXES or data.offline or Path(d.path).exists()
@@ -296,9 +356,16 @@ def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str) -> list[st
         p.append(f"{where}.path must be an existing file or folder, got {d.path!r} "
                  f"(not found from {Path.cwd()}"
                  + ("; data.offline forbids hub datasets)" if data.offline else ")"))
+    if local and Path(d.path).is_dir() and not any(f.is_file() for f in Path(d.path).rglob("*")):
+        p.append(f"{where}.path must be a data file or a folder of data files, got "
+                 f"{d.path!r} (an empty folder)")
     if d.template is not None and d.template not in PROMPT_TEMPLATES and "{" not in d.template:
         p.append(f"{where}.template must be one of {list(PROMPT_TEMPLATES)} or a format string "
                  f"with {{field}} placeholders, got {d.template!r}")
+    elif d.template is not None and d.template not in PROMPT_TEMPLATES:
+        if (problem := _template_problem(d.template)) is not None:
+            p.append(f"{where}.template must be a format string with named {{field}} "
+                     f"placeholders ({{{{ and }}}} for braces), got {d.template!r} ({problem})")
     if d.messages_field is not None and data.tokenizer == "byte":
         p.append(f"{where}.messages_field needs a tokenizer with a chat template "
                  f"(data.tokenizer: a folder), got data.tokenizer='byte'")

@@ -346,3 +346,41 @@ def test_config_model_problem_does_not_hide_other_problems(tmp_path):
     assert "adapters.0.rank must be in [1, 256], got 0" in errors
     assert "train.seed must be of type int, got 'x'" in errors
     assert "train.seed must be in" not in errors, "a defaulted key is not checked again"
+
+
+def test_config_dataset_folder_must_hold_files(tmp_path):
+    """A folder of split files is a dataset; an empty folder is refused by name."""
+    (tmp_path / "split").mkdir()
+    (tmp_path / "split" / "train.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    job = _job(tmp_path)
+    job["adapters"][0]["dataset"]["path"] = str(tmp_path / "split")
+    load_config(_write(tmp_path, job))
+    (tmp_path / "empty").mkdir()
+    job["adapters"][0]["dataset"]["path"] = str(tmp_path / "empty")
+    assert (f"adapters.0.dataset.path must be a data file or a folder of data files, got "
+            f"'{tmp_path / 'empty'}' (an empty folder)") in _errors(tmp_path, job)
+
+
+@pytest.mark.parametrize("template", ["{", "}", "{0}", "{}", "{prompt!x}", "{prompt:d}",
+                                      "{prompt.upper.x}"])
+def test_config_broken_template_is_named(tmp_path, template):
+    job = _job(tmp_path)
+    job["adapters"][0]["dataset"]["template"] = template + " {response}"
+    assert "adapters.0.dataset.template must be a format string with named {field}" in _errors(
+        tmp_path, job)
+
+
+def test_config_good_template_with_escaped_braces_loads(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0]["dataset"]["template"] = "{{json}}: {prompt}"
+    assert load_config(_write(tmp_path, job)).adapters[0].dataset.template == "{{json}}: {prompt}"
+
+
+def test_config_cache_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "cache").write_text("x")
+    job = _job(tmp_path, data={"cache_dir": str(tmp_path / "cache")})
+    assert "data.cache_dir must be a folder (or a new path)" in _errors(tmp_path, job)
+    job = _job(tmp_path, data={"cache_dir": str(tmp_path / "cache" / "sub")})
+    assert "data.cache_dir must be a folder (or a new path)" in _errors(tmp_path, job)
+    job = _job(tmp_path, data={"cache_dir": str(tmp_path / "new" / "sub")})
+    assert load_config(_write(tmp_path, job)).data.cache_dir == str(tmp_path / "new" / "sub")
