@@ -347,7 +347,11 @@ def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1)
             suffix = f"; did you mean {hint[0]!r}?" if hint else ""
-            problems.append(f"{where}.{key} is not a known key{suffix}")
+            if where == "job":  # a top-level key: "job." is dropped from the message
+                problems.append(f"job file section {str(key)!r} must be one of {names}, "
+                                f"got an unknown section{suffix}")
+            else:
+                problems.append(f"{where}.{key} is not a known key{suffix}")
             continue
         before = len(problems)
         converted = _convert(value, hints[key], f"{where}.{key}", problems)

@@ -257,9 +257,9 @@ def _output_dir_problem(cfg: JobConfig) -> str | None:
         return f"train.output_dir must be a readable folder, got {str(out)!r} ({err.strerror})"
     if not entries or _is_run_folder(out) or cfg.train.overwrite:
         return None
-    inputs = [Path(a.dataset.path).resolve() for a in cfg.adapters if a.dataset.path]
-    inputs += [Path(q).resolve() for q in (cfg.data.cache_dir, cfg.data.tokenizer,
-                                           cfg.model.hf_path) if q]
+    named = [a.dataset.path for a in cfg.adapters]
+    named += [cfg.data.cache_dir, cfg.data.tokenizer, cfg.model.hf_path]
+    inputs = [Path(q).resolve() for q in named if q and "\0" not in q]  # NUL: named elsewhere
     foreign = [e.name for e in entries
                if not any(i == e.resolve() or e.resolve() in i.parents for i in inputs)]
     if not foreign:
