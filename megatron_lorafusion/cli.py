@@ -163,13 +163,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"error: {err}", file=sys.stderr)
                 return 2
         cfg = load_config(args.config, args.overrides)
+        if args.command == "validate":  # the launch is not known yet: train checks it
+            print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
+            return 0
         from megatron_lorafusion.validation import launch_problems
 
         if problems := launch_problems(cfg):  # the layout against this very launch
             raise ConfigError(problems)
-        if args.command == "validate":
-            print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
-            return 0
         _quiet_start(args.verbose, cfg.logging.level)  # before Megatron is imported
         from megatron_lorafusion.data import DataError
         from megatron_lorafusion.train.checkpoint import CheckpointError
