@@ -15,6 +15,7 @@ refuses any stream where it would not.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -173,12 +174,16 @@ def lemma_checked(microbatches: Iterable[Microbatch], num_stages: int) -> Iterat
     follows its step after the backward of ``p - S`` and precedes the backward of
     ``p - S + 1``, so adapter ``a`` may reappear at ``p`` after finishing a global batch at
     ``f`` only if ``p - f >= S``. Every rank runs this on the same stream and so refuses a
-    plan at the same microbatch, before any rank computes with stale weights.
+    plan at the same microbatch, before any rank computes with stale weights. It checks
+    ``S + 1`` microbatches ahead of what it yields (stages run up to ``S - 1`` microbatches
+    apart, and a stage's table peeks one ahead), so no rank is left waiting for an
+    activation or gradient of a microbatch that a rank which already refused never sends.
 
     Raises:
         LemmaError: exactly when `check_lemma` would on the stage-0 table.
     """
     last_finish: dict[int, int] = {}
+    ahead: collections.deque[Microbatch] = collections.deque()
     for p, mb in enumerate(microbatches):
         for a in mb.adapters:
             f = last_finish.get(a)
@@ -186,7 +191,10 @@ def lemma_checked(microbatches: Iterable[Microbatch], num_stages: int) -> Iterat
                 raise LemmaError(_lemma_message(a, p, 0, f, num_stages))
         for a in mb.finishes:
             last_finish[a] = p
-        yield mb
+        ahead.append(mb)
+        if len(ahead) > num_stages + 1:
+            yield ahead.popleft()
+    yield from ahead
 
 
 def _lemma_message(adapter: int, k: int, stage: int, f: int, num_stages: int) -> str:
