@@ -141,6 +141,31 @@ def _launches(fn, device) -> int | None:
     return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
 
 
+def _kernel_profile(label: str, fn, device, top: int = 25) -> None:
+    """Print the GPU time of ``fn()`` (after one warm-up call) by kernel name, longest first,
+    with the kernel sum against the synchronised wall clock (the gap is host time)."""
+    if device.type != "cuda":
+        return
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    wall_ms = 1e3 * (time.perf_counter() - start)
+    by_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time > 0:
+            entry = by_name.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time / 1e3
+            entry[1] += 1
+    total = sum(ms for ms, _ in by_name.values())
+    print(f"\n## kernels of one microbatch: {label} (sum {total:.1f} ms, wall {wall_ms:.1f} ms)")
+    print("| kernel | ms | calls |\n|---|---|---|")
+    for name, (ms, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {name.replace('|', '/')} | {ms:.2f} | {calls} |")
+
+
 def _step_ms(step, device, rounds: int = 3) -> float:
     """Median synchronised time of ``step()``, in ms."""
     times = []
@@ -213,6 +238,8 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
             optimizer.step(everyone)
 
         row = _measure(train, batches, args)
+        if args.profile and (rank, dropout, count) == COMPARE:
+            _kernel_profile(f"ours, {count} adapters", lambda: train(batches[0]), args.device)
         row["launches"] = _launches(lambda: _forward_backward(model, lora, batches[0]), args.device)
         # The step after a real backward, then on the zeroed gradients: the fused step's work
         # does not depend on their values.
@@ -223,11 +250,14 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
         _unwrap(model)
 
 
-def _floor(train, batches, embedding, args) -> dict:
+def _floor(train, batches, embedding, args, label: str) -> dict:
     """``_measure`` of a frozen model whose embedding output requires grad (input grads)."""
     hook = embedding.register_forward_hook(lambda module, inputs, out: out.requires_grad_())
     try:
-        return _measure(train, batches, args)
+        row = _measure(train, batches, args)
+        if args.profile:
+            _kernel_profile(label, lambda: train(batches[0]), args.device)
+        return row
     finally:
         hook.remove()
 
@@ -247,7 +277,7 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
             args.tokens, args.microbatches, COMPARE[2], model_cfg.vocab_size, args.device
         )
         train = partial(_forward_backward, model, None)
-        row = _guarded(_floor, train, batches, model.embedding, args)
+        row = _guarded(_floor, train, batches, model.embedding, args, "ours base")
         _put(results, (shape, "ours base", None, None, None), row)
 
 
@@ -326,7 +356,8 @@ def _run_peers(shape: str, args, results: dict, builds: dict, liger: bool) -> No
         for _ in range(args.microbatches)
     ]
     floor = partial(_hf_step, model, None)
-    _put(results, keys[0], _guarded(_floor, floor, batches, model.get_input_embeddings(), args))
+    embedding = model.get_input_embeddings()
+    _put(results, keys[0], _guarded(_floor, floor, batches, embedding, args, f"{what} floor"))
     for key, cell in zip(keys[1:], cells, strict=True):
         _put(results, key, _guarded(_peft, model, batches, args, *cell))
 
@@ -413,6 +444,7 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
+    parser.add_argument("--profile", action="store_true", help="kernel tables of issue 15's rows")
     args = parser.parse_args(argv)
     if args.tokens < 16 or args.tokens % 4:
         parser.error(f"--tokens must be a multiple of 4 and >= 16, got {args.tokens}")

@@ -48,16 +48,19 @@ class FrozenRMSNorm(torch.nn.RMSNorm):
     the weight's gradient is a partial sum needing an all-reduce it does not set up. Base
     weights here are frozen (no gradient), so the plain norm is exact; the weight carries
     Megatron's ``sequence_parallel`` mark all the same. torch's own fused ``F.rms_norm`` runs
-    on every device: on the H200 (T = 8192, H = 4096, bf16, forward + backward) it took 0.14 ms
-    against 0.37 ms for a Triton kernel of ours and 0.46 ms for Liger-Kernel's
-    (`scripts.bench_base_ops`, device run 5 of 2026-12-01; the Triton op is in git history,
-    commit 5c344e7).
+    on every device when input and weight share a dtype: on the H200 (T = 8192, H = 4096, bf16,
+    forward + backward) it took 0.14 ms against 0.37 ms for a Triton kernel of ours and 0.46 ms
+    for Liger-Kernel's (`scripts.bench_base_ops`, device run 5 of 2026-12-01; the Triton op is
+    in git history, commit 5c344e7).
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
         if config.normalization != "RMSNorm":
             raise NotImplementedError(f"only RMSNorm is supported, got {config.normalization}")
-        super().__init__(hidden_size, eps=eps)
+        # The weight in the compute dtype: with a bf16 input and an fp32 weight torch runs its
+        # composite norm (an fp32 copy, pow, mean, rsqrt, two products, a cast back: 65 norms
+        # took ~50 ms of an 8B microbatch's 527, device run 1 of the eighth session).
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

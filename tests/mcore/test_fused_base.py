@@ -55,6 +55,14 @@ def test_built_model_uses_fused_modules(tiny_model):
     assert isinstance(layer.mlp.activation_func, FusedSwiGLU)
 
 
+def test_norm_weights_share_the_compute_dtype(megatron_single_process):
+    """A bf16 model's norms hold bf16 weights: torch's fused ``F.rms_norm`` needs one dtype."""
+    model = build_gpt_model(TINY, params_dtype=torch.bfloat16)
+    norms = [m for m in model.modules() if isinstance(m, FrozenRMSNorm)]
+    assert len(norms) == 2 * TINY.num_layers + 1
+    assert {m.weight.dtype for m in norms} == {torch.bfloat16}
+
+
 @pytest.mark.usefixtures("_interpreted_kernels")
 def test_fused_base_matches_unfused(megatron_single_process):
     weight = torch.rand(1, 25, generator=torch.Generator().manual_seed(5))
