@@ -34,6 +34,29 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 """A model folder holding neither has no tokenizer that ``AutoTokenizer`` finds."""
 
 
+def _has_chat_template(tokenizer: str) -> bool:
+    """Whether ``AutoTokenizer`` finds a chat template in ``data.tokenizer``'s folder.
+
+    It reads ``chat_template.jinja``, ``additional_chat_templates/*.jinja`` and the
+    ``chat_template`` entry of ``tokenizer_config.json``; an unreadable config counts as a
+    template here (loading the tokenizer reports it).
+    """
+    if tokenizer == "byte":
+        return False
+    folder = Path(tokenizer)
+    if (folder / "chat_template.jinja").is_file() or any(
+        (folder / "additional_chat_templates").glob("*.jinja")
+    ):
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or bool(config.get("chat_template"))
+
+
 def adapter_name_problem(name: object, where: str) -> str | None:
     """Why ``name`` is not a safe adapter (folder) name, or None when it is."""
     if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
@@ -128,7 +151,7 @@ def validate(cfg: JobConfig) -> list[str]:
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
         p.extend(_validate_adapter(a, f"adapters.{i}", seen))
-        p.extend(_validate_dataset(a.dataset, cfg.data, f"adapters.{i}.dataset"))
+        p.extend(_validate_dataset(a.dataset, cfg.data, f"adapters.{i}.dataset", a.name))
         p.extend(_validate_eval(a, cfg, f"adapters.{i}"))
     if cfg.data.max_seq_length <= 0:
         p.append(f"data.max_seq_length must be > 0, got {cfg.data.max_seq_length}")
@@ -308,7 +331,7 @@ def _validate_eval(a: AdapterConfig, cfg: JobConfig, where: str) -> list[str]:
     if not 0.0 <= a.eval_fraction < 1.0:
         p.append(f"{where}.eval_fraction must be in [0, 1), got {a.eval_fraction}")
     if a.eval_dataset is not None:
-        p.extend(_validate_dataset(a.eval_dataset, cfg.data, f"{where}.eval_dataset"))
+        p.extend(_validate_dataset(a.eval_dataset, cfg.data, f"{where}.eval_dataset", a.name))
         if a.eval_fraction > 0:
             p.append(f"{where}.eval_fraction must be 0 with eval_dataset (one eval source), "
                      f"got {a.eval_fraction}")
@@ -347,7 +370,7 @@ def _template_problem(template: str) -> str | None:
     return None
 
 
-def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str) -> list[str]:
+def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str, name: str) -> list[str]:
     p: list[str] = []
     local = Path(d.path).suffix in DATA_SUFFIXES or data.offline or Path(d.path).exists()
     if not d.path:
@@ -366,9 +389,14 @@ def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str) -> list[st
         if (problem := _template_problem(d.template)) is not None:
             p.append(f"{where}.template must be a format string with named {{field}} "
                      f"placeholders ({{{{ and }}}} for braces), got {d.template!r} ({problem})")
-    if d.messages_field is not None and data.tokenizer == "byte":
-        p.append(f"{where}.messages_field needs a tokenizer with a chat template "
-                 f"(data.tokenizer: a folder), got data.tokenizer='byte'")
+    tokenizer_named = data.tokenizer == "byte" or Path(data.tokenizer).is_dir()  # else reported
+    if d.messages_field is not None and tokenizer_named and not _has_chat_template(data.tokenizer):
+        p.append(
+            f"{where}.messages_field needs a tokenizer with a chat template, got "
+            f"data.tokenizer={data.tokenizer!r}, which has none (adapter {name!r}, "
+            f"dataset {d.path!r}); use a tokenizer folder with chat_template.jinja or a "
+            f"chat_template in tokenizer_config.json, or prompt_field/response_field"
+        )
     if d.messages_field is not None and d.template is not None:
         p.append(f"{where}.template must be unset with messages_field, got {d.template!r}")
     return p

@@ -205,3 +205,37 @@ def test_cli_layout_larger_than_a_one_process_run_exits_2(tmp_path, capsys, monk
     assert launch_problems(cfg), "one process cannot hold tp 2"
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert not launch_problems(cfg), "4 processes hold tp 2"
+
+
+def test_cli_chat_dataset_without_chat_template_exits_2_naming_adapter(tmp_path, capsys):
+    """Issue 17 case 8: validate reports it (adapter, dataset, key, tokenizer); train creates
+    nothing (no output_dir, no cache)."""
+    from hf_testing import CHAT_TEMPLATE, save_tiny_tokenizer
+
+    tok = tmp_path / "tok"
+    save_tiny_tokenizer(tok)
+    (tok / "chat_template.jinja").unlink()
+    chats = tmp_path / "chats.jsonl"
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    chats.write_text(json.dumps({"messages": chat}) + "\n")
+    path = _job(tmp_path, dataset={"path": str(chats), "messages_field": "messages"})
+    job = yaml.safe_load(path.read_text())
+    job["data"] = {"tokenizer": str(tok), "cache_dir": str(tmp_path / "cache")}
+    path.write_text(yaml.safe_dump(job))
+    expected = (
+        f"adapters.0.dataset.messages_field needs a tokenizer with a chat template, got "
+        f"data.tokenizer={str(tok)!r}, which has none (adapter 'a', dataset "
+        f"{str(chats)!r})"
+    )
+    for command in ("validate", "train"):
+        assert main([command, str(path)]) == 2, command
+        err = capsys.readouterr().err
+        assert expected in err, err
+        assert "Traceback" not in err
+    assert not (tmp_path / "out").exists(), "a chat dataset without a template creates nothing"
+    assert not (tmp_path / "cache").exists(), "not even the tokenised-data cache"
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": CHAT_TEMPLATE})
+    )
+    assert main(["validate", str(path)]) == 0, "a template in tokenizer_config.json counts"
