@@ -1,12 +1,16 @@
-"""Core attention for packed (THD) microbatches: causal within each sample, never across.
+"""Attention for packed (THD) microbatches: causal within each sample, never across.
 
-A drop-in replacement for Megatron's local `DotProductAttention` (which rejects packed
-sequences). For packed input it also applies RoPE (``rotary``, set by the model builders),
-per token and without host syncs, in place of Megatron's per-sample THD loop (the fused
-`ops.rope` on CUDA, straight from the strided q/k views of the QKV split). CUDA uses
-``torch.nn.attention.varlen.varlen_attn`` for fp16/bf16 when available (15× faster than the
-per-sample loop on an H200, see shared/notes/stack.md); otherwise (CPU, fp32, attention
-dropout) each sample runs through ``F.scaled_dot_product_attention`` in a Python loop.
+`VarlenCoreAttention` is a drop-in replacement for Megatron's local `DotProductAttention`
+(which rejects packed sequences). For packed input it also applies RoPE (``rotary``, set by
+the model builders), per token and without host syncs, in place of Megatron's per-sample THD
+loop. CUDA runs FlashAttention's varlen kernels for fp16/bf16 with grouped KV heads as they
+are (no repeat of k and v); CPU, fp32 and attention dropout run each sample through
+``F.scaled_dot_product_attention`` in a Python loop.
+
+`PackedSelfAttention` is Megatron's `SelfAttention` whose packed path splits the fused QKV
+projection with one kernel that also rotates q and k (`ops.qkv_rope`), where Megatron copies
+the query heads out of the row, RoPE copies q and k again, and backward concatenates the
+gradients back into the row; every other input takes Megatron's own path.
 """
 
 from __future__ import annotations
@@ -16,24 +20,75 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lorafusion.mcore import fused_base
 from megatron_lorafusion.mcore.fused_base import apply_rope
+from megatron_lorafusion.ops import qkv_rope, qkv_rope_ref
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # torch < 2.10 has no varlen attention
-    _varlen_attn = None
-
-# varlen_attn runs FlashAttention, which rejects fp32 (checked on torch 2.11, H200).
-_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+# FlashAttention rejects fp32 (checked on torch 2.11, H200).
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _repeat_kv(t: torch.Tensor, groups_per_head: int) -> torch.Tensor:
-    """(T, ng, d) -> (T, np, d): query head j reads KV group j // groups_per_head (Megatron's)."""
-    return t if groups_per_head == 1 else t.repeat_interleave(groups_per_head, dim=1)
+class _FlashVarlenFunction(torch.autograd.Function):
+    """Causal varlen FlashAttention (torch's kernels), grouped KV heads passed as they are.
+
+    ``torch.nn.attention.varlen.varlen_attn`` of torch 2.11 refuses ``ng < np``; the kernels
+    themselves take it, so k and v need no ``repeat_interleave`` (and their gradients no sum
+    over the repeats): 1.66 against 1.80 ms per layer fwd + bwd at T = 8192, 32 query and 8
+    KV heads of 128 on the H200 (device run 2 of the eighth session).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_seqlens, max_seqlen: int, scale: float):
+        """(T, np, d) output of (T, np, d) ``query`` and (T, ng, d) ``key`` / ``value``."""
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            query,
+            key,
+            value,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            0.0,
+            True,
+            False,
+            scale=scale,
+        )
+        ctx.save_for_backward(query, key, value, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        """Gradients of query, key and value."""
+        query, key, value, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(),
+            query,
+            key,
+            value,
+            out,
+            lse,
+            cu_seqlens,
+            cu_seqlens,
+            ctx.max_seqlen,
+            ctx.max_seqlen,
+            0.0,
+            True,
+            rng_state,
+            unused,
+            scale=ctx.scale,
+        )
+        return dq, dk, dv, None, None, None
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def varlen_causal_attention_ref(
@@ -137,37 +192,42 @@ class VarlenCoreAttention(MegatronModule):
         """Attention output: ``(T, np·d)`` when packed, ``[s, b, np·d]`` otherwise."""
         if attention_bias is not None:
             raise NotImplementedError("VarlenCoreAttention does not take an attention_bias")
-        dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is None:
+            dropout_p = self.dropout_p if self.training else 0.0
             return self._forward_unpacked(query, key, value, attention_mask, dropout_p)
         if packed_seq_params.qkv_format != "thd":
             raise NotImplementedError(
                 f"packed sequences must use qkv_format 'thd', got {packed_seq_params.qkv_format!r}"
             )
+        if self.rotary is not None:
+            cu_q = packed_seq_params.cu_seqlens_q
+            cos, sin = self.rotary.packed_cos_sin(cu_q, query.shape[0], query.dtype)
+            query, key = apply_rope(query, key, cos, sin)  # fused on CUDA, one pass each
+        return self.attend_packed(query, key, value, packed_seq_params)
+
+    def attend_packed(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        packed_seq_params: PackedSeqParams,
+    ) -> torch.Tensor:
+        """``(T, np·d)`` causal attention of packed, already rotated (T, heads, d) q, k, v."""
         cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise NotImplementedError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        if self.rotary is not None:
-            cos, sin = self.rotary.packed_cos_sin(cu_q, query.shape[0], query.dtype)
-            query, key = apply_rope(query, key, cos, sin)  # fused on CUDA, one pass each
-        groups = query.shape[1] // key.shape[1]
+        dropout_p = self.dropout_p if self.training else 0.0
         if (
             query.is_cuda
-            and _varlen_attn is not None
-            and query.dtype in _VARLEN_DTYPES
+            and query.dtype in _FLASH_DTYPES
             and dropout_p == 0.0
+            and hasattr(torch.ops.aten, "_flash_attention_forward")
         ):
-            # varlen_attn has no GQA on every torch we run (2.11 on the H200): repeat K/V.
-            out = _varlen_attn(
-                query,
-                _repeat_kv(key, groups),
-                _repeat_kv(value, groups),
-                cu_q,
+            out = _FlashVarlenFunction.apply(
+                *(_last_dim_dense(t) for t in (query, key, value)),
                 cu_q,
                 packed_seq_params.max_seqlen_q,
-                packed_seq_params.max_seqlen_q,
-                scale=self.softmax_scale,
-                window_size=(-1, 0),  # causal
+                self.softmax_scale,
             )
         else:
             out = varlen_causal_attention_ref(
@@ -202,3 +262,52 @@ class VarlenCoreAttention(MegatronModule):
                 enable_gqa=True,
             )
         return o.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)  # [s, b, np·d]
+
+
+class PackedSelfAttention(SelfAttention):
+    """Megatron's `SelfAttention`; packed training input splits QKV with `ops.qkv_rope`.
+
+    The packed path covers what our models build: THD input without an inference context,
+    RoPE given to `VarlenCoreAttention` (``core_attention.rotary``), no q/k norms, no output
+    gate, no core-attention recompute, and whole KV groups on each TP rank. Anything else runs
+    ``SelfAttention.forward`` unchanged. Both paths compute the same function.
+    """
+
+    def _packed_path_applies(self, packed_seq_params, kwargs) -> bool:
+        core = self.core_attention
+        return (
+            packed_seq_params is not None
+            and packed_seq_params.qkv_format == "thd"
+            and kwargs.get("key_value_states") is None
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+            and isinstance(core, VarlenCoreAttention)
+            and core.rotary is not None
+            and not self.config.attention_output_gate
+            and all(
+                n is None or isinstance(n, IdentityOp) for n in (self.q_layernorm, self.k_layernorm)
+            )
+            and not (self.checkpoint_core_attention and self.training)
+            and self.config.num_query_groups >= self.world_size
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
+        """``(output, bias)`` of ``linear_proj``, as ``SelfAttention.forward``.
+
+        Packed input: ``hidden_states`` ``[T, 1, H]``, output ``[T, 1, H]``.
+        """
+        packed_seq_params = kwargs.get("packed_seq_params")
+        if not self._packed_path_applies(packed_seq_params, kwargs):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        mixed, _ = self.linear_qkv(hidden_states)  # [T, 1, ng·(np/ng + 2)·d]
+        row = mixed.reshape(-1, mixed.shape[-1])  # (T, width): a view
+        groups = self.num_query_groups_per_partition
+        q_per_group = self.num_attention_heads_per_partition // groups
+        head_dim = self.hidden_size_per_attention_head
+        cos, sin = self.core_attention.rotary.packed_cos_sin(
+            packed_seq_params.cu_seqlens_q, row.shape[0], row.dtype
+        )
+        split = qkv_rope if fused_base.use_fused_kernels(row) else qkv_rope_ref
+        query, key, value = split(row, cos, sin, groups, q_per_group, head_dim)
+        out = self.core_attention.attend_packed(query, key, value, packed_seq_params)
+        return self.linear_proj(out.unsqueeze(1))  # (T, np·d) -> [T, 1, np·d]

@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lorafusion.config import ModelConfig
-from megatron_lorafusion.mcore.attention import VarlenCoreAttention
+from megatron_lorafusion.mcore.attention import PackedSelfAttention, VarlenCoreAttention
 from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, LoRAFusionGPTModel
 
 
@@ -200,7 +200,7 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
 
 
 def get_gpt_lora_layer_spec() -> ModuleSpec:
-    """The local GPT layer spec (RMSNorm) with `VarlenCoreAttention` as core attention.
+    """The local GPT layer spec (RMSNorm), `PackedSelfAttention` over `VarlenCoreAttention`.
 
     LoRA is not part of the spec: `apply_lora` wraps the built linears instead, so base
     weights can be loaded first. Norms are `FrozenRMSNorm` (sequence-parallel capable, fused
@@ -208,6 +208,7 @@ def get_gpt_lora_layer_spec() -> ModuleSpec:
     config sets ``use_te_activation_func``, as `_transformer_config` does).
     """
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.module = PackedSelfAttention
     spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
     spec.submodules.input_layernorm = FrozenRMSNorm
     spec.submodules.pre_mlp_layernorm = FrozenRMSNorm

@@ -44,6 +44,7 @@ from megatron_lorafusion.ops.packed_factor import (
     packed_factor,
     packed_factor_ref,
 )
+from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
@@ -54,6 +55,7 @@ __all__ = [
     "LoRALinearFunction",
     "LoRAUpFunction",
     "PackedFactorFunction",
+    "QKVRoPEFunction",
     "RoPEFunction",
     "SwiGLUFunction",
     "adapter_adamw_",
@@ -82,6 +84,8 @@ __all__ = [
     "lora_wgrad_ref",
     "packed_factor",
     "packed_factor_ref",
+    "qkv_rope",
+    "qkv_rope_ref",
     "rope",
     "rope_ref",
     "swiglu",

@@ -176,3 +176,40 @@ def test_packed_rope_skips_megatrons_per_sample_loop(tiny_model, monkeypatch):
     positions = torch.cat([torch.arange(n) for n in batch.lengths])
     expected = torch.cos(positions[:, None].float() * rotary.inv_freq[None, :])
     torch.testing.assert_close(tables[0][0][:, 0, : rotary.inv_freq.numel()], expected)
+
+
+def _logits_and_grads(model, context, batch):
+    model.zero_grad(set_to_none=True)
+    context.grads.zero_()
+    logits = run_model(model, context, batch)
+    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    return logits.detach(), context.grads.clone()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "interpreted-triton"])
+def test_packed_self_attention_equals_megatrons_path(tiny_model, monkeypatch, fused):
+    """`PackedSelfAttention`'s fused QKV split + RoPE computes Megatron's split, then RoPE."""
+    from interpreter_testing import reload_interpreted
+
+    from megatron_lorafusion.mcore import attention, fused_base
+
+    if fused and not torch.cuda.is_available():
+        reload_interpreted()
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(fused_base, "use_fused_kernels", lambda x: True)
+    context = _lora_model(tiny_model)
+    batch = make_packed_batch([0, 0, 1, 2], [5, 3, 9, 4], 3, seed=4)
+    splits = []
+    real_split = attention.qkv_rope if fused else attention.qkv_rope_ref
+    monkeypatch.setattr(
+        attention,
+        "qkv_rope" if fused else "qkv_rope_ref",
+        lambda *args: splits.append(args[0].shape) or real_split(*args),
+    )
+    packed = _logits_and_grads(tiny_model, context, batch)
+    assert len(splits) == len(tiny_model.decoder.layers), "every layer must take the packed path"
+    monkeypatch.setattr(attention.PackedSelfAttention, "_packed_path_applies", lambda *a: False)
+    megatron = _logits_and_grads(tiny_model, context, batch)
+    assert len(splits) == len(tiny_model.decoder.layers), "the patched run must be Megatron's"
+    for name, got, want in zip(("logits", "adapter grads"), packed, megatron, strict=True):
+        torch.testing.assert_close(got, want, **TOL[torch.float32], msg=name)

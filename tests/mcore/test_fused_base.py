@@ -1,4 +1,4 @@
-"""The fused base model (RMSNorm, SwiGLU, RoPE, chunked linear cross-entropy) equals the unfused.
+"""The fused base model (SwiGLU, QKV split + RoPE, chunked linear cross-entropy) equals unfused.
 
 On CUDA the model runs the Triton ops; on CPU the ops' references. Here the Triton path is
 forced on the CPU by patching `fused_base.use_fused_kernels` with the kernels reloaded in
@@ -70,7 +70,7 @@ def test_fused_base_matches_unfused(megatron_single_process):
     loss, logits, grads = _run(False, weight)
     launchers = {
         "swiglu": "swiglu_fwd",
-        "rope": "rope_fwd",
+        "qkv_rope": "qkv_rope_fwd",
         "linear_cross_entropy": "cross_entropy_fwd",
     }
     with contextlib.ExitStack() as stack:
