@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from mcore_testing import ADAPTERS, make_packed_batch, randomize_lora_b, run_model
+from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 from megatron_lorafusion.mcore import apply_lora, varlen_causal_attention_ref
 from megatron_lorafusion.ops import AdapterLayout
@@ -182,23 +182,30 @@ def _logits_and_grads(model, context, batch):
     model.zero_grad(set_to_none=True)
     context.grads.zero_()
     logits = run_model(model, context, batch)
-    (logits * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+    weight = torch.linspace(-1, 1, logits.shape[-1], device=logits.device)
+    (logits * weight).sum().backward()
     return logits.detach(), context.grads.clone()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["reference", "interpreted-triton"])
-def test_packed_self_attention_equals_megatrons_path(tiny_model, monkeypatch, fused):
-    """`PackedSelfAttention`'s fused QKV split + RoPE computes Megatron's split, then RoPE."""
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "triton"])
+def test_packed_self_attention_equals_megatrons_path(megatron_single_process, monkeypatch, fused):
+    """`PackedSelfAttention`'s fused QKV split + RoPE computes Megatron's split, then RoPE.
+
+    fp32; the Triton kernel runs in the interpreter without CUDA, compiled with it.
+    """
     from interpreter_testing import reload_interpreted
 
-    from megatron_lorafusion.mcore import attention, fused_base
+    from megatron_lorafusion.mcore import attention, build_gpt_model, fused_base
 
-    if fused and not torch.cuda.is_available():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if fused and device == "cpu":
         reload_interpreted()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setattr(fused_base, "use_fused_kernels", lambda x: True)
-    context = _lora_model(tiny_model)
-    batch = make_packed_batch([0, 0, 1, 2], [5, 3, 9, 4], 3, seed=4)
+    monkeypatch.setattr(fused_base, "use_fused_kernels", lambda x: fused)
+    model = build_gpt_model(TINY, device=device).eval()
+    context = _lora_model(model)
+    batch = make_packed_batch([0, 0, 1, 2], [5, 3, 9, 4], 3, seed=4, device=device)
+    batch.input_ids = batch.input_ids.to(device)
     splits = []
     real_split = attention.qkv_rope if fused else attention.qkv_rope_ref
     monkeypatch.setattr(
@@ -206,10 +213,10 @@ def test_packed_self_attention_equals_megatrons_path(tiny_model, monkeypatch, fu
         "qkv_rope" if fused else "qkv_rope_ref",
         lambda *args: splits.append(args[0].shape) or real_split(*args),
     )
-    packed = _logits_and_grads(tiny_model, context, batch)
-    assert len(splits) == len(tiny_model.decoder.layers), "every layer must take the packed path"
+    packed = _logits_and_grads(model, context, batch)
+    assert len(splits) == len(model.decoder.layers), "every layer must take the packed path"
     monkeypatch.setattr(attention.PackedSelfAttention, "_packed_path_applies", lambda *a: False)
-    megatron = _logits_and_grads(tiny_model, context, batch)
-    assert len(splits) == len(tiny_model.decoder.layers), "the patched run must be Megatron's"
+    megatron = _logits_and_grads(model, context, batch)
+    assert len(splits) == len(model.decoder.layers), "the patched run must be Megatron's"
     for name, got, want in zip(("logits", "adapter grads"), packed, megatron, strict=True):
         torch.testing.assert_close(got, want, **TOL[torch.float32], msg=name)
