@@ -1,6 +1,10 @@
+import math
+import random
+
 import pytest
 
 from megatron_lorafusion.planner import CostModel, Job, simulate, simulate_flushed
+from megatron_lorafusion.planner.simulator import simulate_makespan
 
 NO_STEP_COST = CostModel(optimizer_ms=0.0)
 
@@ -82,3 +86,52 @@ def test_simulate_deferred_wgrad_runs_before_its_adapters_step():
 def test_simulate_rejects_a_wgrad_share_outside_the_unit_interval():
     with pytest.raises(ValueError, match=r"defer_wgrad must lie in \[0, 1\), got 1.0"):
         simulate([Job(1.0, 2.0)], 1, NO_STEP_COST, defer_wgrad=1.0)
+
+
+def _random_stream(seed: int) -> tuple[list[Job], int, CostModel]:
+    """Jobs of up to 5 adapters with idles, steps, per-stage times; the lemma mostly kept."""
+    rng = random.Random(seed)
+    stages, adapters = rng.randint(1, 6), rng.randint(1, 5)
+    cost = CostModel(optimizer_ms=rng.choice([0.0, 0.2, 1.3]), p2p_ms=rng.choice([0.0, 0.7]))
+    per_stage = rng.random() < 0.3
+    last_step: dict[int, int] = {}
+    jobs = []
+    for j in range(rng.randint(0, 30)):
+        # Now and then an adapter whose last step is too recent: a lemma violation.
+        ready = [a for a in range(adapters)
+                 if last_step.get(a, -stages) <= j - stages or rng.random() < 0.02]
+        if not ready or rng.random() < 0.15:
+            jobs.append(Job(0.0, 0.0))
+            continue
+        used = tuple(sorted(rng.sample(ready, rng.randint(1, len(ready)))))
+        steps = tuple(a for a in used if rng.random() < 0.4)
+        last_step.update((a, j) for a in steps)
+        fwd = rng.uniform(0.1, 5.0)
+        stage_ms = (tuple((rng.uniform(0.1, 5.0), rng.uniform(0.1, 9.0)) for _ in range(stages))
+                    if per_stage else ())
+        jobs.append(Job(fwd, 2 * fwd, used, steps, used[0], stage_ms))
+    return jobs, stages, cost
+
+
+def test_simulate_makespan_equals_simulate_on_random_streams():
+    deadlocks = 0
+    for seed in range(1500):
+        jobs, stages, cost = _random_stream(seed)
+        try:
+            expected = simulate(jobs, stages, cost).makespan_ms
+        except RuntimeError:
+            deadlocks += 1
+            with pytest.raises(RuntimeError, match="bubble lemma"):
+                simulate_makespan(jobs, stages, cost)
+            continue
+        got = simulate_makespan(jobs, stages, cost)
+        assert got == expected, f"seed {seed}: {got} != {expected} (same floats expected)"
+        assert simulate_makespan(jobs, stages, cost, beat=expected) == math.inf
+        assert simulate_makespan(jobs, stages, cost, beat=math.nextafter(expected, math.inf)) \
+            == expected
+    assert 50 < deadlocks < 1000, f"{deadlocks} lemma violations: both kinds must be tested"
+
+
+def test_simulate_makespan_rejects_no_stage():
+    with pytest.raises(ValueError, match="num_stages must be >= 1, got 0"):
+        simulate_makespan([Job(1.0, 2.0)], 0, NO_STEP_COST)
