@@ -76,7 +76,7 @@ def run_plan(
             steps it triggers (a consistent point for checkpoints).
     """
     num_adapters = len(adapters)
-    tokens_seen = 0
+    tokens_seen = 0  # computed tokens since the last log line, over the time since it
     start = time.perf_counter()
     last_logged = 0
     pending: torch.Tensor | None = None
@@ -119,11 +119,12 @@ def run_plan(
         slowest = min(run.step for run in adapters)
         if slowest >= last_logged + log_every:
             last_logged = slowest
-            elapsed = time.perf_counter() - start
+            now = time.perf_counter()
             losses = " ".join(f"{r.name} {r.losses[-1]:.4f}" for r in adapters)
             logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
                         " ".join(f"{optimizer.lr(a):.1e}" for a in range(num_adapters)),
-                        tokens_seen / max(elapsed, 1e-9) / 1e3)
+                        tokens_seen / max(now - start, 1e-9) / 1e3)
+            tokens_seen, start = 0, now  # the next line's rate is its own window's
         if on_microbatch is not None:  # saves only after microbatches with steps
             on_microbatch(index)
     if pending is not None:
