@@ -21,7 +21,7 @@ from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.round_robin import padded_pieces, padded_tokens_of, round_robin
 from megatron_lorafusion.planner.simulator import Job, SimResult, simulate, simulate_flushed
-from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample
+from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem
 
 __all__ = [
     "StrategyResult",
@@ -67,13 +67,10 @@ class StrategyResult:
         return self.useful_tokens / max(1, self.microbatches * self.capacity)
 
 
-def _job(
-    samples: Sequence[Sample], finishes: Sequence[int], cost: CostModel, tile_height: int
-) -> Job:
-    mb = Microbatch(tuple(samples), tuple(finishes))
-    fwd = cost.forward_ms(mb.padded_tokens(tile_height), sum(s.tokens**2 for s in samples))
-    label = samples[0].adapter if samples else -1
-    return Job(fwd, fwd * cost.backward_ratio, mb.adapters, tuple(finishes), label)
+def _job(mb: Microbatch, cost: CostModel, tile_height: int) -> Job:
+    fwd = cost.forward_ms(mb.padded_tokens(tile_height), sum(s.tokens**2 for s in mb.samples))
+    label = mb.samples[0].adapter if mb.samples else -1
+    return Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes, label)
 
 
 def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
@@ -85,7 +82,7 @@ def stream_jobs(
     microbatches: Sequence[Microbatch], cost: CostModel, tile_height: int
 ) -> list[Job]:
     """Jobs of a microbatch stream (as `plan_jobs`, without a `Plan` around it)."""
-    return [_job(mb.samples, mb.finishes, cost, tile_height) for mb in microbatches]
+    return [_job(mb, cost, tile_height) for mb in microbatches]
 
 
 def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
@@ -107,7 +104,7 @@ def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
 
 def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
     """Strategy (a): the jobs of `megatron_microbatches`, one group per global batch."""
-    return [[_job(mb.samples, mb.finishes, cost, problem.tile_height) for mb in group]
+    return [[_job(mb, cost, problem.tile_height) for mb in group]
             for group in megatron_microbatches(problem)]
 
 

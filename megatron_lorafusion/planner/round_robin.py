@@ -1,12 +1,13 @@
 """Round-robin streams: adapters take turns, one microbatch of one adapter's samples each.
 
 The mLoRA-style baseline (`baselines`) is such a stream, and the planner builds the same kind
-of stream as a candidate when packing would need idle microbatches (few adapters, small
-global batches): spreading each adapter's global batch over microbatches of its own lets the
-other adapters fill the ``S - 1`` slots the bubble lemma asks for, where packing leaves them
-idle. Each adapter's global batch is cut into pieces by one of two rules, both within the
-token capacity: `padded_pieces` (mLoRA: up to ``k`` consecutive samples, every sample padded
-to the longest, at most ``capacity`` tokens) or `packed_pieces` (first-fit-decreasing bins).
+of stream as a candidate for every plan; it wins where packing would need idle microbatches
+(few adapters, small global batches): spreading each adapter's global batch over
+microbatches of its own lets the other adapters fill the ``S - 1`` slots the bubble lemma
+asks for, where packing leaves them idle. Each adapter's global batch is cut into pieces by
+one of two rules, both within the token capacity: `padded_pieces` (mLoRA: up to ``k``
+consecutive samples, every sample padded to the longest, at most ``capacity`` tokens) or
+`packed_pieces` (first-fit-decreasing bins).
 """
 
 from __future__ import annotations
@@ -56,11 +57,19 @@ def padded_pieces(k: int, capacity: int, tile_height: int) -> Pieces:
 
 
 def packed_pieces(capacity: int, tile_height: int) -> Pieces:
-    """First-fit-decreasing bins of the batch alone (fewest microbatches of one adapter)."""
+    """First-fit-decreasing bins of the batch alone (fewest microbatches of one adapter).
+
+    Memoised per global batch (adapter and first sample), so streams that cut the same
+    batches share one cut function and pack each batch once.
+    """
+    done: dict[tuple[int, int], list[list[Sample]]] = {}
 
     def cut(batch: list[Sample]) -> list[list[Sample]]:
-        bins = pack_ffd(Segment(tuple(batch), (), {}, capacity, tile_height))
-        return [sorted(b, key=lambda s: s.index) for b in bins]
+        key = (batch[0].adapter, batch[0].index)
+        if key not in done:
+            bins = pack_ffd(Segment(tuple(batch), (), {}, capacity, tile_height))
+            done[key] = [sorted(b, key=lambda s: s.index) for b in bins]
+        return done[key]
 
     return cut
 

@@ -61,7 +61,7 @@ def test_plan_milp_passes_verifier_and_never_loses_to_greedy(problem):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.integers(1, 3))
-def test_plan_chunks_concatenate_to_a_valid_plan(problem, rounds_per_chunk):
+def test_plan_chunks_concatenate_to_the_whole_plan(problem, rounds_per_chunk):
     chunks = list(iter_plan_chunks(problem, rounds_per_chunk, "greedy"))
     merged = chunks[0].__class__(
         tuple(mb for c in chunks for mb in c.microbatches),
@@ -70,6 +70,16 @@ def test_plan_chunks_concatenate_to_a_valid_plan(problem, rounds_per_chunk):
         problem.num_adapters,
     )
     check_plan(merged, problem)
+    assert merged == plan_microbatches(problem, "greedy"), "chunks are the whole plan, cut"
+    assert all(c.microbatches for c in chunks), "no empty chunk"
+    finished = [0] * problem.num_adapters
+    for k, chunk in enumerate(chunks[:-1]):
+        for mb in chunk.microbatches:
+            for a in mb.finishes:
+                finished[a] += 1
+        rounds = (k + 1) * rounds_per_chunk
+        assert all(finished[a] >= min(rounds, problem.num_global_batches(a))
+                   for a in range(problem.num_adapters)), f"chunk {k} leaves a round open"
 
 
 def test_plan_is_deterministic_for_a_seed():
