@@ -57,6 +57,91 @@ def _has_chat_template(tokenizer: str) -> bool:
     return not isinstance(config, dict) or bool(config.get("chat_template"))
 
 
+_NAME_MAX, _PATH_MAX = 255, 4096  # bytes: Linux's limits on one file name and on a path
+_NO_STORAGE = (
+    "proc",
+    "sysfs",
+    "cgroup",
+    "cgroup2",
+    "devpts",
+    "debugfs",
+    "tracefs",
+    "securityfs",
+    "configfs",
+    "pstore",
+    "bpf",
+    "efivarfs",
+)
+"""Pseudo file systems: mkdir there fails (/proc answers ENOENT), whatever access says."""
+
+
+def _path_problem(path: str, key: str) -> str | None:
+    """Why ``path`` cannot name a file on this machine (NUL byte, name too long), or None."""
+    if "\0" in path:
+        return f"{key} must be a path without NUL bytes, got {path!r}"
+    try:
+        raw = os.fsencode(path)
+    except UnicodeEncodeError as err:
+        return f"{key} must be a path of valid text, got {path!r} ({err.reason})"
+    longest = max(len(name) for name in raw.split(b"/"))
+    if longest > _NAME_MAX or len(raw) >= _PATH_MAX:
+        return (
+            f"{key} must be a path of names of at most {_NAME_MAX} bytes ({_PATH_MAX} in "
+            f"all), got {path!r} (a name of {longest} bytes, {len(raw)} in all)"
+        )
+    return None
+
+
+def _exists(path: str | Path) -> bool:
+    """``Path.exists``, False where the file system refuses to answer (a name too long)."""
+    try:
+        return Path(path).exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _is_dir(path: str | Path) -> bool:
+    """``Path.is_dir``, False where the file system refuses to answer."""
+    try:
+        return Path(path).is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def _pseudo_file_system(folder: Path) -> str | None:
+    """The type of the pseudo file system (`_NO_STORAGE`) holding ``folder``, or None."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
+    except (OSError, ValueError):  # not Linux: nothing known
+        return None
+    target, point, kind = str(folder.resolve()), "", None
+    for line in mounts:
+        at, fs = line.split()[1:3]  # mount points with spaces (\040) never match: no harm
+        if (target == at or target.startswith(at.rstrip("/") + "/")) and len(at) > len(point):
+            point, kind = at, fs
+    return kind if kind in _NO_STORAGE else None
+
+
+def _folder_problem(path: str, key: str) -> str | None:
+    """Why a run cannot make (or write in) the folder ``path``, or None.
+
+    The nearest existing folder on the way must be a writable folder on a file system that
+    stores files.
+    """
+    if (problem := _path_problem(path, key)) is not None:
+        return problem
+    at = Path(path)
+    while not _exists(at) and at != at.parent:
+        at = at.parent
+    if not _is_dir(at):
+        return f"{key} must be a folder (or a new path), got {path!r} ({str(at)!r} is a file)"
+    if (fs := _pseudo_file_system(at)) is not None:
+        return f"{key} must be a folder on a file system that stores files, got {path!r} ({fs})"
+    if not os.access(at, os.W_OK | os.X_OK):
+        return f"{key} must be a folder this process can write, got {path!r} ({str(at)!r} is not)"
+    return None
+
+
 def adapter_name_problem(name: object, where: str) -> str | None:
     """Why ``name`` is not a safe adapter (folder) name, or None when it is."""
     if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
@@ -138,7 +223,10 @@ def validate(cfg: JobConfig) -> list[str]:
                  f"({m.num_attention_heads}), got {m.num_query_groups}")
     if cfg.data.tokenizer == "byte" and m.vocab_size < 259:
         p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
-    if cfg.data.tokenizer != "byte" and not Path(cfg.data.tokenizer).is_dir():
+    tokenizer = cfg.data.tokenizer
+    if tokenizer != "byte" and (problem := _path_problem(tokenizer, "data.tokenizer")):
+        p.append(problem)
+    elif tokenizer != "byte" and not _is_dir(tokenizer):
         p.append(f"data.tokenizer must be 'byte' or an existing tokenizer folder, "
                  f"got {cfg.data.tokenizer!r}")
     elif cfg.data.tokenizer == m.hf_path and not any(
@@ -201,7 +289,9 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.keep_last must be >= 0, got {t.keep_last}")
     if t.eval_every < 0:
         p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
-    if t.resume not in ("auto", "never") and not Path(t.resume).is_dir():
+    if t.resume not in ("auto", "never") and (problem := _path_problem(t.resume, "train.resume")):
+        p.append(problem)
+    elif t.resume not in ("auto", "never") and not _is_dir(t.resume):
         p.append(f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
                  f"got {t.resume!r}")
     if not t.output_dir:
@@ -210,7 +300,9 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(problem)
     if cfg.logging.log_every <= 0:
         p.append(f"logging.log_every must be > 0, got {cfg.logging.log_every}")
-    if cfg.data.cache_dir is not None and (problem := _cache_dir_problem(cfg.data.cache_dir)):
+    if cfg.data.cache_dir is not None and (
+        problem := _folder_problem(cfg.data.cache_dir, "data.cache_dir")
+    ):
         p.append(problem)
     return p
 
@@ -236,20 +328,6 @@ def launch_problems(cfg: JobConfig, environ: dict[str, str] | None = None) -> li
     return []
 
 
-def _cache_dir_problem(cache_dir: str) -> str | None:
-    """Why ``data.cache_dir`` cannot be (made) a folder, or None."""
-    try:
-        at = Path(cache_dir)
-        while not at.exists() and at != at.parent:
-            at = at.parent
-        if at.is_dir():
-            return None
-    except (OSError, ValueError) as err:
-        return f"data.cache_dir must be a folder path, got {cache_dir!r} ({err})"
-    return (f"data.cache_dir must be a folder (or a new path), got {cache_dir!r} "
-            f"({str(at)!r} is a file)")
-
-
 def _is_run_folder(out: Path) -> bool:
     """Whether ``out`` holds a run of ours: its job.json, or checkpoints/ckpt_* folders."""
     try:
@@ -268,12 +346,12 @@ def _output_dir_problem(cfg: JobConfig) -> str | None:
     holds nothing but this job's inputs (the demo keeps its data under its run folder).
     """
     out = Path(cfg.train.output_dir)
-    if "\0" in cfg.train.output_dir:
-        return f"train.output_dir must be a path without NUL bytes, got {cfg.train.output_dir!r}"
-    if not out.exists():
-        return None
-    if not out.is_dir():
+    if _exists(out) and not out.is_dir():
         return f"train.output_dir must be a folder, got {str(out)!r} (a file)"
+    if (problem := _folder_problem(cfg.train.output_dir, "train.output_dir")) is not None:
+        return problem
+    if not _exists(out):
+        return None
     try:
         entries = sorted(out.iterdir())
     except OSError as err:
@@ -372,14 +450,16 @@ def _template_problem(template: str) -> str | None:
 
 def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str, name: str) -> list[str]:
     p: list[str] = []
-    local = Path(d.path).suffix in DATA_SUFFIXES or data.offline or Path(d.path).exists()
+    local = Path(d.path).suffix in DATA_SUFFIXES or data.offline or _exists(d.path)
     if not d.path:
         p.append(f"{where}.path must name a data file or hub dataset, got ''")
-    elif local and not Path(d.path).exists():
+    elif (problem := _path_problem(d.path, f"{where}.path")) is not None:
+        p.append(problem)
+    elif local and not _exists(d.path):
         p.append(f"{where}.path must be an existing file or folder, got {d.path!r} "
                  f"(not found from {Path.cwd()}"
                  + ("; data.offline forbids hub datasets)" if data.offline else ")"))
-    if local and Path(d.path).is_dir() and not any(f.is_file() for f in Path(d.path).rglob("*")):
+    if local and _is_dir(d.path) and not any(f.is_file() for f in Path(d.path).rglob("*")):
         p.append(f"{where}.path must be a data file or a folder of data files, got "
                  f"{d.path!r} (an empty folder)")
     if d.template is not None and d.template not in PROMPT_TEMPLATES and "{" not in d.template:
@@ -389,7 +469,7 @@ def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str, name: str)
         if (problem := _template_problem(d.template)) is not None:
             p.append(f"{where}.template must be a format string with named {{field}} "
                      f"placeholders ({{{{ and }}}} for braces), got {d.template!r} ({problem})")
-    tokenizer_named = data.tokenizer == "byte" or Path(data.tokenizer).is_dir()  # else reported
+    tokenizer_named = data.tokenizer == "byte" or _is_dir(data.tokenizer)  # else reported
     if d.messages_field is not None and tokenizer_named and not _has_chat_template(data.tokenizer):
         p.append(
             f"{where}.messages_field needs a tokenizer with a chat template, got "

@@ -1,7 +1,9 @@
 """The `lorafusion` command: exit status 2 and nothing written on bad input."""
 
 import json
+from pathlib import Path
 
+import pytest
 import yaml
 
 from megatron_lorafusion.cli import main
@@ -239,3 +241,50 @@ def test_cli_chat_dataset_without_chat_template_exits_2_naming_adapter(tmp_path,
         json.dumps({**config, "chat_template": CHAT_TEMPLATE})
     )
     assert main(["validate", str(path)]) == 0, "a template in tokenizer_config.json counts"
+
+
+LONG = "é" * 300  # 600 bytes: over the 255 a file name may have
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (f"train.output_dir={LONG}", "train.output_dir must be a path of names of at most 255"),
+        (f"data.cache_dir=new/{LONG}/sub", "data.cache_dir must be a path of names of at most 255"),
+        ('data.cache_dir="a\\0b"', "data.cache_dir must be a path without NUL bytes"),
+        (f"adapters.0.dataset.path={LONG}.jsonl", "adapters.0.dataset.path must be a path of"),
+        (f"data.tokenizer={LONG}", "data.tokenizer must be a path of names of at most 255"),
+        (f"train.resume={LONG}", "train.resume must be a path of names of at most 255"),
+        (
+            "train.output_dir=job.yaml/out",
+            "train.output_dir must be a folder (or a new path), got 'job.yaml/out' ('job.yaml' "
+            "is a file)",
+        ),
+        (
+            "train.output_dir=/proc/run",
+            "train.output_dir must be a folder on a file system that stores files, got "
+            "'/proc/run' (proc)",
+        ),
+        (
+            "data.cache_dir=/proc/cache",
+            "data.cache_dir must be a folder on a file system that stores files, got "
+            "'/proc/cache' (proc)",
+        ),
+    ],
+)
+def test_cli_unusable_path_exits_2_naming_the_key_and_creates_nothing(
+    tmp_path, monkeypatch, capsys, override, message
+):
+    """Issue 17 case 11: paths the file system refuses are named by validate, not tracebacks
+    of train's mkdir."""
+    if "/proc" in override and not Path("/proc/self/mounts").is_file():
+        pytest.skip("needs Linux's /proc")
+    path = _job(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _files(tmp_path), sorted(tmp_path.rglob("*"))
+    for command in ("validate", "train"):
+        assert main([command, str(path), override]) == 2, command
+        err = capsys.readouterr().err
+        assert message in err, err
+        assert "Traceback" not in err
+    assert (_files(tmp_path), sorted(tmp_path.rglob("*"))) == before, "nothing created"
