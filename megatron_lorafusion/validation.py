@@ -158,6 +158,7 @@ _MODEL_MAX = dict(num_layers=1024, hidden_size=1 << 17, ffn_hidden_size=1 << 19,
 _SEED_MAX = 2**32 - 1  # numpy's and Philox's seed range
 _MAX_STEPS = 10**7  # optimizer steps, warm-up steps, save and log intervals
 _MAX_SAMPLES = 10**9  # samples trained per adapter (steps × global batch): the plan's size
+_FP32_MAX = 3.4028234663852886e38  # adapter weights, their scale and AdamW's state are fp32
 
 
 def _non_finite(node: object, where: str) -> list[str]:
@@ -199,6 +200,12 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
         if getattr(t, name) is not None and getattr(t, name) > _MAX_STEPS:
             p.append(f"train.{name} must be <= {_MAX_STEPS}, got {getattr(t, name)}")
     for i, a in enumerate(cfg.adapters):
+        for name in ("lr", "alpha", "weight_decay"):
+            if math.isfinite(getattr(a, name)) and getattr(a, name) > _FP32_MAX:
+                p.append(
+                    f"adapters.{i}.{name} must be <= {_FP32_MAX:.4g} (the largest fp32 "
+                    f"number), got {getattr(a, name)}"
+                )
         if a.warmup_steps > _MAX_STEPS:
             p.append(f"adapters.{i}.warmup_steps must be <= {_MAX_STEPS}, got {a.warmup_steps}")
         if t.steps is not None and t.steps * a.global_batch_size > _MAX_SAMPLES:

@@ -288,3 +288,13 @@ def test_cli_unusable_path_exits_2_naming_the_key_and_creates_nothing(
         assert message in err, err
         assert "Traceback" not in err
     assert (_files(tmp_path), sorted(tmp_path.rglob("*"))) == before, "nothing created"
+
+
+@pytest.mark.parametrize("key", ["lr", "alpha", "weight_decay"])
+def test_cli_adapter_number_beyond_fp32_exits_2_before_training(tmp_path, capsys, key):
+    """Issue 17 case 11: 1e300 is finite but infinite in fp32; the run used to train one step
+    and stop at export, its checkpoint holding infinite weights."""
+    assert main(["train", str(_job(tmp_path)), f"adapters.0.{key}=1e300"]) == 2
+    err = capsys.readouterr().err
+    assert f"adapters.0.{key} must be <= 3.403e+38 (the largest fp32 number), got 1e+300" in err
+    assert not (tmp_path / "out").exists(), "nothing trained, nothing created"
