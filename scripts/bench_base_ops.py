@@ -1,4 +1,4 @@
-"""Fused base-model ops (SwiGLU, RoPE, linear cross-entropy) against their torch references.
+"""Fused base-model ops (SwiGLU, RoPE, QKV split, linear cross-entropy) against torch references.
 
 Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default). Each
 row checks the fused op against its torch reference first, then times forward + backward with
@@ -19,6 +19,8 @@ import triton.testing
 from megatron_lorafusion.ops import (
     linear_cross_entropy,
     linear_cross_entropy_ref,
+    qkv_rope,
+    qkv_rope_ref,
     rope,
     rope_ref,
     swiglu,
@@ -53,6 +55,14 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
         "rms_norm": (x, lambda f, t: f(t, w, 1e-5), _torch_rms_norm, _torch_rms_norm),
         "swiglu": (fc1, lambda f, t: f(t), swiglu, swiglu_ref),
         "rope": (qkv, lambda f, t: f(*qk(t), cos, sin), rope, rope_ref),
+        # Megatron's grouped [q… | k | v] row: split, query copy and RoPE (the reference) or
+        # one kernel each way (what `mcore.PackedSelfAttention` runs).
+        "qkv_rope": (
+            qkv,
+            lambda f, t: f(t, cos, sin, groups, heads // groups, head_dim),
+            qkv_rope,
+            qkv_rope_ref,
+        ),
         "linear_cross_entropy": (
             hid,
             lambda f, t: f(t, out_w, labels),
