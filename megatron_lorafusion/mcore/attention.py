@@ -3,9 +3,12 @@
 `VarlenCoreAttention` is a drop-in replacement for Megatron's local `DotProductAttention`
 (which rejects packed sequences). For packed input it also applies RoPE (``rotary``, set by
 the model builders), per token and without host syncs, in place of Megatron's per-sample THD
-loop. CUDA runs FlashAttention's varlen kernels for fp16/bf16 with grouped KV heads as they
-are (no repeat of k and v); CPU, fp32 and attention dropout run each sample through
-``F.scaled_dot_product_attention`` in a Python loop.
+loop. `attention_backend` picks the kernel. On CUDA for fp16/bf16 without attention dropout:
+torch's FlashAttention varlen kernels (``aten._flash_attention_forward``, in torch since 2.0,
+FlashAttention-2 with grouped KV heads since 2.2), grouped KV heads passed as they are; where
+torch lacks them, FlexAttention (torch >= 2.5) with a document-causal block mask built once
+per microbatch. CPU, fp32 and attention dropout run each sample through
+``F.scaled_dot_product_attention`` in a Python loop. Tested on torch 2.11 (CUDA) and 2.14.
 
 `PackedSelfAttention` is Megatron's `SelfAttention` whose packed path splits the fused QKV
 projection with one kernel that also rotates q and k (`ops.qkv_rope`), where Megatron copies
@@ -15,7 +18,10 @@ gradients back into the row; every other input takes Megatron's own path.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +31,79 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.utils.weak import WeakIdKeyDictionary
 
 from megatron_lorafusion.mcore import fused_base
 from megatron_lorafusion.mcore.fused_base import apply_rope
 from megatron_lorafusion.ops import qkv_rope, qkv_rope_ref
 
-# FlashAttention rejects fp32 (checked on torch 2.11, H200).
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+Backend = Literal["flash", "flex", "loop"]
+_BACKENDS = ("flash", "flex", "loop")
+# FlashAttention rejects fp32 (checked on torch 2.11, H200); flex is held to the same inputs.
+_FAST_DTYPES = (torch.float16, torch.bfloat16)
+_FLEX_BLOCK = 128  # FlexAttention's default sparse block: (T/128)² blocks per microbatch
+# cu_seqlens tensor -> (tokens, BlockMask), an entry living as long as its tensor: every layer
+# of a microbatch attends with the mask built for the first.
+_BLOCK_MASKS = WeakIdKeyDictionary()
+
+
+@functools.cache
+def _flash_available(device: torch.device) -> bool:
+    """Whether torch's FlashAttention varlen op exists and runs on ``device`` (sm80+)."""
+    return hasattr(torch.ops.aten, "_flash_attention_forward") and (
+        torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
+@functools.cache
+def _flex_available() -> bool:
+    """Whether torch ships FlexAttention (``torch.nn.attention.flex_attention``, >= 2.5)."""
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def attention_backend(
+    device: torch.device, dtype: torch.dtype, dropout_p: float, prefer: str = "auto"
+) -> Backend:
+    """The kernel that attends a packed microbatch: ``flash``, ``flex`` or ``loop``.
+
+    ``auto``: on CUDA with fp16/bf16 and no attention dropout, FlashAttention's varlen op
+    where torch has it for this GPU, else FlexAttention; anything else runs the per-sample
+    loop. ``flash`` or ``flex`` forces that kernel (benchmarks, tests); ``loop`` always runs.
+
+    Args:
+        device: device of the query.
+        dtype: dtype of the query.
+        dropout_p: attention-probability dropout of this call (0 in eval).
+        prefer: ``auto`` or one of the backends.
+
+    Returns:
+        The backend to run.
+
+    Raises:
+        ValueError: ``prefer`` is not ``auto``, ``flash``, ``flex`` or ``loop``.
+        RuntimeError: ``prefer`` names a backend that cannot run these inputs here.
+    """
+    if prefer not in ("auto", *_BACKENDS):
+        raise ValueError(f"attention backend must be auto, flash, flex or loop, got {prefer!r}")
+    if prefer == "loop":
+        return "loop"
+    fast = device.type == "cuda" and dtype in _FAST_DTYPES and dropout_p == 0.0
+    if fast and prefer in ("auto", "flash") and _flash_available(device):
+        return "flash"
+    if fast and prefer in ("auto", "flex") and _flex_available():
+        return "flex"
+    if prefer == "auto":
+        return "loop"
+    if not fast:
+        raise RuntimeError(
+            f"attention backend {prefer!r} needs a CUDA fp16/bf16 query without attention "
+            f"dropout, got {device.type} {dtype} with dropout {dropout_p}"
+        )
+    what = "FlashAttention varlen op for this GPU" if prefer == "flash" else "FlexAttention"
+    raise RuntimeError(f"attention backend {prefer!r}: torch {torch.__version__} has no {what}")
 
 
 class _FlashVarlenFunction(torch.autograd.Function):
@@ -128,6 +200,94 @@ def varlen_causal_attention_ref(
     return torch.cat(parts) if parts else torch.empty_like(query)
 
 
+def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, 1, n) counts and (1, 1, n, n) int32 indices, listed first, of a (n, n) block map."""
+    counts = dense.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts[None, None], indices.to(torch.int32)[None, None]
+
+
+def document_causal_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> BlockMask:
+    """FlexAttention's ``BlockMask``: token q attends to token kv iff same sample and kv <= q.
+
+    Built by block arithmetic on ``cu_seqlens`` (no ``T x T`` mask, no host sync) and
+    cached for the ``cu_seqlens`` tensor, so the layers of one microbatch share it.
+
+    Args:
+        cu_seqlens: (S + 1,) int32 token offset of each sample (equal offsets: empty samples).
+        tokens: ``T`` = ``cu_seqlens[-1]``, known on the host.
+
+    Returns:
+        The ``(T, T)`` block mask.
+    """
+    cached = _BLOCK_MASKS.get(cu_seqlens)
+    if cached is not None and cached[0] == tokens:
+        return cached[1]
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = -(-tokens // _FLEX_BLOCK)
+    index = torch.arange(blocks * _FLEX_BLOCK, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    # sample id of every token; the padding past T is one more sample, so tail blocks are
+    # never full and mask_mod never indexes out of range
+    doc = torch.searchsorted(cu_seqlens[1:], index, right=True, out_int32=True)
+    first, last = doc[::_FLEX_BLOCK], doc[_FLEX_BLOCK - 1 :: _FLEX_BLOCK]  # (n,) per block
+    block = torch.arange(blocks, device=doc.device)
+    below = block[None, :] < block[:, None]  # [q block, kv block]: kv block entirely earlier
+    # samples are contiguous and in order: an earlier kv block meets the q block's first
+    # sample iff that is its last one, and is all one sample with the q block iff its first
+    # sample is the q block's last
+    full = below & (first[None, :] == last[:, None])
+    touched = (below & (last[None, :] == first[:, None])) | torch.eye(
+        blocks, dtype=torch.bool, device=doc.device
+    )
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    mask = BlockMask.from_kv_blocks(
+        *_ordered_blocks(touched & ~full),
+        *_ordered_blocks(full),
+        BLOCK_SIZE=_FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(tokens, tokens),
+    )
+    _BLOCK_MASKS[cu_seqlens] = (tokens, mask)
+    return mask
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """``torch.compile``'d flex_attention: uncompiled, it materialises the scores.
+
+    A second sequence length recompiles it with dynamic shapes (torch.compile's default).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def varlen_causal_attention_flex(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention inside each packed sample, one FlexAttention call (CUDA).
+
+    Same arguments as `varlen_causal_attention_ref` without dropout; the block mask comes
+    from `document_causal_block_mask`. Query head ``j`` reads KV group ``j // (np / ng)``.
+
+    Returns:
+        (T, np, d) attention output.
+    """
+    block_mask = document_causal_block_mask(cu_seqlens, query.shape[0])
+    # (T, heads, d) -> (1, heads, T, d): views, no copies
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # (T, np, d)
+
+
 class VarlenCoreAttention(MegatronModule):
     """Core attention that keeps packed samples apart; Megatron's `DotProductAttention` seam.
 
@@ -141,6 +301,8 @@ class VarlenCoreAttention(MegatronModule):
         rotary: the model's RoPE module (`mcore.model.set_rotary_embedding`); for packed
             input, q and k arrive unrotated (its ``forward`` gave Megatron no table) and are
             rotated here by position inside their sample. None: no RoPE.
+        backend: packed input's kernel, as `attention_backend`'s ``prefer``: ``auto``
+            (default) or a forced ``flash``, ``flex`` or ``loop`` (`set_attention_backend`).
     """
 
     def __init__(
@@ -177,6 +339,7 @@ class VarlenCoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.rotary: torch.nn.Module | None = None
+        self.backend = "auto"
 
     def forward(
         self,
@@ -217,17 +380,17 @@ class VarlenCoreAttention(MegatronModule):
         if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
             raise NotImplementedError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
         dropout_p = self.dropout_p if self.training else 0.0
-        if (
-            query.is_cuda
-            and query.dtype in _FLASH_DTYPES
-            and dropout_p == 0.0
-            and hasattr(torch.ops.aten, "_flash_attention_forward")
-        ):
+        backend = attention_backend(query.device, query.dtype, dropout_p, self.backend)
+        if backend == "flash":
             out = _FlashVarlenFunction.apply(
                 *(_last_dim_dense(t) for t in (query, key, value)),
                 cu_q,
                 packed_seq_params.max_seqlen_q,
                 self.softmax_scale,
+            )
+        elif backend == "flex":
+            out = varlen_causal_attention_flex(
+                *(_last_dim_dense(t) for t in (query, key, value)), cu_q, self.softmax_scale
             )
         else:
             out = varlen_causal_attention_ref(
@@ -262,6 +425,25 @@ class VarlenCoreAttention(MegatronModule):
                 enable_gqa=True,
             )
         return o.permute(2, 0, 1, 3).reshape(seq, batch, heads * head_dim)  # [s, b, np·d]
+
+
+def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
+    """Make every `VarlenCoreAttention` of ``model`` attend packed input with ``backend``.
+
+    Args:
+        model: a model built by `mcore.build_gpt_model` (or any module holding the layers).
+        backend: ``auto``, ``flash``, ``flex`` or ``loop`` (`attention_backend`).
+
+    Raises:
+        ValueError: an unknown backend, or a model without `VarlenCoreAttention`.
+    """
+    if backend not in ("auto", *_BACKENDS):
+        raise ValueError(f"attention backend must be auto, flash, flex or loop, got {backend!r}")
+    cores = [m for m in model.modules() if isinstance(m, VarlenCoreAttention)]
+    if not cores:
+        raise ValueError(f"{type(model).__name__} has no VarlenCoreAttention to set")
+    for core in cores:
+        core.backend = backend
 
 
 class PackedSelfAttention(SelfAttention):

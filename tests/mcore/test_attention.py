@@ -1,11 +1,14 @@
-"""`VarlenCoreAttention`: packed samples attend causally to themselves only, RoPE restarts."""
+"""`VarlenCoreAttention`: packed samples attend causally to themselves only, RoPE restarts.
+
+Also its kernel choice (flash, flex, loop) and FlexAttention's document-causal block mask.
+"""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
-from megatron_lorafusion.mcore import apply_lora, varlen_causal_attention_ref
+from megatron_lorafusion.mcore import apply_lora, attention, varlen_causal_attention_ref
 from megatron_lorafusion.ops import AdapterLayout
 
 # dtype -> tolerances; fp32 recomputations of the same function in a different order
@@ -14,6 +17,20 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
 # CUDA: FlashAttention (varlen_attn) vs per-sample SDPA; both accumulate in fp32, the
 # inputs and outputs are rounded to 16 bits (stack.md measured 2e-3 relative in bf16).
 GPU_TOL = {torch.float16: dict(atol=5e-3, rtol=5e-3), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# Ragged (not a multiple of FlexAttention's 128-token blocks, a 1-token sample) and round.
+LENGTHS = {"ragged": [300, 17, 1, 129, 64], "round": [256, 256, 128, 384]}
+
+
+def _cu_seqlens(lengths, device="cpu") -> torch.Tensor:
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def _block_diagonal_causal(lengths) -> torch.Tensor:
+    """(T, T) bool: query token i may attend to key token j."""
+    tokens = sum(lengths)
+    sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return (sample[:, None] == sample[None, :]) & torch.ones(tokens, tokens).tril().bool()
 
 
 def test_varlen_attention_ref_matches_block_diagonal_causal_mask():
@@ -25,8 +42,7 @@ def test_varlen_attention_ref_matches_block_diagonal_causal_mask():
     cu = torch.tensor([0, 3, 10, 11, 16], dtype=torch.int32)
     out = varlen_causal_attention_ref(q, k, v, cu, scale=head_dim**-0.5)
 
-    sample = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    allowed = (sample[:, None] == sample[None, :]) & torch.ones(tokens, tokens).tril().bool()
+    allowed = _block_diagonal_causal(lengths)
     kv_heads = heads // groups  # query head j reads KV group j // kv_heads, as Megatron does
     expected = F.scaled_dot_product_attention(
         q.transpose(0, 1),
@@ -41,6 +57,137 @@ def test_varlen_attention_ref_matches_block_diagonal_causal_mask():
         **TOL[torch.float32],
         msg="per-sample SDPA differs from a block-diagonal causal mask",
     )
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "dropout", "flash", "flex", "expected"),
+    [
+        ("cuda", torch.bfloat16, 0.0, True, True, "flash"),
+        ("cuda", torch.float16, 0.0, False, True, "flex"),  # torch without the varlen op
+        ("cuda", torch.bfloat16, 0.0, False, False, "loop"),
+        ("cuda", torch.float32, 0.0, True, True, "loop"),
+        ("cuda", torch.bfloat16, 0.1, True, True, "loop"),  # attention dropout
+        ("cpu", torch.bfloat16, 0.0, True, True, "loop"),
+    ],
+)
+def test_attention_backend_prefers_flash_then_flex_then_loop(
+    monkeypatch, device, dtype, dropout, flash, flex, expected
+):
+    monkeypatch.setattr(attention, "_flash_available", lambda device: flash)
+    monkeypatch.setattr(attention, "_flex_available", lambda: flex)
+    assert attention.attention_backend(torch.device(device), dtype, dropout) == expected
+
+
+def test_attention_backend_forces_what_can_run_and_refuses_the_rest(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_available", lambda device: False)
+    monkeypatch.setattr(attention, "_flex_available", lambda: True)
+    cuda, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
+    assert attention.attention_backend(cuda, bf16, 0.0, "flex") == "flex"
+    assert attention.attention_backend(cuda, bf16, 0.0, "loop") == "loop"
+    assert attention.attention_backend(cpu, torch.float32, 0.1, "loop") == "loop"
+    with pytest.raises(RuntimeError, match="has no FlashAttention varlen op"):
+        attention.attention_backend(cuda, bf16, 0.0, "flash")
+    with pytest.raises(RuntimeError, match="needs a CUDA fp16/bf16 query"):
+        attention.attention_backend(cpu, torch.float32, 0.0, "flex")
+    with pytest.raises(ValueError, match="auto, flash, flex or loop, got 'sdpa'"):
+        attention.attention_backend(cuda, bf16, 0.0, "sdpa")
+
+
+def test_set_attention_backend_reaches_every_layer(tiny_model):
+    attention.set_attention_backend(tiny_model, "flex")
+    cores = [layer.self_attention.core_attention for layer in tiny_model.decoder.layers]
+    assert [core.backend for core in cores] == ["flex"] * len(cores)
+    context = _lora_model(tiny_model)
+    batch = make_packed_batch([0, 1], [5, 9], 3, seed=7)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="'flex' needs a CUDA"):
+        run_model(tiny_model, context, batch)  # a forced backend never falls back silently
+    with pytest.raises(ValueError, match="has no VarlenCoreAttention"):
+        attention.set_attention_backend(torch.nn.Linear(2, 2), "flex")
+    with pytest.raises(ValueError, match="got 'fast'"):
+        attention.set_attention_backend(tiny_model, "fast")
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [*LENGTHS.values(), [5, 0, 700, 3, 0], [1] * 200 + [56]],
+    ids=[*LENGTHS, "empty-samples", "many-short"],
+)
+def test_document_causal_block_mask_equals_create_block_mask(lengths):
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    tokens = sum(lengths)
+    mask = attention.document_causal_block_mask(_cu_seqlens(lengths), tokens)
+    torch.testing.assert_close(
+        create_mask(mask.mask_mod, None, None, tokens, tokens, device="cpu")[0, 0],
+        _block_diagonal_causal([n for n in lengths if n]),
+        atol=0,
+        rtol=0,
+        msg="mask_mod is not the block-diagonal causal mask",
+    )
+    # the block arithmetic against flex's own T x T evaluation of the same mask_mod
+    expected = create_block_mask(mask.mask_mod, None, None, tokens, tokens, device="cpu")
+    for name in (
+        "kv_num_blocks",
+        "kv_indices",
+        "full_kv_num_blocks",
+        "full_kv_indices",
+        "q_num_blocks",
+        "q_indices",
+        "full_q_num_blocks",
+        "full_q_indices",
+    ):
+        torch.testing.assert_close(
+            getattr(mask, name), getattr(expected, name), atol=0, rtol=0, msg=name
+        )
+
+
+def test_document_causal_block_mask_is_cached_per_cu_seqlens_tensor():
+    cu = _cu_seqlens(LENGTHS["ragged"])
+    mask = attention.document_causal_block_mask(cu, 511)
+    assert attention.document_causal_block_mask(cu, 511) is mask
+    assert attention.document_causal_block_mask(cu.clone(), 511) is not mask  # identity, not value
+
+
+def test_varlen_attention_flex_matches_reference_forward_on_cpu(monkeypatch):
+    """Eager FlexAttention on CPU, forward only (torch has no CPU backward for it): the mask
+    and the head mapping; the compiled CUDA kernels' forward and backward are the gpu test."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    lengths = [5, 0, 300, 17, 1, 188]
+    tokens, heads, groups, head_dim = sum(lengths), 4, 2, 16
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, groups, head_dim), torch.randn(tokens, groups, head_dim)
+    cu = _cu_seqlens(lengths)
+    torch.testing.assert_close(
+        attention.varlen_causal_attention_flex(q, k, v, cu, scale=head_dim**-0.5),
+        varlen_causal_attention_ref(q, k, v, cu, scale=head_dim**-0.5),
+        **TOL[torch.float32],
+        msg="FlexAttention with the document-causal mask differs from per-sample SDPA",
+    )
+
+
+def test_packed_layers_share_one_flex_block_mask(tiny_model, monkeypatch):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    context = _lora_model(tiny_model)
+    batch = make_packed_batch([0, 1, 1, 2], [6, 4, 7, 5], 3, seed=5)
+    with torch.no_grad():
+        loop = run_model(tiny_model, context, batch)[0]
+    masks = []
+    build = attention.document_causal_block_mask
+    monkeypatch.setattr(attention, "attention_backend", lambda *args: "flex")
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(
+        attention,
+        "document_causal_block_mask",
+        lambda *args: masks.append(build(*args)) or masks[-1],
+    )
+    with torch.no_grad():
+        flex = run_model(tiny_model, context, batch)[0]
+    assert len(masks) == len(tiny_model.decoder.layers), "every layer must take the flex path"
+    assert all(m is masks[0] for m in masks), "layers must share one block mask"
+    torch.testing.assert_close(flex, loop, **TOL[torch.float32], msg="flex logits != loop logits")
 
 
 def _lora_model(model):
@@ -220,3 +367,57 @@ def test_packed_self_attention_equals_megatrons_path(megatron_single_process, mo
     assert len(splits) == len(model.decoder.layers), "the patched run must be Megatron's"
     for name, got, want in zip(("logits", "adapter grads"), packed, megatron, strict=True):
         torch.testing.assert_close(got, want, **TOL[torch.float32], msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS)
+def test_flex_attention_matches_flash_forward_and_backward(lengths):
+    """bf16 on CUDA: forced flex against forced flash, both against an fp32 reference.
+
+    The second case has another T, so the compiled flex recompiles with dynamic shapes.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=2,
+        attention_dropout=0.0,
+    )
+    core = attention.VarlenCoreAttention(config, 1, AttnMaskType.causal, "self")
+    cu = _cu_seqlens(lengths, "cuda")
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
+    )
+    tokens, head_dim = sum(lengths), 64
+    inputs = [
+        torch.randn(
+            tokens, heads, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True
+        )
+        for heads in (8, 2, 2)
+    ]
+    grad = torch.randn(tokens, 8 * head_dim, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for backend in ("flash", "flex"):
+        core.backend = backend
+        out = core(*inputs, None, packed_seq_params=params)
+        results[backend] = (out, *torch.autograd.grad(out, inputs, grad))
+    exact = [t.detach().float().requires_grad_() for t in inputs]
+    out = varlen_causal_attention_ref(*exact, cu, scale=head_dim**-0.5).reshape(tokens, -1)
+    reference = (out, *torch.autograd.grad(out, exact, grad.float()))
+    names = ("output", "dq", "dk", "dv")
+    for name, flash, flex, ref in zip(
+        names, results["flash"], results["flex"], reference, strict=True
+    ):
+        torch.testing.assert_close(
+            flex, flash, **GPU_TOL[torch.bfloat16], msg=f"flex {name} != flash {name}"
+        )
+        flex_err, flash_err = ((t.float() - ref).abs().mean() for t in (flex, flash))
+        assert flex_err <= 2 * flash_err, f"{name}: flex err {flex_err} > 2 x flash {flash_err}"
