@@ -1,13 +1,17 @@
 """Training throughput on one GPU: the many-adapter matrix (issue 21) and the peers (issue 15).
 
     python -m scripts.bench_train_throughput [--shapes llama3.1-8b] [--no-peers] [--csv out.csv]
+    python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix --no-peers \
+        --attention flex    # issue 22: our rows on FlexAttention instead of FlashAttention
     python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
 dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
 adapter (one `AdapterAdamW` round) after every microbatch, and reports tokens/s, the ratio to
 the 1-adapter cell, GPU launches (kernels, memsets, copies seen by torch.profiler) of one
-forward + backward and of one optimizer round, the round's time and peak memory. The peers:
+forward + backward and of one optimizer round, the round's time, peak memory and the mean
+loss of the timed pass. ``--attention`` forces our packed attention's kernel (issue 22); runs
+that differ only in it see the same weights and microbatches, so their losses compare. The peers:
 transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4 tokens, SDPA,
 torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear
 cross-entropy too when ``liger_kernel`` is importable (it patches transformers for good, so it
@@ -47,6 +51,7 @@ from megatron_lorafusion.mcore import (
     apply_lora,
     build_gpt_model,
 )
+from megatron_lorafusion.mcore.attention import set_attention_backend
 from megatron_lorafusion.mcore.parallel import (
     destroy_model_parallel,
     init_model_parallel,
@@ -62,16 +67,18 @@ HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 PEFT_LORA = dict(target_modules=HF_TARGETS, task_type="CAUSAL_LM")
 LIGER = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 KEY = ("shape", "what", "rank", "dropout", "adapters")  # of every result row
-SPECS = dict(tokens_s=",.0f", launches=",", opt_launches=",", opt_ms=".2f", peak_gib=".1f")
-FIELDS = ["device", *KEY, "layers", "tokens", "microbatches", *SPECS, "note"]  # of the CSV
+SPECS = dict(
+    tokens_s=",.0f", launches=",", opt_launches=",", opt_ms=".2f", peak_gib=".1f", loss=".4f"
+)
+FIELDS = ["device", "attention", *KEY, "layers", "tokens", "microbatches", *SPECS, "note"]
 MATRIX = (
     "model=shape;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;× 1 adapter=x_one;"
     "launches / mb=launches;opt launches=opt_launches;opt round ms=opt_ms;peak GiB=peak_gib;"
-    "ours / PEFT=x_peft;note=note"
+    "loss=loss;ours / PEFT=x_peft;note=note"
 )
 COMPARISON = (
     "model=shape;what=what;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;"
-    "peak GiB=peak_gib;ours 4 adapters / this=x_ours;note=note"
+    "peak GiB=peak_gib;loss=loss;ours 4 adapters / this=x_ours;note=note"
 )
 
 
@@ -115,18 +122,18 @@ def _sync(device) -> None:
 
 
 def _measure(train, batches, args) -> dict:
-    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same, and
-    the peak memory since the last reset."""
+    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same, the
+    peak memory since the last reset, and the mean of the losses ``train`` returns (if any)."""
     for batch in batches:  # warm-up: every kernel compiled and autotuned
         train(batch)
     _sync(args.device)
     start = time.perf_counter()
-    for batch in batches:
-        train(batch)
+    losses = [train(batch) for batch in batches]  # 0-dim tensors: no host sync
     _sync(args.device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda" else None
-    return {"tokens_s": args.tokens * len(batches) / seconds, "peak_gib": peak}
+    loss = None if None in losses else torch.stack(losses).mean().item()
+    return {"tokens_s": args.tokens * len(batches) / seconds, "peak_gib": peak, "loss": loss}
 
 
 def _launches(fn, device) -> int | None:
@@ -210,12 +217,15 @@ def _unwrap(model) -> None:
                 setattr(module, name, child.base)
 
 
-def _forward_backward(model, lora, batch) -> None:
+def _forward_backward(model, lora, batch) -> torch.Tensor:
+    """The microbatch's mean loss (detached) after its backward."""
     ids, pos, layout = batch
     if lora is not None:
         lora.layout = layout
     loss = model(ids, pos, None, labels=ids, packed_seq_params=packed_seq_params(layout))
-    loss.float().mean().backward()
+    loss = loss.float().mean()
+    loss.backward()
+    return loss.detach()
 
 
 def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count: int) -> dict:
@@ -233,9 +243,10 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
             args.tokens, args.microbatches, count, model_cfg.vocab_size, args.device
         )
 
-        def train(batch) -> None:
-            _forward_backward(model, lora, batch)
+        def train(batch) -> torch.Tensor:
+            loss = _forward_backward(model, lora, batch)
             optimizer.step(everyone)
+            return loss
 
         row = _measure(train, batches, args)
         if args.profile and (rank, dropout, count) == COMPARE:
@@ -267,6 +278,7 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
     model_cfg = _model_config(shape, args)
     start = time.perf_counter()
     model = build_gpt_model(model_cfg, params_dtype=args.dtype, device=args.device)
+    set_attention_backend(model, args.backend)
     builds[f"ours {shape}"] = time.perf_counter() - start
     cells = list(itertools.product(args.ranks, args.dropouts, sorted(args.adapters)))
     cells = (cells if args.matrix else []) + ([COMPARE] if args.compare else [])
@@ -412,7 +424,7 @@ def _print_compare(results: dict, args) -> None:
 
 def _write_csv(path: Path, results: dict, args, device_name: str) -> None:
     new = not path.exists() or path.stat().st_size == 0
-    run = dict(device=device_name, layers=args.layers, tokens=args.tokens)
+    run = dict(device=device_name, attention=args.backend, layers=args.layers, tokens=args.tokens)
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         if new:
@@ -445,12 +457,19 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
     parser.add_argument("--profile", action="store_true", help="kernel tables of issue 15's rows")
+    parser.add_argument(
+        "--attention",
+        choices=["flash", "flex"],
+        default="flash",
+        help="our packed attention's kernel on CUDA (the CPU dry run runs the per-sample loop)",
+    )
     args = parser.parse_args(argv)
     if args.tokens < 16 or args.tokens % 4:
         parser.error(f"--tokens must be a multiple of 4 and >= 16, got {args.tokens}")
     if min(args.microbatches, *args.adapters, *args.ranks, args.layers or 1) < 1:
         parser.error("--microbatches, --adapters, --ranks and --layers must be positive")
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    args.backend = args.attention if args.device.type == "cuda" else "loop"
     return args
 
 
@@ -472,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         f"# {name} | torch {torch.__version__} | triton {_version('triton')} | "
         f"transformers {_version('transformers')} | peft {_version('peft')} | "
         f"liger-kernel {_version('liger-kernel')} | {str(args.dtype).removeprefix('torch.')} | "
+        f"attention {args.backend} | "
         f"{args.tokens}-token microbatches, >= {args.microbatches} timed after a warm-up pass"
     )
     print("# build s: " + ", ".join(f"{k} {v:.1f}" for k, v in builds.items()))

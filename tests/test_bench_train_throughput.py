@@ -46,6 +46,7 @@ def test_bench_train_throughput_cpu_dry_run_prints_every_row(bench, tmp_path, ca
     )
     out = capsys.readouterr().out
     assert out.startswith("# CPU | torch "), out
+    assert "| attention loop |" in out.splitlines()[0], "the CPU dry run attends with the loop"
     matrix, compare = _tables(out)
 
     cells = [(row["r"], row["adapters"]) for row in matrix]
@@ -56,6 +57,8 @@ def test_bench_train_throughput_cpu_dry_run_prints_every_row(bench, tmp_path, ca
         assert row["note"] == "", row
         if row["adapters"] == "3":
             assert float(row["ours / PEFT"]) > 0, row
+        if row["adapters"] != "PEFT, 1":  # ours: the timed pass's mean loss
+            assert math.isfinite(float(row["loss"])), row
     assert [row["× 1 adapter"] for row in matrix if row["adapters"] == "1"] == ["1.00"] * 2
 
     whats = ["ours", "ours base", "PEFT", "PEFT floor", "PEFT+Liger", "PEFT+Liger floor"]
@@ -72,6 +75,7 @@ def test_bench_train_throughput_cpu_dry_run_prints_every_row(bench, tmp_path, ca
     # 4 matrix cells, ours and our floor, 3 PEFT cells (r 4, 8, 16) and a floor, 2 Liger rows
     assert len(rows) == 12, rows
     assert all(float(r["tokens_s"]) > 0 for r in rows if r["what"] == "ours"), rows
+    assert {r["attention"] for r in rows} == {"loop"}, rows
 
 
 def test_bench_microbatches_cover_every_adapter_adapter_major(bench):
@@ -91,3 +95,11 @@ def test_bench_microbatches_cover_every_adapter_adapter_major(bench):
         assert sorted(torch.diff(a.cu_seqlens).tolist()) == sorted(
             torch.diff(b.cu_seqlens).tolist()
         )
+
+
+def test_bench_attention_option_forces_the_backend_on_cuda_only(bench):
+    assert bench._parse_args(["--device", "cpu", "--attention", "flex"]).backend == "loop"
+    assert bench._parse_args(["--attention", "flex"]).backend == "flex"
+    assert bench._parse_args([]).backend == "flash"
+    with pytest.raises(SystemExit):
+        bench._parse_args(["--attention", "sdpa"])
