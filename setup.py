@@ -10,10 +10,13 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_lorafusion", "megatron_lorafusion.*"]),
+    # torch and triton: the tested range (CPU CI: torch 2.14 + triton 3.8; GPU runs: torch 2.11 +
+    # triton 3.6). 2.11.0a0 admits the NGC 26.02 image's own torch build (2.11.0a0+...nv26.02),
+    # which pip must keep (docker/Dockerfile); older torch is untested, not known to break.
     install_requires=[
-        "torch>=2.6",
+        "torch>=2.11.0a0,<2.15",
         "megatron-core>=0.19,<0.20",
-        "triton>=3.6",
+        "triton>=3.6,<3.9",
         "pulp[highs]>=4.2",
         "datasets>=3.0",
         "pyyaml>=6.0",
@@ -24,6 +27,8 @@ setup(
         "tensorboard>=2.16",  # metrics: torch.utils.tensorboard.SummaryWriter
     ],
     extras_require={
+        # Hugging Face tokenizers: a model.hf_path or data.tokenizer folder (docker/ installs it).
+        "hf": ["transformers>=4.45"],
         "dev": [
             "pytest>=8.0",
             "hypothesis>=6.100",
