@@ -3,6 +3,8 @@
     python -m scripts.bench_train_throughput [--shapes llama3.1-8b] [--no-peers] [--csv out.csv]
     python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix --no-peers \
         --attention flex    # issue 22: our rows on FlexAttention instead of FlashAttention
+    python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix \
+        --compare-attention flex   # issue 15's cell on FlexAttention too, in the same process
     python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
@@ -173,7 +175,7 @@ def _kernel_profile(label: str, fn, device, top: int = 25) -> None:
         print(f"| {name.replace('|', '/')} | {ms:.2f} | {calls} |")
 
 
-def _step_ms(step, device, rounds: int = 3) -> float:
+def _step_ms(step, device, rounds: int = 21) -> float:
     """Median synchronised time of ``step()``, in ms."""
     times = []
     for _ in range(rounds):
@@ -291,6 +293,14 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
         train = partial(_forward_backward, model, None)
         row = _guarded(_floor, train, batches, model.embedding, args, "ours base")
         _put(results, (shape, "ours base", None, None, None), row)
+        for backend in args.compare_attention:  # issue 15's cell again, another kernel
+            key = (shape, f"ours {backend}", *COMPARE)
+            if args.device.type != "cuda":
+                _put(results, key, {"note": f"{backend} attention needs CUDA"})
+                continue
+            set_attention_backend(model, backend)
+            _put(results, key, _guarded(_ours, model, model_cfg, args, *COMPARE))
+        set_attention_backend(model, args.backend)
 
 
 def _hf_model(model_cfg: ModelConfig, args):
@@ -415,6 +425,7 @@ def _print_compare(results: dict, args) -> None:
     rows = []
     for shape in args.shapes:
         keys = [(shape, w, *c) for w, c in zip(whats, cells, strict=True)][: 6 if args.peers else 2]
+        keys[2:2] = [(shape, f"ours {b}", *COMPARE) for b in args.compare_attention]
         ours = results[keys[0]].get("tokens_s")
         for key in keys:
             row = _row(results, key)
@@ -462,6 +473,13 @@ def _parse_args(argv: list[str] | None):
         choices=["flash", "flex"],
         default="flash",
         help="our packed attention's kernel on CUDA (the CPU dry run runs the per-sample loop)",
+    )
+    parser.add_argument(
+        "--compare-attention",
+        nargs="*",
+        choices=["flash", "flex"],
+        default=[],
+        help="issue 15's cell again on each of these kernels, in the same process",
     )
     args = parser.parse_args(argv)
     if args.tokens < 16 or args.tokens % 4:
