@@ -1,12 +1,15 @@
 """The `lorafusion` command: a thin dispatcher over the subpackages.
 
-    lorafusion validate JOB.yaml [section.key=value ...]
+    lorafusion --version
+    lorafusion validate JOB.yaml [section.key=value ...] [--print]   (--print: resolved YAML)
     lorafusion train JOB.yaml [section.key=value ...]
     lorafusion synth-data --out-dir DIR [--tasks reverse sort add upper] [--num N]
     lorafusion export RUN_DIR|CHECKPOINT --out DIR [--merge] [--adapters NAME ...]
     lorafusion report RUN_DIR [--png FILE]             (per-adapter table, loss curves)
     lorafusion plan --lengths xsum --adapters 4 ...     (write and summarise a plan)
+    lorafusion plan --job JOB.yaml [section.key=value ...]   (the job's real samples)
     lorafusion simulate --lengths mix --stages 4 ...    (bubble ratios of three schedules, PNG)
+    lorafusion simulate --job JOB.yaml [section.key=value ...]
 
 Bad input (config, data) prints every problem and exits with status 2.
 """
@@ -14,19 +17,37 @@ Bad input (config, data) prints every problem and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_lorafusion.config import ConfigError, load_config
+from megatron_lorafusion.config import ConfigError, JobConfig, load_config
+
+if TYPE_CHECKING:
+    from megatron_lorafusion.planner.commands import PlanRequest
+
+
+def _version() -> str:
+    """The installed distribution's version, else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron_lorafusion")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        import megatron_lorafusion
+
+        return getattr(megatron_lorafusion, "__version__", "unknown")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lorafusion", description="Fine-tune many LoRA adapters at once on one frozen model."
     )
+    parser.add_argument("--version", action="version", version=f"megatron_lorafusion {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("validate", "check a job file and report every problem"),
                        ("train", "train the job's adapters together")):
@@ -35,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
         cmd.add_argument("--verbose", action="store_true",
                          help="show third-party warnings and logs, on every rank")
+        if name == "validate":
+            cmd.add_argument("--print", action="store_true", dest="print_job",
+                             help="print the resolved job (every default, presets expanded, "
+                             "paths resolved) as YAML that train accepts unchanged")
     report = sub.add_parser("report", help="per-adapter summary and loss curves of a run")
     report.add_argument("run", help="run folder (train.output_dir, with metrics.jsonl)")
     report.add_argument("--png", help="curves PNG (default: RUN/curves.png)")
@@ -74,6 +99,43 @@ def _synth(args: argparse.Namespace) -> int:
             return 2
         print(f"wrote {args.num} rows to {path}")
     return 0
+
+
+def _resolved_yaml(cfg: JobConfig, source: str) -> str:
+    """The resolved job as YAML; loading it gives ``cfg`` again."""
+    import yaml
+
+    header = (
+        f"# The resolved job of {source!r}: every default filled in, presets expanded, local\n"
+        "# input paths absolute (lorafusion validate --print). Run: lorafusion train THIS_FILE\n"
+    )
+    body = yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True, width=100)
+    return header + body
+
+
+def _job_request(args: argparse.Namespace) -> PlanRequest:
+    """``--job``'s problem: its datasets tokenised, split and ordered exactly as train does.
+
+    Raises:
+        ConfigError: on a bad job file (the problems validate names).
+        DataError: on an unusable dataset.
+    """
+    from megatron_lorafusion.planner.commands import PlanRequest
+
+    cfg = load_config(args.job, args.overrides)
+    # train.main imports Megatron (its warnings hidden); our INFO lines would repeat the summary
+    _quiet_start(False, "WARNING")
+    from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer
+    from megatron_lorafusion.train.evaluate import split_eval_datasets
+    from megatron_lorafusion.train.main import prepare_problem
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
+    problem, _, _ = prepare_problem(cfg, split_eval_datasets(cfg, datasets, tokenizer)[0])
+    names = tuple(a.name for a in cfg.adapters)
+    return PlanRequest(
+        problem, cfg.planner.solver, cfg.planner.time_limit_s, f"job {args.job}", None, names
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -155,16 +217,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args)
         if args.command in ("plan", "simulate"):
-            from megatron_lorafusion.planner.commands import run_plan, run_simulate
+            from megatron_lorafusion.planner import commands
 
+            run = commands.run_plan if args.command == "plan" else commands.run_simulate
             try:
-                return (run_plan if args.command == "plan" else run_simulate)(args)
-            except ValueError as err:  # bad lengths file, capacity below a sample, ...
+                if problems := commands.job_argument_problems(args):
+                    raise ValueError("; ".join(problems))
+                return run(args, request=None if args.job is None else _job_request(args))
+            except ValueError as err:  # bad lengths file or job, capacity below a sample, ...
                 print(f"error: {err}", file=sys.stderr)
                 return 2
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":  # the launch is not known yet: train checks it
-            print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
+            if args.print_job:
+                print(_resolved_yaml(cfg, args.config), end="")
+            else:
+                print(f"{args.config}: valid ({len(cfg.adapters)} adapters)")
             return 0
         from megatron_lorafusion.validation import launch_problems
 

@@ -298,3 +298,182 @@ def test_cli_adapter_number_beyond_fp32_exits_2_before_training(tmp_path, capsys
     err = capsys.readouterr().err
     assert f"adapters.0.{key} must be <= 3.403e+38 (the largest fp32 number), got 1e+300" in err
     assert not (tmp_path / "out").exists(), "nothing trained, nothing created"
+
+
+def test_cli_version_prints_the_installed_version_and_exits_0(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"megatron_lorafusion {version('megatron_lorafusion')}\n"
+
+
+def test_cli_version_falls_back_to_the_package_version(capsys, monkeypatch):
+    import importlib.metadata
+
+    import megatron_lorafusion
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"megatron_lorafusion {megatron_lorafusion.__version__}\n"
+
+
+def test_cli_validate_print_round_trips_through_validate_and_train(tmp_path, capsys,
+                                                                  monkeypatch):
+    """validate --print: every default, the preset's sizes, absolute dataset paths; the file
+    it prints resolves (validate) and trains (job.json) to the same job as the original."""
+    from dataclasses import asdict
+
+    from megatron_lorafusion.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
+    job = {"model": {"preset": "tiny"},
+           "adapters": [{"name": "a", "dataset": {"path": "a.jsonl"}, "rank": 4}],
+           "train": {"steps": 1, "output_dir": "out"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    overrides = ["adapters.0.lr=2e-4", "logging.progress_bar=false"]
+    assert main(["validate", "job.yaml", *overrides, "--print"]) == 0
+    text = capsys.readouterr().out
+    resolved = load_config("job.yaml", overrides)
+    printed = yaml.safe_load(text)
+    assert printed == asdict(resolved), "every key, every default, nothing else"
+    assert printed["model"]["num_layers"] == 2, "the preset's sizes are written out"
+    assert printed["adapters"][0]["dataset"]["path"] == str(tmp_path / "a.jsonl")
+    assert printed["adapters"][0]["lr"] == 2e-4, "overrides applied"
+    (tmp_path / "resolved.yaml").write_text(text)
+    assert load_config("resolved.yaml") == resolved
+    assert main(["validate", "resolved.yaml", "--print"]) == 0
+    again = capsys.readouterr().out
+    assert again.replace("resolved.yaml", "job.yaml") == text, "printing is idempotent"
+    assert main(["train", "resolved.yaml"]) == 0
+    assert json.loads((tmp_path / "out" / "job.json").read_text()) == asdict(resolved)
+
+
+@pytest.mark.parametrize(("kind", "options"), [("mistral", {}), ("llama", {"llama3_rope": True}),
+                                               ("qwen2", {"tie": True})])
+def test_cli_validate_print_round_trips_an_hf_model_job(tmp_path, capsys, kind, options):
+    """The sizes read from config.json (sliding window, RoPE scaling, tied embeddings) and
+    the model folder as tokenizer are written out and agree with it when read back."""
+    from dataclasses import asdict
+
+    from hf_testing import save_tiny_hf_model, save_tiny_tokenizer
+
+    from megatron_lorafusion.config import load_config
+
+    save_tiny_hf_model(kind, tmp_path / "model", **options)
+    save_tiny_tokenizer(tmp_path / "model")
+    path = _job(tmp_path)
+    job = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**job, "model": {"hf_path": str(tmp_path / "model")},
+                                    "data": {"max_seq_length": 64}}))
+    assert main(["validate", str(path), "--print"]) == 0
+    text = capsys.readouterr().out
+    resolved = load_config(path)
+    assert yaml.safe_load(text) == asdict(resolved)
+    assert resolved.data.tokenizer == str(tmp_path / "model")
+    (tmp_path / "resolved.yaml").write_text(text)
+    assert load_config(tmp_path / "resolved.yaml") == resolved
+
+
+def test_cli_validate_print_of_a_bad_job_exits_2_and_prints_no_yaml(tmp_path, capsys):
+    assert main(["validate", str(_job(tmp_path, rank=0)), "--print"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "adapters.0.rank must be in [1, 256], got 0" in err
+
+
+def _two_adapter_job(tmp_path):
+    """Adapter a: 3 rows, 3 per step; b: 4 rows, half held out for evaluation; one epoch."""
+    for name, rows in (("a", 3), ("b", 4)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"prompt": "p" * (5 * i + 1), "response": "r" * i}) + "\n"
+            for i in range(1, rows + 1)))
+    job = {"adapters": [
+        {"name": "a", "dataset": {"path": str(tmp_path / "a.jsonl")}, "global_batch_size": 3},
+        {"name": "b", "dataset": {"path": str(tmp_path / "b.jsonl")}, "global_batch_size": 2,
+         "eval_fraction": 0.5}],
+        "data": {"max_seq_length": 32}, "planner": {"token_capacity": 64},
+        "train": {"epochs": 1, "output_dir": str(tmp_path / "out")}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
+    """plan --job: the job's datasets tokenised by the data layer, its eval rows held out,
+    its batch sizes, capacity and solver; the plan equals the one train runs."""
+    from megatron_lorafusion.config import load_config
+    from megatron_lorafusion.data import load_adapter_dataset
+    from megatron_lorafusion.planner import plan_microbatches
+    from megatron_lorafusion.planner.io import load_plan
+    from megatron_lorafusion.train.evaluate import split_eval_datasets
+    from megatron_lorafusion.train.main import prepare_problem
+
+    path = _two_adapter_job(tmp_path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--job", str(path), "planner.token_capacity=48", "--output",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"samples: 5 in 2 adapters (job {path})" in text, text
+    assert "adapters: a (3 samples, 3 per step), b (2 samples, 2 per step)" in text, text
+    plan = load_plan(out)
+    assert plan.capacity == 48, "the override reaches the planner"
+    cfg = load_config(path, ["planner.token_capacity=48"])
+    rows = [load_adapter_dataset(a, cfg.data) for a in cfg.adapters]
+    planned = [sorted(s.tokens for mb in plan.microbatches for s in mb.samples if s.adapter == a)
+               for a in range(2)]
+    assert planned[0] == sorted(len(r) for r in rows[0]), "every row of a, tokenised"
+    assert len(planned[1]) == 2, "b's eval half is held out"
+    assert set(planned[1]) <= {len(r) for r in rows[1]}
+    problem, _, _ = prepare_problem(cfg, split_eval_datasets(cfg, rows, None)[0])
+    assert plan == plan_microbatches(problem, cfg.planner.solver, cfg.planner.time_limit_s)
+
+
+def test_cli_simulate_job_uses_its_pipeline_stages(tmp_path, capsys):
+    path = _two_adapter_job(tmp_path)
+    png = tmp_path / "t.png"
+    assert main(["simulate", "--job", str(path), "parallel.pp=2", "--png", str(png)]) == 0
+    table = capsys.readouterr().out
+    ours = next(line for line in table.splitlines() if line.startswith("| (c) ours"))
+    assert ours.rsplit("|", 2)[1].count("/") == 1, f"two stages' utilisation: {ours}"
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_cli_plan_job_with_a_bad_job_exits_2_like_validate(tmp_path, capsys, command):
+    path = _job(tmp_path, rank=0)
+    assert main(["validate", str(path)]) == 2
+    expected = capsys.readouterr().err
+    out = tmp_path / "plan.json"
+    assert main([command, "--job", str(path), "--output" if command == "plan" else "--png",
+                 str(out)]) == 2
+    assert capsys.readouterr().err == expected
+    assert not out.exists()
+    assert main([command, "--job", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_cli_plan_job_with_a_bad_data_row_exits_2_naming_file_and_line(tmp_path, capsys):
+    path = _job(tmp_path)
+    (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n{"prompt": 3}\n')
+    assert main(["plan", "--job", str(path), "--output", str(tmp_path / "p.json")]) == 2
+    assert "a.jsonl:2: adapter 'a': field 'prompt' must be a string" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_plan_refuses_flags_the_job_sets_and_overrides_without_a_job(tmp_path, capsys):
+    path = _job(tmp_path)
+    assert main(["plan", "--job", str(path), "--capacity", "512", "--stages", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacity does not apply with --job (the job sets it: planner.token_capacity)" in err
+    assert "--stages does not apply with --job (the job sets it: parallel.pp)" in err
+    assert main(["plan", "planner.token_capacity=512"]) == 2
+    assert "dotted overrides ['planner.token_capacity=512'] need --job FILE" in (
+        capsys.readouterr().err)

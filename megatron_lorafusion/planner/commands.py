@@ -1,9 +1,10 @@
 """The ``plan`` and ``simulate`` sub-commands; `megatron_lorafusion.cli` wires them in.
 
-``plan`` builds a problem from a length distribution or file, plans it, writes the plan as
-JSON and returns a summary; ``simulate`` compares Megatron-style, mLoRA-style and our plan
-in the pipeline simulator, writes a timeline PNG and a markdown table. Output goes through
-the ``write`` callable (stdout by default), never ``print``.
+``plan`` builds a problem from a length distribution or file (or takes a job file's, which
+the CLI builds: reading datasets needs torch), plans it, writes the plan as JSON and returns
+a summary; ``simulate`` compares Megatron-style, mLoRA-style and our plan in the pipeline
+simulator, writes a timeline PNG and a markdown table. Output goes through
+the ``write`` callable (the current stdout by default), never ``print``.
 """
 
 from __future__ import annotations
@@ -13,20 +14,30 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from megatron_lorafusion.planner.baselines import StrategyResult, compare_strategies
+from megatron_lorafusion.planner.baselines import (
+    StrategyResult,
+    compare_strategies,
+    default_samples_per_microbatch,
+    mlora_jobs,
+    plan_jobs,
+)
 from megatron_lorafusion.planner.check import check_plan
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.distributions import DISTRIBUTIONS, adapter_lengths
 from megatron_lorafusion.planner.io import load_plan, save_plan
 from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, plan_microbatches
 from megatron_lorafusion.planner.policy import apply_length_policy
+from megatron_lorafusion.planner.simulator import Job, SimResult, simulate
 from megatron_lorafusion.planner.types import Plan, PlanProblem
 
 __all__ = [
+    "PlanRequest",
     "add_plan_arguments",
     "add_simulate_arguments",
     "format_strategy_table",
+    "job_argument_problems",
     "problem_from_args",
+    "request_from_args",
     "run_plan",
     "run_simulate",
 ]
@@ -34,69 +45,166 @@ __all__ = [
 Write = Callable[[str], object]
 
 
+# The synthetic problem's defaults; None in the parsed arguments means "not given", so a
+# flag given with --job (where the job sets it) is refused instead of silently ignored.
+_DEFAULTS = {
+    "lengths": "mix",
+    "adapters": 4,
+    "samples": 256,
+    "global_batch_size": 32,
+    "capacity": 6144,
+    "stages": 4,
+    "tile_height": 64,
+    "seed": 0,
+    "long_samples": "truncate",
+    "solver": DEFAULT_SOLVER,
+    "time_limit": DEFAULT_TIME_LIMIT_S,
+}
+# What the job file sets instead of each flag.
+_JOB_KEYS = {
+    "lengths": "its adapters' datasets",
+    "adapters": "its adapters",
+    "samples": "train.steps or train.epochs",
+    "global_batch_size": "adapters.<i>.global_batch_size",
+    "capacity": "planner.token_capacity",
+    "stages": "parallel.pp",
+    "tile_height": "planner.tile_height",
+    "seed": "train.seed",
+    "long_samples": "data.truncation",
+    "solver": "planner.solver",
+    "time_limit": "planner.time_limit_s",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """What to plan and how: from the synthetic length arguments or from a job file.
+
+    Attributes:
+        problem: the samples, global batches, capacity and stages.
+        solver: ``"greedy"`` or ``"milp"``.
+        time_limit_s: wall-clock limit of one MILP solve, in seconds.
+        source: where the lengths came from, for the summary (``"xsum lengths"``,
+            ``"job configs/demo.yaml"``).
+        truncated: per adapter, samples cut to the capacity; None when the data layer cut
+            them (a job's ``data.max_seq_length``, logged while tokenising).
+        adapter_names: per adapter, its name (a job's), or None (``adapter <id>``).
+    """
+
+    problem: PlanProblem
+    solver: str
+    time_limit_s: float
+    source: str
+    truncated: tuple[int, ...] | None = None
+    adapter_names: tuple[str, ...] | None = None
+
+
 def _add_problem_arguments(parser: argparse.ArgumentParser) -> None:
+    j = parser.add_argument_group("job (instead of the synthetic problem)")
+    j.add_argument(
+        "--job",
+        default=None,
+        metavar="FILE",
+        help="YAML job file: plan its adapters' datasets, tokenised as `train` would, with "
+        "its global batch sizes, steps or epochs, planner settings and parallel.pp stages",
+    )
+    j.add_argument(
+        "overrides", nargs="*", help="dotted overrides of the job, e.g. planner.token_capacity=2048"
+    )
     g = parser.add_argument_group("problem")
     g.add_argument(
         "--lengths",
-        default="mix",
         help=f"length source: one of {(*DISTRIBUTIONS, 'heterogeneous')}, or a file "
-        "of integers (JSON list or whitespace/comma separated)",
+        "of integers (JSON list or whitespace/comma separated) (default mix)",
     )
-    g.add_argument("--adapters", type=int, default=4, help="adapters A (default 4)")
-    g.add_argument("--samples", type=int, default=256, help="samples per adapter (default 256)")
+    g.add_argument("--adapters", type=int, help="adapters A (default 4)")
+    g.add_argument("--samples", type=int, help="samples per adapter (default 256)")
     g.add_argument(
         "--global-batch-size",
         type=int,
-        default=32,
         help="samples per optimizer step, every adapter (default 32)",
     )
     g.add_argument(
-        "--capacity",
-        type=int,
-        default=6144,
-        help="tokens per microbatch, tile padding included (default 6144)",
+        "--capacity", type=int, help="tokens per microbatch, tile padding included (default 6144)"
     )
-    g.add_argument("--stages", type=int, default=4, help="pipeline stages S (default 4)")
+    g.add_argument("--stages", type=int, help="pipeline stages S (default 4)")
     g.add_argument(
         "--tile-height",
         type=int,
-        default=64,
-        help="kernel tile height in tokens; each adapter segment is padded to it",
+        help="kernel tile height in tokens; each adapter segment is padded to it (default 64)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed for lengths and solver")
+    g.add_argument("--seed", type=int, help="seed for lengths and solver (default 0)")
     g.add_argument(
         "--long-samples",
         choices=("truncate", "reject"),
-        default="truncate",
         help="samples longer than a microbatch: cut them or fail (default truncate)",
     )
     s = parser.add_argument_group("solver")
-    s.add_argument("--solver", choices=("milp", "greedy"), default=DEFAULT_SOLVER)
+    s.add_argument(
+        "--solver", choices=("milp", "greedy"), help=f"packing algorithm (default {DEFAULT_SOLVER})"
+    )
     s.add_argument(
         "--time-limit",
         type=float,
-        default=DEFAULT_TIME_LIMIT_S,
         help=f"wall-clock safety limit per MILP solve, s (default {DEFAULT_TIME_LIMIT_S})",
     )
+
+
+def _given(args: argparse.Namespace, name: str) -> object:
+    """The argument's value, or its default when it was not given (or is absent)."""
+    value = getattr(args, name, None)
+    return _DEFAULTS[name] if value is None else value
+
+
+def job_argument_problems(args: argparse.Namespace) -> list[str]:
+    """Flags that contradict ``--job`` (the job sets them), or overrides without one."""
+    if args.job is None:
+        return [f"dotted overrides {args.overrides} need --job FILE"] if args.overrides else []
+    return [
+        f"--{name.replace('_', '-')} does not apply with --job (the job sets it: {key})"
+        for name, key in _JOB_KEYS.items()
+        if getattr(args, name) is not None
+    ]
 
 
 def problem_from_args(args: argparse.Namespace) -> tuple[PlanProblem, tuple[int, ...]]:
     """Build the problem the arguments describe; also return per-adapter truncation counts.
 
+    Arguments that are None or absent take the defaults of ``lorafusion plan``.
+
     Raises:
         ValueError: on a bad length source, a rejected long sample or an invalid problem.
     """
-    raw = adapter_lengths(args.lengths, args.adapters, args.samples, args.seed)
-    fitted = apply_length_policy(raw, args.capacity, args.tile_height, args.long_samples)
+    adapters, capacity, tile = (_given(args, k) for k in ("adapters", "capacity", "tile_height"))
+    raw = adapter_lengths(
+        _given(args, "lengths"), adapters, _given(args, "samples"), _given(args, "seed")
+    )
+    fitted = apply_length_policy(raw, capacity, tile, _given(args, "long_samples"))
     problem = PlanProblem(
         fitted.lengths,
-        (args.global_batch_size,) * args.adapters,
-        args.capacity,
-        args.stages,
-        args.tile_height,
-        args.seed,
+        (_given(args, "global_batch_size"),) * adapters,
+        capacity,
+        _given(args, "stages"),
+        tile,
+        _given(args, "seed"),
     )
     return problem, fitted.truncated
+
+
+def request_from_args(args: argparse.Namespace) -> PlanRequest:
+    """The synthetic problem of the arguments, with their solver and time limit.
+
+    Raises:
+        ValueError: as `problem_from_args`.
+    """
+    problem, truncated = problem_from_args(args)
+    return PlanRequest(
+        problem,
+        _given(args, "solver"),
+        _given(args, "time_limit"),
+        f"{_given(args, 'lengths')} lengths",
+        truncated,
+    )
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,19 +213,30 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="plan.json", help="plan JSON to write")
 
 
-def _summary(plan: Plan, problem: PlanProblem, truncated: tuple[int, ...]) -> str:
+def _adapters_line(names: tuple[str, ...], problem: PlanProblem) -> str:
+    sizes = zip(names, problem.lengths, problem.global_batch_sizes, strict=True)
+    return "adapters: " + ", ".join(
+        f"{name} ({len(lengths)} samples, {gbs} per step)" for name, lengths, gbs in sizes
+    )
+
+
+def _summary(plan: Plan, request: PlanRequest) -> str:
+    problem = request.problem
     mbs = plan.microbatches
     capacity = len(mbs) * problem.capacity
     padded = sum(mb.padded_tokens(problem.tile_height) for mb in mbs)
     useful = sum(mb.tokens for mb in mbs)
     r = plan.report
+    cut = "" if request.truncated is None else f", truncated: {sum(request.truncated)}"
     lines = [
         f"samples: {sum(len(x) for x in problem.lengths)} in {problem.num_adapters} adapters "
-        f"(truncated: {sum(truncated)})",
+        f"({request.source}{cut})",
         f"microbatches: {len(mbs)} ({sum(mb.is_idle for mb in mbs)} idle); "
         f"fill {100 * padded / capacity:.2f}% with tile padding, {100 * useful / capacity:.2f}% "
         "useful",
     ]
+    if request.adapter_names is not None:
+        lines.insert(1, _adapters_line(request.adapter_names, problem))
     if r is not None:
         lines.append(
             f"solver: {r.solver} (kept {r.chosen}; greedy {r.greedy_microbatches} "
@@ -128,16 +247,25 @@ def _summary(plan: Plan, problem: PlanProblem, truncated: tuple[int, ...]) -> st
     return "\n".join(lines) + "\n"
 
 
-def run_plan(args: argparse.Namespace, write: Write = sys.stdout.write) -> int:
+def run_plan(
+    args: argparse.Namespace,
+    write: Write | None = None,
+    request: PlanRequest | None = None,
+) -> int:
     """Plan, verify, write the JSON to ``args.output`` and a summary to ``write``.
+
+    Args:
+        args: the parsed ``plan`` arguments.
+        write: receives the summary (default: the current ``sys.stdout``).
+        request: what to plan (a job's, built by the CLI); default: `request_from_args`.
 
     Returns:
         The exit status (0).
     """
-    problem, truncated = problem_from_args(args)
-    plan = plan_microbatches(problem, args.solver, args.time_limit)
+    request = request if request is not None else request_from_args(args)
+    plan = plan_microbatches(request.problem, request.solver, request.time_limit_s)
     path = save_plan(plan, args.output)
-    write(_summary(plan, problem, truncated) + f"wrote {path}\n")
+    (write or sys.stdout.write)(_summary(plan, request) + f"wrote {path}\n")
     return 0
 
 
@@ -150,7 +278,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plan",
         default=None,
-        help="plan JSON from `plan` with the same problem arguments (default: plan now)",
+        help="plan JSON from `plan` with the same problem arguments or job (default: plan now)",
     )
     parser.add_argument("--png", default="timeline.png", help="timeline image to write")
     parser.add_argument(
@@ -203,8 +331,44 @@ def format_strategy_table(results: list[StrategyResult]) -> str:
     return "\n".join(rows) + "\n"
 
 
-def run_simulate(args: argparse.Namespace, write: Write = sys.stdout.write) -> int:
+# An idle microbatch costs nothing, so the simulator records no operation for it; drawn with
+# one nanosecond per operation it gets events at the simulator's own times (shifting later
+# ones by at most 1 ns each, far below the timeline's resolution), which the timeline marks.
+_IDLE_MS = 1e-6
+
+
+def _timelines(
+    results: list[StrategyResult], problem: PlanProblem, plan: Plan, cost: CostModel, k: int
+) -> list[tuple[str, SimResult]]:
+    """The panels to draw: the strategies' simulations, their idle microbatches visible."""
+
+    def visible(jobs: list[Job]) -> SimResult:
+        jobs = [
+            dataclasses.replace(j, forward_ms=_IDLE_MS, backward_ms=_IDLE_MS)
+            if not j.adapters and not j.stage_ms
+            else j
+            for j in jobs
+        ]
+        return simulate(jobs, problem.num_stages, cost)
+
+    streams = {  # Megatron-style runs have no idle microbatches
+        "mlora": lambda: mlora_jobs(problem, cost, k)[0],
+        "ours": lambda: plan_jobs(plan, cost),
+    }
+    return [(r.name, visible(streams[r.name]()) if r.name in streams else r.sim) for r in results]
+
+
+def run_simulate(
+    args: argparse.Namespace,
+    write: Write | None = None,
+    request: PlanRequest | None = None,
+) -> int:
     """Simulate the three strategies; write the table to ``write`` and the PNG to ``args.png``.
+
+    Args:
+        args: the parsed ``simulate`` arguments.
+        write: receives the table (default: the current ``sys.stdout``).
+        request: what to plan (a job's, built by the CLI); default: `request_from_args`.
 
     Returns:
         The exit status (0).
@@ -214,13 +378,21 @@ def run_simulate(args: argparse.Namespace, write: Write = sys.stdout.write) -> i
     """
     from megatron_lorafusion.planner.timeline import draw_timelines
 
-    problem, _ = problem_from_args(args)
+    request = request if request is not None else request_from_args(args)
+    problem = request.problem
     if args.plan:
         plan = load_plan(args.plan)
         check_plan(plan, problem)
     else:
-        plan = plan_microbatches(problem, args.solver, args.time_limit)
-    results = compare_strategies(problem, plan, _cost_from_args(args), args.mlora_samples)
-    path = draw_timelines([(r.name, r.sim) for r in results], args.png)
-    write(format_strategy_table(results) + f"wrote {path}\n")
+        plan = plan_microbatches(problem, request.solver, request.time_limit_s)
+    cost = _cost_from_args(args)
+    k = (
+        default_samples_per_microbatch(problem)
+        if args.mlora_samples is None
+        else args.mlora_samples
+    )
+    results = compare_strategies(problem, plan, cost, k)
+    panels = _timelines(results, problem, plan, cost, k)
+    path = draw_timelines(panels, args.png, request.adapter_names)
+    (write or sys.stdout.write)(format_strategy_table(results) + f"wrote {path}\n")
     return 0

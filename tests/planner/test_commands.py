@@ -1,13 +1,18 @@
 import argparse
 
-from megatron_lorafusion.planner import check_plan
+from megatron_lorafusion.planner import check_plan, plan_microbatches
+from megatron_lorafusion.planner.baselines import compare_strategies, default_samples_per_microbatch
 from megatron_lorafusion.planner.commands import (
+    _timelines,
     add_plan_arguments,
     add_simulate_arguments,
+    job_argument_problems,
     problem_from_args,
+    request_from_args,
     run_plan,
     run_simulate,
 )
+from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.io import load_plan
 
 SMALL = [
@@ -60,3 +65,64 @@ def test_run_simulate_writes_table_and_png(tmp_path):
     assert "| (c) ours" in text
     assert "Megatron-style" in text
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_problem_from_args_without_flags_takes_the_documented_defaults():
+    request = request_from_args(_parse(add_plan_arguments, []))
+    problem = request.problem
+    assert problem.num_adapters == 4
+    assert [len(x) for x in problem.lengths] == [256] * 4
+    assert problem.global_batch_sizes == (32,) * 4
+    assert (problem.capacity, problem.num_stages, problem.tile_height) == (6144, 4, 64)
+    assert (request.solver, request.source) == ("greedy", "mix lengths")
+
+
+def test_job_argument_problems_names_each_flag_the_job_sets():
+    args = _parse(add_plan_arguments, ["--job", "j.yaml", "--solver", "milp", "--seed", "3"])
+    assert job_argument_problems(args) == [
+        "--seed does not apply with --job (the job sets it: train.seed)",
+        "--solver does not apply with --job (the job sets it: planner.solver)",
+    ]
+    assert job_argument_problems(_parse(add_plan_arguments, ["--job", "j.yaml", "a.b=1"])) == []
+    assert job_argument_problems(_parse(add_simulate_arguments, ["a.b=1"])) == [
+        "dotted overrides ['a.b=1'] need --job FILE"
+    ]
+
+
+def test_simulate_timelines_mark_every_idle_microbatch_without_moving_the_schedule():
+    """Idle microbatches cost nothing, so the simulator has no event for them; the drawn
+    panels give each one a forward on every stage and keep the makespan."""
+    args = _parse(
+        add_simulate_arguments,
+        [
+            "--lengths",
+            "heterogeneous",
+            "--adapters",
+            "2",
+            "--samples",
+            "24",
+            "--global-batch-size",
+            "8",
+            "--capacity",
+            "4096",
+            "--solver",
+            "greedy",
+        ],
+    )
+    problem = request_from_args(args).problem
+    plan = plan_microbatches(problem, "greedy")
+    cost = CostModel()
+    k = default_samples_per_microbatch(problem)
+    results = compare_strategies(problem, plan, cost, k)
+    panels = dict(_timelines(results, problem, plan, cost, k))
+    idle = [i for i, mb in enumerate(plan.microbatches) if mb.is_idle]
+    assert idle, "the case must have idle microbatches"
+    marked = {(e.job, e.stage) for e in panels["ours"].events if e.label < 0 and e.kind == "F"}
+    assert marked == {(i, s) for i in idle for s in range(problem.num_stages)}
+    for r in results:
+        drawn = panels[r.name]
+        assert abs(drawn.makespan_ms - r.sim.makespan_ms) < 1e-3, r.name
+        real = [(e.stage, e.job, e.kind) for e in r.sim.events]
+        assert [
+            (e.stage, e.job, e.kind) for e in drawn.events if e.label >= 0 or e.kind == "O"
+        ] == real, f"{r.name}: the same operations in the same order"
