@@ -15,6 +15,8 @@
 Saved for backward: X, S' (T × R) and the weights; the backward regenerates the dropout mask
 from the Philox seed ``(layout.dropout_seed, layer_seed)`` (the default), or, with
 ``_SAVE_MASK_BITS`` on, reads it as bits (T × H/8 bytes) written by the forward's shrink.
+Given an `InputRebuild`, X is not saved: its sources are, and the backward rebuilds X from them
+(selective recompute: a norm's output from the norm's input, which the norm saves anyway).
 docs/kernels.md records the designs measured on the H200 and why this one was kept.
 """
 
@@ -28,6 +30,7 @@ from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_kernel_runs
+from megatron_lorafusion.ops.lora_linear import InputRebuild, _save_input, _saved_input
 from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
 from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
 from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
@@ -67,11 +70,16 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
 
 
 class LoRALinearFunction(torch.autograd.Function):
-    """Autograd of the fused path; W and b are frozen unless they require grad."""
+    """Autograd of the fused path; W and b are frozen unless they require grad.
+
+    With an `InputRebuild` (``rebuild``) it saves the rebuild's sources in X's place and
+    rebuilds X at the start of backward (one more pass of X's producer).
+    """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design):
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design,
+                rebuild):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
         bits = None
         if dropouts is not None and _SAVE_MASK_BITS:
@@ -84,7 +92,8 @@ class LoRALinearFunction(torch.autograd.Function):
         else:
             y = _lora_expand_launch(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, s, scales, dropouts, bits)
+        ctx.save_for_backward(*_save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
+                              dropouts, bits)
         ctx.layout = layout
         ctx.seed = seed
         ctx.has_bias = bias is not None
@@ -95,7 +104,10 @@ class LoRALinearFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
         """Reads the mask bits saved by the forward (or regenerates the mask from the seed)."""
-        x, weight, lora_a, lora_b, s, scales, dropouts, bits = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        count = ctx.num_input_tensors
+        weight, lora_a, lora_b, s, scales, dropouts, bits = saved[count:]
+        x = _saved_input(ctx, saved[:count])  # (T, H), rebuilt from its sources if they were saved
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
         # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s).
@@ -116,7 +128,7 @@ class LoRALinearFunction(torch.autograd.Function):
             grad_w = dy.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = dy.sum(0)
-        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, grad_a, grad_b, None, None, None, None, None, None
 
 
 def fused_lora_linear(
@@ -132,6 +144,7 @@ def fused_lora_linear(
     layer_seed: int = 0,
     training: bool = True,
     design: str = "auto",
+    rebuild: InputRebuild | None = None,
 ) -> torch.Tensor:
     """Fused multi-LoRA linear (same function as `lora_linear_ref`, Triton + cuBLAS).
 
@@ -154,6 +167,7 @@ def fused_lora_linear(
             epilogue, forward and dX) or ``"triton_fwd"`` (the Triton GEMM in the forward,
             cuBLAS in the backward); ``"auto"`` runs ``"triton_fwd"`` on Hopper when TMA can
             describe the operands, else ``"cublas"``. docs/kernels.md has the H200 numbers.
+        rebuild: how to rebuild ``x`` in backward (`InputRebuild`); then ``x`` is not saved.
 
     Returns:
         (T, N) output in ``x``'s dtype.
@@ -183,5 +197,5 @@ def fused_lora_linear(
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     return LoRALinearFunction.apply(
         x, weight, bias, lora_a, lora_b, scales, drop, layout, seed,
-        _resolve_design(design, x, weight),
+        _resolve_design(design, x, weight), rebuild,
     )

@@ -3,11 +3,13 @@
 This file holds the public functional `lora_linear` and its readable torch reference,
 split at the small tensor ``S = drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206,
 Sec. 4): `lora_down_ref` makes ``S``, `lora_up_ref` maps it back to the output width.
+`InputRebuild` lets the LoRA ops rebuild X in backward instead of saving it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,52 @@ import torch.nn.functional as F
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.philox import philox_keep_mask
+
+
+@dataclass(frozen=True, eq=False)
+class InputRebuild:
+    """How a LoRA op rebuilds its input X in backward instead of saving it (selective recompute).
+
+    ``fn(*sources)`` must return X bit for bit: the very function that produced X (the same
+    kernel on CUDA, the same reference elsewhere) on the tensors it read. Worth it when the
+    producer's own backward saves ``sources`` anyway (a norm's input, SwiGLU's input): the
+    op then keeps no tensor of its own for X. The op saves ``sources`` (detached, so an
+    in-place write to them before backward fails autograd's version check) in X's place and
+    calls ``fn`` under ``torch.no_grad()`` in backward; ``fn`` must be pure (no state read
+    that may change between forward and backward).
+
+    Attributes:
+        fn: ``(*sources) -> X``, the (T, H) input of the op.
+        sources: the tensors ``fn`` reads.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    sources: tuple[torch.Tensor, ...]
+
+
+def _save_input(ctx, x: torch.Tensor, rebuild: InputRebuild | None) -> tuple[torch.Tensor, ...]:
+    """What an autograd function saves for X: X, or the (detached) sources that rebuild it."""
+    ctx.rebuild_fn = None if rebuild is None else rebuild.fn
+    ctx.input_meta = (tuple(x.shape), x.dtype, x.is_contiguous())
+    ctx.num_input_tensors = 1 if rebuild is None else len(rebuild.sources)
+    return (x,) if rebuild is None else tuple(t.detach() for t in rebuild.sources)
+
+
+def _saved_input(ctx, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """X back from what `_save_input` saved (rebuilt without autograd when sources were saved).
+
+    Raises:
+        RuntimeError: when the rebuilt X has another shape or dtype than the forward's.
+    """
+    if ctx.rebuild_fn is None:
+        return saved[0]
+    shape, dtype, contiguous = ctx.input_meta
+    with torch.no_grad():
+        x = ctx.rebuild_fn(*saved)
+    if (tuple(x.shape), x.dtype) != (shape, dtype):
+        raise RuntimeError(f"the rebuilt LoRA input is {tuple(x.shape)} {x.dtype}, the forward's "
+                           f"was {shape} {dtype}")
+    return x.contiguous() if contiguous else x
 
 
 def dropout_keep_mask(
@@ -174,13 +222,16 @@ def lora_linear(
     *,
     layer_seed: int = 0,
     training: bool = True,
+    rebuild: InputRebuild | None = None,
 ) -> torch.Tensor:
     """Multi-LoRA linear over adapter-major packed tokens (see `lora_linear_ref`).
 
     On CUDA (with Triton) this runs `fused_lora_linear`; elsewhere the torch reference.
     Dropout is active only when ``training``; its mask is the Philox mask of
     ``(layout.dropout_seed, layer_seed)``, the same on both paths (`dropout_keep_mask` on the
-    reference path, drawn inside the kernels on the fused path).
+    reference path, drawn inside the kernels on the fused path). ``rebuild`` (how X is
+    rebuilt in backward) lets the fused path save its sources instead of X; the reference
+    path saves what autograd saves.
 
     Returns:
         (T, N) output in ``x``'s dtype.
@@ -196,6 +247,7 @@ def lora_linear(
         return fused_lora_linear(
             x.contiguous(), weight.contiguous(), bias, lora_a.contiguous(), lora_b.contiguous(),
             scalings, dropouts, layout, layer_seed=layer_seed, training=training,
+            rebuild=rebuild,
         )
     keep_mask = (
         dropout_keep_mask(layout, dropouts, x.shape[1], layer_seed, x.device) if training else None

@@ -6,11 +6,14 @@ tensor. A row-parallel layer shards ``A`` along H, so each rank's `lora_down` gi
 ``S`` that is all-reduced before `lora_up`; the dropout mask of such a shard is the block
 ``(layout.row_offset + t, col_offset + h)`` of the full-width mask, so every rank drops what
 the unsharded layer would. On CUDA both run autograd functions over the grouped Triton
-kernels; elsewhere the torch reference (`lora_down_ref`, `lora_up_ref`).
+kernels; elsewhere the torch reference (`lora_down_ref`, `lora_up_ref`). Given an
+`InputRebuild`, `lora_down` saves X's sources instead of X on both paths and rebuilds X in
+backward, with gradients bit for bit those of the saving path.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -18,22 +21,35 @@ import torch
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
-from megatron_lorafusion.ops.lora_linear import dropout_keep_mask, lora_down_ref, lora_up_ref
+from megatron_lorafusion.ops.lora_linear import (
+    InputRebuild,
+    _save_input,
+    _saved_input,
+    dropout_keep_mask,
+    lora_down_ref,
+    lora_up_ref,
+)
 from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
 from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
 from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
 
 
 class LoRADownFunction(torch.autograd.Function):
-    """Autograd of the fused `lora_down`; saves X, A and the dropouts, regenerates the mask."""
+    """Autograd of the fused `lora_down`; saves A, the dropouts and X, regenerates the mask.
+
+    X is saved only when A needs a gradient (dX needs only dS, A and the mask), and then as
+    the sources of ``rebuild`` when one is given: backward rebuilds X from them.
+    """
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, mask_d):
+    def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, mask_d, rebuild):
         """``ones``: (A,) fp32 ones (the shrink's scale); ``dropouts`` None = no mask."""
         s = _lora_shrink_launch(x, lora_a, ones, dropouts, layout, seed,
                                 col_offset=col_offset, mask_d=mask_d)  # (T, R)
-        ctx.save_for_backward(x, lora_a, dropouts)
+        inputs = _save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
+        ctx.num_input_tensors = len(inputs)
+        ctx.save_for_backward(*inputs, lora_a, dropouts)
         ctx.layout, ctx.seed, ctx.col_offset, ctx.mask_d = layout, seed, col_offset, mask_d
         return s
 
@@ -41,11 +57,14 @@ class LoRADownFunction(torch.autograd.Function):
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, ds):
         """Gives dA = dSᵀ·drop(X) and dX = mask⊙(dS·A)/(1−p), from one pass over X when both."""
-        x, lora_a, dropouts = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        count = ctx.num_input_tensors
+        lora_a, dropouts = saved[count:]
         ds = ds.contiguous()
         mask = {"col_offset": ctx.col_offset, "mask_d": ctx.mask_d}
         grad_x = grad_a = None
         if ctx.needs_input_grad[1]:
+            x = _saved_input(ctx, saved[:count])  # (T, H_l)
             grad_a = torch.empty_like(lora_a)
             grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
             _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, ctx.layout, ctx.seed,
@@ -53,7 +72,40 @@ class LoRADownFunction(torch.autograd.Function):
                                expand_out=grad_x, **mask)
         elif ctx.needs_input_grad[0]:
             grad_x = _lora_expand_launch(ds, lora_a, None, dropouts, ctx.layout, ctx.seed, **mask)
-        return grad_x, grad_a, None, None, None, None, None, None
+        return grad_x, grad_a, None, None, None, None, None, None, None
+
+
+class LoRADownRebuildFunction(torch.autograd.Function):
+    """Autograd of the reference `lora_down` with X rebuilt in backward (`InputRebuild`).
+
+    Saves A and the rebuild's sources, not X, the masked copies of X or the mask. Backward
+    rebuilds X, runs the same reference down-projection again (the mask redrawn from its
+    seed) and differentiates it: the gradients are bit for bit autograd's through
+    `lora_down_ref` on the saved X.
+    """
+
+    @staticmethod
+    def forward(ctx, x, lora_a, down, rebuild):
+        """``down``: ``(x, lora_a) -> S`` (T, R), the reference with its mask arguments bound."""
+        with torch.no_grad():
+            s = down(x, lora_a)
+        ctx.save_for_backward(*_save_input(ctx, x, rebuild), lora_a)
+        ctx.down = down
+        return s
+
+    @staticmethod
+    def backward(ctx, ds):
+        """Gradients of X and A from the rebuilt X (each only when needed)."""
+        *sources, lora_a = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:2]
+        x = _saved_input(ctx, tuple(sources)).requires_grad_(needs[0])
+        lora_a = lora_a.detach().requires_grad_(needs[1])
+        with torch.enable_grad():
+            s = ctx.down(x, lora_a)
+        wanted = [t for t, need in zip((x, lora_a), needs, strict=True) if need]
+        grads = iter(torch.autograd.grad(s, wanted, ds))
+        grad_x, grad_a = (next(grads) if need else None for need in needs)
+        return grad_x, grad_a, None, None
 
 
 class LoRAUpFunction(torch.autograd.Function):
@@ -129,6 +181,7 @@ def fused_lora_down(
     training: bool,
     col_offset: int = 0,
     full_width: int | None = None,
+    rebuild: InputRebuild | None = None,
 ) -> torch.Tensor:
     """The Triton path of `lora_down` (CUDA, or the CPU interpreter); same arguments.
 
@@ -153,7 +206,8 @@ def fused_lora_down(
     use_mask = training and any(p > 0 and n > 0 for p, n in zip(dropouts, counts, strict=True))
     drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
-    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, mask_d)
+    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, mask_d,
+                                  rebuild)
 
 
 def fused_lora_up(
@@ -189,6 +243,7 @@ def lora_down(
     training: bool,
     col_offset: int = 0,
     full_width: int | None = None,
+    rebuild: InputRebuild | None = None,
 ) -> torch.Tensor:
     """Unscaled down-projection ``S[seg_a] = drop_a(X[seg_a])·A_aᵀ``, differentiable in x and A.
 
@@ -203,6 +258,8 @@ def lora_down(
         col_offset: index of ``x``'s column 0 in the full-width input.
         full_width: the full input width (default ``H_l``): the mask is columns
             ``col_offset:col_offset + H_l`` of the ``full_width``-wide mask.
+        rebuild: how to rebuild ``x`` in backward (`InputRebuild`); then neither ``x`` nor
+            anything derived from it is saved, on either path.
 
     Returns:
         (T, R) ``S`` in ``x``'s dtype (partial over H when the input is sharded).
@@ -215,8 +272,23 @@ def lora_down(
     full = _check_down(x, lora_a, dropouts, layout, col_offset, full_width)
     if x.is_cuda and _utils.triton is not None:
         return fused_lora_down(x, lora_a, dropouts, layout, layer_seed=layer_seed,
-                               training=training, col_offset=col_offset, full_width=full)
-    keep = dropout_keep_mask(layout, dropouts, full, layer_seed, x.device) if training else None
+                               training=training, col_offset=col_offset, full_width=full,
+                               rebuild=rebuild)
+    down = functools.partial(_masked_down_ref, dropouts=dropouts, layout=layout,
+                             layer_seed=layer_seed, training=training, col_offset=col_offset,
+                             full_width=full)
+    if rebuild is None or not torch.is_grad_enabled():
+        return down(x, lora_a)
+    return LoRADownRebuildFunction.apply(x, lora_a, down, rebuild)
+
+
+def _masked_down_ref(x: torch.Tensor, lora_a: torch.Tensor, *, dropouts: Sequence[float],
+                     layout: AdapterLayout, layer_seed: int, training: bool, col_offset: int,
+                     full_width: int) -> torch.Tensor:
+    """`lora_down`'s reference path: (T, R) ``S`` with the mask columns of ``x`` drawn here."""
+    keep = None
+    if training:
+        keep = dropout_keep_mask(layout, dropouts, full_width, layer_seed, x.device)  # (T, H)
     if keep is not None:
         keep = keep[:, col_offset:col_offset + x.shape[1]]  # (T, H_l)
     return lora_down_ref(x, lora_a, dropouts, layout, keep)

@@ -3,6 +3,7 @@
 On CPU the kernels run in the Triton interpreter (fp32 and fp16 only: bf16 ``tl.dot`` is wrong
 there); `tl.dot` is pinned to IEEE for fp32 inputs, so fp32 differences are summation order.
 The reference runs in fp32 on the same (upcast) inputs with the fused path's dropout mask.
+With an `InputRebuild` the op saves X's sources instead of X and keeps every bit.
 """
 
 import sys
@@ -15,6 +16,7 @@ from megatron_lorafusion.ops import (
     fused_lora_linear,
     lora_linear_ref,
 )
+from megatron_lorafusion.ops.lora_linear import InputRebuild
 
 # dtype -> (atol, rtol) of fused vs the fp32 reference; outputs and gradients are O(1).
 TOL = {
@@ -248,3 +250,38 @@ def test_fused_lora_linear_shard_uses_rows_of_whole_mask(design, dtype, device, 
     x, grad_y = x[start:end].contiguous(), grad_y[start:end].contiguous()
     _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, shard, keep,
                               grad_y, design, f"shard/{design}/{dtype}")
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_fused_lora_linear_rebuilt_input_keeps_bits_and_is_not_saved(design, device,
+                                                                     make_layout, make_lora):
+    """X rebuilt in backward from its source: y, d_source, dA, dB bit for bit those of the
+    op that saves X, and X's storage is not among the saved tensors."""
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
+        "ragged", torch.float32, device, make_layout, make_lora
+    )
+
+    def producer(t):  # stands in for a norm; autograd saves tanh's output, never X
+        return torch.tanh(t) * 2.0
+
+    runs = {}
+    for rebuilt in (False, True):
+        src, a, b = (t.clone().requires_grad_() for t in (x, lora_a, lora_b))
+        x_ = producer(src)
+        saved = set()
+
+        def pack(t, saved=saved):
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fused_lora_linear(x_, weight, bias, a, b, scalings, dropouts, layout,
+                                  layer_seed=5, design=design,
+                                  rebuild=InputRebuild(producer, (src,)) if rebuilt else None)
+        assert (x_.untyped_storage().data_ptr() in saved) != rebuilt, f"{design}: X saved"
+        y.backward(grad_y)
+        runs[rebuilt] = (y.detach(), src.grad, a.grad, b.grad)
+    for name, got, want in zip(["y", "d_source", "da", "db"], runs[True], runs[False],
+                               strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0,
+                                   msg=lambda m, n=name: f"{design} {n}: {m}")

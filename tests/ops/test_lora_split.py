@@ -1,11 +1,14 @@
 """`lora_down` / `lora_up` (the op split at S for tensor parallelism): the Triton path against
 `lora_down_ref` / `lora_up_ref` with the same mask, outputs and every gradient, and the halves
 composed (summed over column shards, as a row-parallel all-reduce would) against the one fused
-op.
+op. With an `InputRebuild`, `lora_down` keeps the bits of every output and gradient and saves
+no tensor of X.
 
 On CPU the Triton path (`fused_lora_down`, `fused_lora_up`: what `lora_down` / `lora_up` run on
 CUDA) runs in the interpreter, fp32 (IEEE dots: differences are summation order) and fp16.
 """
+
+import functools
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from megatron_lorafusion.ops import (
     lora_up,
     lora_up_ref,
 )
+from megatron_lorafusion.ops.lora_linear import InputRebuild
 
 # dtype -> (atol, rtol) against the fp32 reference; values and gradients are O(1).
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2)}
@@ -259,3 +263,66 @@ def test_lora_split_bf16_close_to_fp32(make_layout, make_lora):
     for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
         err = float((g.float() - w).norm() / w.norm())
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+def _producer(source):
+    """Stands in for a norm: X = 2·tanh(source) (autograd saves tanh's output, never X)."""
+    return torch.tanh(source) * 2.0
+
+
+def _saved_bytes(fn):
+    """``fn()``'s result and ``{storage data_ptr: bytes}`` of every tensor autograd saved."""
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved
+
+
+@pytest.mark.parametrize("shard", list(SHARDS))
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_lora_down_rebuilt_input_keeps_bits_and_is_not_saved(path, shard, device, make_layout,
+                                                            make_lora):
+    """S, dX (through the producer) and dA equal the saving path's bit for bit; X's storage
+    is not saved, nor any other (T, H_l) tensor (the masked copies, the mask)."""
+    device = "cpu" if path == "reference" else device  # on CUDA lora_down runs Triton
+    down = lora_down if path == "reference" else fused_lora_down
+    layout, x, lora_a, _, _, dropouts = _inputs("ragged", torch.float32, device, make_layout,
+                                                make_lora)
+    layout, source, lora_a, col, full = _shard(shard, layout, x, lora_a)
+    grad_s = torch.randn(source.shape[0], lora_a.shape[1],
+                         generator=torch.Generator().manual_seed(6)).to(device)
+    runs = {}
+    for rebuilt in (False, True):
+        src, a = source.clone().requires_grad_(), lora_a.clone().requires_grad_()
+        x_ = _producer(src)
+        rebuild = InputRebuild(_producer, (src,)) if rebuilt else None
+        s, saved = _saved_bytes(functools.partial(down, x_, a, dropouts, layout, layer_seed=5,
+                                                  training=True, col_offset=col,
+                                                  full_width=full, rebuild=rebuild))
+        x_ptr = x_.untyped_storage().data_ptr()
+        assert (x_ptr in saved) != rebuilt, f"{path}/{shard}: X saved={x_ptr in saved}"
+        if rebuilt:
+            others = {p: n for p, n in saved.items() if p not in (src.untyped_storage().data_ptr(),
+                                                                    a.untyped_storage().data_ptr())}
+            assert sum(others.values()) < x_.shape[0], f"{path}/{shard}: also saved {others}"
+        s.backward(grad_s)
+        runs[rebuilt] = (s.detach(), src.grad, a.grad)
+    for name, got, want in zip(["s", "d_source", "da"], runs[True], runs[False], strict=True):
+        torch.testing.assert_close(got, want, atol=0, rtol=0,
+                                   msg=lambda m, n=name: f"{path}/{shard} {n}: {m}")
+
+
+def test_lora_down_rebuild_of_another_shape_is_refused(make_layout, make_lora):
+    layout, x, lora_a, _, _, dropouts = _inputs("ragged", torch.float32, "cpu", make_layout,
+                                                make_lora)
+    src, a = x.clone().requires_grad_(), lora_a.clone().requires_grad_()
+    rebuild = InputRebuild(lambda t: _producer(t)[:-1], (src,))
+    s = lora_down(_producer(src), a, dropouts, layout, layer_seed=5, training=True,
+                  rebuild=rebuild)
+    with pytest.raises(RuntimeError, match=r"rebuilt LoRA input is \(99, 48\)"):
+        s.sum().backward()
