@@ -14,6 +14,7 @@ from torch import nn
 
 from megatron_lorafusion.config import TARGET_MODULES, AdapterConfig
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_lorafusion.mcore.recompute import RecomputedLayer
 from megatron_lorafusion.mcore.wgrad import WgradQueue
 from megatron_lorafusion.ops import AdapterLayout
 
@@ -49,6 +50,9 @@ class LoRAContext:
             (``decoder.layers.{global layer index}.self_attention.linear_qkv``, ...).
         wgrad_queue: when set, training backwards defer each down-projection's weight
             gradient into this queue (zero-bubble; `mcore.wgrad`); None computes it at once.
+        rebuild_inputs: selective recompute (on by default, exact): a wrapper fed by a
+            fused-base norm or SwiGLU rebuilds that input in backward instead of keeping it
+            (`mcore.lora`); `mcore.recompute.apply_recompute` sets it for a job.
         weights: (A, S) fp32, every factor of adapter ``a`` on this rank in row ``a``.
         grads: (A, S) fp32, their accumulated gradients (zero until a backward adds to them).
     """
@@ -56,6 +60,7 @@ class LoRAContext:
     def __init__(self, adapters: Sequence[AdapterConfig], wrappers: dict[str, LoRAWrapper]):
         self.layout: AdapterLayout | None = None
         self.wgrad_queue: WgradQueue | None = None
+        self.rebuild_inputs = True
         self.adapters = tuple(adapters)
         self.wrappers = wrappers
         self.weights = torch.zeros(len(adapters), 0)  # (A, S) once `pack` ran
@@ -228,7 +233,8 @@ def apply_lora(
     Raises:
         TypeError: when ``model`` has no ``decoder.layers`` (e.g. it is already DDP-wrapped).
         ValueError: on an empty adapter list or unknown target modules.
-        RuntimeError: when the model already carries LoRA wrappers.
+        RuntimeError: when the model already carries LoRA wrappers, or its layers are
+            `RecomputedLayer`s (apply LoRA before `apply_recompute`).
     """
     _check_adapters(adapters)
     decoder = getattr(model, "decoder", None)
@@ -240,6 +246,9 @@ def apply_lora(
     context = LoRAContext(adapters, {})
     for layer in decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
+        if isinstance(layer, RecomputedLayer):
+            raise RuntimeError(f"decoder.layers.{index} is a RecomputedLayer: apply LoRA before "
+                               "apply_recompute")
         for target_index, (target, (parent_name, wrapper_cls)) in enumerate(_TARGETS.items()):
             targeted = [a for a, ad in enumerate(adapters) if target in ad.target_modules]
             if not targeted:

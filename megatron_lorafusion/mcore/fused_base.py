@@ -13,9 +13,15 @@ module at call time, so a test can switch the Triton path on under the interpret
   `LoRAFusionGPTModel` passes when labels are given: per-token loss from the final hidden
   states by chunked linear cross-entropy, never the full ``(T, V)`` fp32 logits;
 - RoPE: `VarlenCoreAttention` calls `apply_rope`.
+
+`FrozenRMSNorm` and `FusedSwiGLU` mark their outputs with how to recompute them
+(`input_rebuild`), so the LoRA wrapper of the linear they feed can rebuild its input in
+backward instead of keeping it (selective recompute, ``train.recompute``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,35 @@ from megatron_lorafusion.ops._utils import triton
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (the fused loss gives them 0 and no gradient)."""
+
+_REBUILD = "_lorafusion_rebuild"  # tensor attribute: (fn, source, the output's version)
+
+
+def _mark_rebuildable(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
+                      source: torch.Tensor) -> torch.Tensor:
+    """Record on ``out`` that ``fn(source)`` recomputes it bit for bit; returns ``out``.
+
+    Only where the producer's own backward saves ``source`` (grad mode on, ``source``
+    requiring grad), so rebuilding from it keeps nothing alive that would not be anyway.
+    """
+    if torch.is_grad_enabled() and source.requires_grad:
+        setattr(out, _REBUILD, (fn, source, out._version))
+    return out
+
+
+def input_rebuild(x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                            torch.Tensor] | None:
+    """``(fn, source)`` with ``fn(source)`` equal to ``x`` bit for bit, or None.
+
+    Set when `FrozenRMSNorm` (``source``: its input) or `FusedSwiGLU` (``source``: fc1's
+    output) produced ``x`` in a forward with autograd on; None for any other tensor (a view,
+    a TP gather, a Transformer Engine norm's output) and once ``x`` was written in place.
+    ``fn`` is the producer's own forward: the same kernel on CUDA, the same reference on CPU.
+    """
+    mark = getattr(x, _REBUILD, None)
+    if mark is None or mark[2] != x._version:
+        return None
+    return mark[0], mark[1]
 
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
@@ -64,7 +99,13 @@ class FrozenRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s, b, H]`` (or any ``(..., H)``) normalised like ``x`` (statistics in fp32)."""
+        """``[s, b, H]`` (or any ``(..., H)``) normalised like ``x`` (statistics in fp32).
+
+        The output carries `input_rebuild`'s mark (recomputed from ``x``).
+        """
+        return _mark_rebuildable(self._normalise(x), self._normalise, x)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -81,7 +122,11 @@ class FusedSwiGLU(torch.nn.Module):
             raise NotImplementedError("FusedSwiGLU has no clamp and no linear offset")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s, b, F]`` from ``[s, b, 2F]``."""
+        """``[s, b, F]`` from ``[s, b, 2F]``; carries `input_rebuild`'s mark (from ``x``)."""
+        return _mark_rebuildable(self._activate(x), self._activate, x)
+
+    @staticmethod
+    def _activate(x: torch.Tensor) -> torch.Tensor:
         if use_fused_kernels(x):
             return swiglu(x.contiguous())
         return swiglu_ref(x)

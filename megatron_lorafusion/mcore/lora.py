@@ -7,13 +7,19 @@ base (DESIGN.md "LoRA wrapper"): a column-parallel base shards B on N and replic
 all-reduces the partial ``S`` in forward, with B replicated. Under sequence parallelism the
 collectives on the small ``S`` (T × R) become an all-gather (column) or a reduce-scatter
 (row) over the sequence, matching the base's own (``docs/pipeline.md``).
+
+With the context's ``rebuild_inputs`` on (selective recompute), a wrapper whose input a
+fused-base norm or SwiGLU produced (`fused_base.input_rebuild`) does not keep that input for
+``dA = dSᵀ·drop(X)``: its LoRA op saves the producer's input, which the producer's backward
+saves anyway, and rebuilds X from it in backward with the producer's own function.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -27,19 +33,22 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
+from megatron_lorafusion.mcore.fused_base import input_rebuild
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
-from megatron_lorafusion.ops import AdapterLayout, lora_linear, lora_up, packed_factor
+from megatron_lorafusion.ops import AdapterLayout, lora_down, lora_linear, lora_up, packed_factor
+from megatron_lorafusion.ops.lora_linear import InputRebuild
 
 
 class LayoutSource(Protocol):
     """What the wrappers read at each forward (a `LoRAContext`).
 
     ``layout`` is the microbatch's; ``wgrad_queue`` holds deferred weight gradients (None:
-    none are deferred).
+    none are deferred); ``rebuild_inputs`` turns selective recompute on.
     """
 
     layout: AdapterLayout | None
     wgrad_queue: WgradQueue | None
+    rebuild_inputs: bool
 
 
 def _init_seed(seed: int, adapter_id: int, layer_seed: int) -> int:
@@ -173,7 +182,41 @@ def _sequence_shard(wrapper: nn.Module, layout: AdapterLayout) -> AdapterLayout:
     return shard
 
 
-def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
+def _rebuilt_rows(fn: Callable[[torch.Tensor], torch.Tensor], source: torch.Tensor) -> torch.Tensor:
+    """(T, H) rows of ``fn(source)``, laid out as `_tokens_major` lays out the wrapper input."""
+    return _tokens_major(fn(source))
+
+
+def _input_rebuild(wrapper: nn.Module, input_: torch.Tensor, defer: bool) -> InputRebuild | None:
+    """How the LoRA op rebuilds its (T, H_local) input in backward; None: the op keeps it.
+
+    Set for selective recompute (the context's ``rebuild_inputs``) in a training forward whose
+    input a fused-base norm or SwiGLU produced (`fused_base.input_rebuild`). Not when dA is
+    deferred (``defer``): the deferred pass holds X until it runs.
+    """
+    if defer or not (wrapper.context.rebuild_inputs and wrapper.training
+                     and torch.is_grad_enabled()):
+        return None
+    recipe = input_rebuild(input_)
+    if recipe is None:
+        return None
+    fn, source = recipe
+    return InputRebuild(functools.partial(_rebuilt_rows, fn), (source,))
+
+
+def _down(wrapper, x, lora_a, layout: AdapterLayout, rebuild: InputRebuild | None,
+          col_offset: int = 0, full_width: int | None = None) -> torch.Tensor:
+    """``S = drop(X)·Aᵀ`` (T, R): `lora_down` rebuilding X in backward, else `down_projection`."""
+    if rebuild is None:
+        return down_projection(wrapper, x, lora_a, layout, col_offset=col_offset,
+                               full_width=full_width)
+    return lora_down(x, lora_a, wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
+                     training=wrapper.training, col_offset=col_offset, full_width=full_width,
+                     rebuild=rebuild)
+
+
+def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
+                  rebuild: InputRebuild | None) -> torch.Tensor:
     """LoRA delta of a column-parallel linear: (T, N / tp) from this rank's input rows.
 
     Without SP, ``x`` is (T, H) on every rank: ``S`` is computed whole, and its gradient is
@@ -182,14 +225,14 @@ def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Te
     layout, all-gathered to (T, R) (backward: reduce-scatter of the partial ``dS``); ``A``
     is replicated but each rank's ``dA`` covers only its rows, so the packed ``A`` goes
     through copy-to-TP-region (backward: all-reduce of ``dA``, A × R × H per microbatch).
-    ``layout`` is the whole microbatch's.
+    ``layout`` is the whole microbatch's; ``rebuild`` (or None) rebuilds ``x`` in backward.
     """
     group = wrapper.tp_group
     down_layout = layout
     if wrapper.sequence_parallel:
         down_layout = _sequence_shard(wrapper, layout)
         lora_a = copy_to_tensor_model_parallel_region(lora_a, group=group)
-    s = down_projection(wrapper, x, lora_a, down_layout)  # (T or T / tp, R)
+    s = _down(wrapper, x, lora_a, down_layout, rebuild)  # (T or T / tp, R)
     if wrapper.sequence_parallel:
         s = gather_from_sequence_parallel_region(s, tensor_parallel_output_grad=True,
                                                  group=group)  # (T, R)
@@ -198,7 +241,8 @@ def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Te
     return lora_up(s, lora_b, wrapper.scalings, layout)  # (T, N / tp)
 
 
-def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tensor:
+def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
+               rebuild: InputRebuild | None) -> torch.Tensor:
     """LoRA delta of a row-parallel linear from (T, H / tp): (T, N), or (T / tp, N) with SP.
 
     The partial ``S = drop(X)·A_localᵀ`` (T, R) uses this rank's columns of the full-width
@@ -206,11 +250,12 @@ def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout) -> torch.Tenso
     reduce-scattered over the sequence to this rank's (T / tp, R) rows (backward:
     all-gather), and ``Δ = s·S_local·Bᵀ`` uses the shard layout; ``B`` is replicated but each
     rank's ``dB`` covers only its rows, so the packed ``B`` goes through copy-to-TP-region
-    (backward: all-reduce of ``dB``). ``layout`` is the whole microbatch's.
+    (backward: all-reduce of ``dB``). ``layout`` is the whole microbatch's; ``rebuild`` (or
+    None) rebuilds ``x`` in backward.
     """
     group = wrapper.tp_group
-    s = down_projection(wrapper, x, lora_a, layout, col_offset=wrapper.in_shard.start,
-                        full_width=wrapper.in_features)  # (T, R), partial over H
+    s = _down(wrapper, x, lora_a, layout, rebuild, col_offset=wrapper.in_shard.start,
+              full_width=wrapper.in_features)  # (T, R), partial over H
     if not wrapper.sequence_parallel:
         if wrapper.tp_size > 1:
             s = reduce_from_tensor_model_parallel_region(s, group=group)
@@ -226,6 +271,7 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     With TP = 1 on CUDA this is one fused `lora_linear`; otherwise the base linear (with its
     own TP / SP collectives) plus `lora_down` → collective → `lora_up` (`_column_delta`,
     `_row_delta`), each op on its Triton kernels on CUDA and the torch reference elsewhere.
+    Either way the LoRA op rebuilds X in backward when `_input_rebuild` says how.
     """
     base = wrapper.base
     seq, batch = input_.shape[0], input_.shape[1]
@@ -242,6 +288,7 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     lora_a, lora_b = _compute_factors(wrapper, input_.dtype)  # (A,R,H_l), (A,N_l,R)
     queue = getattr(wrapper.context, "wgrad_queue", None)
     defer = queue is not None and wrapper.training and torch.is_grad_enabled()
+    rebuild = _input_rebuild(wrapper, input_, defer)
     if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs and not defer:
         # One fused multi-LoRA linear (the Triton path behind `lora_linear`).
         bias = None if base.skip_bias_add else base.bias
@@ -256,15 +303,16 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
             layout,
             layer_seed=wrapper.layer_seed,
             training=wrapper.training,
+            rebuild=rebuild,
         )
         return _sequence_major(out, seq, batch), (base.bias if base.skip_bias_add else None)
     out, out_bias = base(input_, *args, **kwargs)
     if wrapper.is_column:
-        delta = _column_delta(wrapper, x, lora_a, lora_b, layout)  # (T, N / tp)
+        delta = _column_delta(wrapper, x, lora_a, lora_b, layout, rebuild)  # (T, N / tp)
         if base.gather_output and wrapper.tp_size > 1:
             delta = gather_from_tensor_model_parallel_region(delta, group=wrapper.tp_group)
     else:
-        delta = _row_delta(wrapper, x, lora_a, lora_b, layout)  # (T, N), or (T/tp, N) in SP
+        delta = _row_delta(wrapper, x, lora_a, lora_b, layout, rebuild)  # (T, N), (T/tp, N) SP
     return out + _sequence_major(delta, out.shape[0], out.shape[1]), out_bias
 
 

@@ -17,7 +17,7 @@ from interpreter_testing import reload_interpreted
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU
+from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, input_rebuild
 
 # dtype -> tolerances: fp32, the fused ops differ from the references in summation order.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
@@ -132,3 +132,25 @@ def test_fused_base_matches_unfused_on_gpu_bf16(megatron_single_process):
     for name, grad in results[False][1].items():
         scale = grad.abs().max().clamp_min(1e-6)
         torch.testing.assert_close(results[True][1][name] / scale, grad / scale, **tol, msg=name)
+
+
+def test_norm_and_swiglu_outputs_carry_their_rebuild(tiny_model):
+    """`input_rebuild` of a norm / SwiGLU output recomputes it bit for bit from the module's
+    input; no mark without autograd, on a view, after an in-place write or when the input needs
+    no gradient (then nothing else saves it)."""
+    layer = tiny_model.decoder.layers[0]
+    cases = {"norm": (layer.input_layernorm, TINY.hidden_size),
+             "swiglu": (layer.mlp.activation_func, 2 * TINY.ffn_hidden_size)}
+    for name, (module, width) in cases.items():
+        source = torch.randn(6, 1, width, requires_grad=True)
+        out = module(source)
+        fn, kept = input_rebuild(out)
+        assert kept is source, f"{name}: the mark must hold the module's input"
+        with torch.no_grad():
+            torch.testing.assert_close(fn(kept), out, atol=0, rtol=0, msg=f"{name} rebuild")
+        assert input_rebuild(out.view(-1, out.shape[-1])) is None, f"{name}: a view is marked"
+        with torch.no_grad():
+            assert input_rebuild(module(source)) is None, f"{name}: marked without autograd"
+        assert input_rebuild(module(source.detach())) is None, f"{name}: input needs no grad"
+        out.mul_(2.0)
+        assert input_rebuild(out) is None, f"{name}: still marked after an in-place write"

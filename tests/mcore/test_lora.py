@@ -303,3 +303,30 @@ def test_model_on_cuda_matches_cpu(megatron_single_process, dtype):
         torch.testing.assert_close(
             results["cuda"][1][name], grad, **tol, msg=f"{name}: gradient on CUDA != CPU"
         )
+
+
+@pytest.mark.parametrize("wrapped", ["self_attention.linear_qkv", "mlp.linear_fc2"])
+def test_wrapper_rebuilds_a_fused_base_output_and_keeps_any_other_input(tiny_model, wrapped):
+    """Selective recompute in the wrapper: the output of the norm (or SwiGLU) feeding it is
+    not saved; a plain input, or any input with ``rebuild_inputs`` off, is (as before)."""
+    context = apply_lora(tiny_model.train(), ADAPTERS, seed=2)
+    layer = tiny_model.decoder.layers[1]
+    wrapper = layer.get_submodule(wrapped)
+    producer = layer.input_layernorm if wrapped.endswith("qkv") else layer.mlp.activation_func
+    width = TINY.hidden_size if wrapped.endswith("qkv") else 2 * TINY.ffn_hidden_size
+    context.layout = AdapterLayout.from_samples([0, 2], [4, 3], 3)
+    source = torch.randn(7, 1, width, requires_grad=True)
+    for rebuild, marked in ((True, True), (True, False), (False, True)):
+        context.rebuild_inputs = rebuild
+        x = producer(source) if marked else torch.randn(7, 1, wrapper.weight.shape[1])
+        saved = set()
+
+        def pack(t, saved=saved):
+            saved.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            wrapper(x)
+        kept = x.untyped_storage().data_ptr() in saved
+        assert kept != (rebuild and marked), f"rebuild_inputs={rebuild}, marked={marked}: " \
+                                              f"X saved={kept}"
