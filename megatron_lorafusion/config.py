@@ -267,6 +267,12 @@ class TrainConfig:
     eval_every: int = 0
     """Evaluate each adapter that has eval data every this many of its optimizer steps (and at
     its last); 0: never."""
+    recompute: Literal["none", "selective", "full"] = "selective"
+    """Activation recomputation in backward (memory for compute). ``selective``: the LoRA
+    wrappers of linear_qkv, linear_fc1 and linear_fc2 rebuild their norm / SwiGLU input
+    instead of keeping it (one more norm and SwiGLU pass per layer; gradients bit-identical to
+    ``none``; ~11 GiB less for an 8B microbatch of 8192 tokens); ``full``: each decoder layer
+    keeps only its input and runs its forward again in backward (one more forward per step)."""
 
 
 @dataclass(frozen=True)

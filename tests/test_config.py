@@ -384,3 +384,13 @@ def test_config_cache_dir_that_is_a_file_is_named(tmp_path):
     assert "data.cache_dir must be a folder (or a new path)" in _errors(tmp_path, job)
     job = _job(tmp_path, data={"cache_dir": str(tmp_path / "new" / "sub")})
     assert load_config(_write(tmp_path, job)).data.cache_dir == str(tmp_path / "new" / "sub")
+
+
+def test_config_recompute_defaults_to_selective_and_is_checked(tmp_path):
+    assert load_config(_write(tmp_path, _job(tmp_path))).train.recompute == "selective"
+    full = load_config(_write(tmp_path, _job(tmp_path)), ["train.recompute=full"])
+    assert full.train.recompute == "full"
+    job = _job(tmp_path)
+    job["train"]["recompute"] = "partial"
+    assert ("train.recompute must be one of 'none', 'selective', 'full', got 'partial'"
+            in _errors(tmp_path, job))

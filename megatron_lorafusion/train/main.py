@@ -272,6 +272,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         packed_seq_params,
         parallel_sizes,
     )
+    from megatron_lorafusion.mcore.recompute import apply_recompute
 
     device = _device(cfg)
     shards = _sequence_shards(cfg, device)
@@ -286,6 +287,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                       post_process=groups is None or groups.is_last,
                                       sequence_parallel=shards > 1)
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
+        apply_recompute(model, lora, cfg.train.recompute)  # both loops: one process, pipelined
         optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens],
                                  track_grad_norms=True,  # metrics.jsonl's grad_norm
                                  **_clipping(cfg, sizes, groups, held, lora))

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from safetensors.torch import load_file
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
+from megatron_lorafusion.mcore.recompute import apply_recompute
 from megatron_lorafusion.train.checkpoint import checkpoint_problems, read_shard
 from megatron_lorafusion.train.main import main
 
@@ -135,3 +137,36 @@ def test_checked_stream_lets_ranks_agree_on_the_plan_before_the_first_microbatch
     assert payloads(lengths) == payloads(lengths), "the same samples must give the same payload"
     assert payloads(((5, 9, 12, 7), (8, 3, 6, 11))) != payloads(lengths), (
         "a rank with other sample lengths must disagree")
+
+
+def test_train_recompute_modes_train_the_same_adapters(tmp_path):
+    """`train.recompute` through `main` (one process, LoRA dropout on): selective and full
+    give the losses and exported weights of none, bit for bit."""
+    adapters = []
+    for task, rank in {"sort": 4, "add": 8}.items():
+        path = write_task(task, tmp_path / f"{task}.jsonl", 24, seed=1)
+        adapters.append({"name": task, "rank": rank, "alpha": 16, "dropout": 0.1, "lr": 1e-2,
+                         "global_batch_size": 4, "dataset": {"path": str(path)}})
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        job = {"model": {"preset": "tiny"}, "adapters": adapters,
+               "data": {"max_seq_length": 64}, "planner": {"token_capacity": 128},
+               "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / mode),
+                         "recompute": mode},
+               "logging": {"progress_bar": False}}
+        (tmp_path / f"{mode}.yaml").write_text(yaml.safe_dump(job))
+        with mock.patch("megatron_lorafusion.mcore.recompute.apply_recompute",
+                        wraps=apply_recompute) as spy:
+            losses = main(load_config(tmp_path / f"{mode}.yaml"))
+        assert [c.args[2] for c in spy.call_args_list] == [mode], "main must apply the mode"
+        exported = {a["name"]: load_file(str(tmp_path / mode / "adapters" / a["name"]
+                                             / "adapter_model.safetensors")) for a in adapters}
+        runs[mode] = (losses, exported)
+    want_losses, want_weights = runs["none"]
+    for mode in ("selective", "full"):
+        losses, weights = runs[mode]
+        assert losses == want_losses, f"{mode}: step losses differ from none"
+        for name, tensors in want_weights.items():
+            for key, value in tensors.items():
+                torch.testing.assert_close(weights[name][key], value, atol=0, rtol=0,
+                                           msg=f"{mode}: {name} {key}")

@@ -4,7 +4,7 @@ DP = 2 and TP = 2 (sequence parallelism on, the default: microbatches padded to 
 lengths, Megatron's SP collectives on gloo) run the one-process plan, so their exported
 weights must match; PP = 2 plans for two stages (another stream), so it must export every
 layer of every adapter, trained. (Weight equality under PP is `tests/pipeline/test_runner.py`'s,
-on a shared plan.)
+on a shared plan.) At PP = 2, full activation recompute must export the weights of none.
 """
 
 import os
@@ -29,12 +29,14 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 TP_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
-def _job(tmp_path, out: str, **parallel) -> str:
+def _job(tmp_path, out: str, *, recompute: str = "selective", dropout: float = 0.0,
+         **parallel) -> str:
     adapters = []
     for i, (task, gbs) in enumerate({"sort": 3, "add": 4, "upper": 2}.items()):
         path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
         adapters.append({"name": task, "rank": 4 + 2 * i, "alpha": 8, "lr": 1e-2,
-                         "global_batch_size": gbs, "dataset": {"path": str(path)}})
+                         "dropout": dropout, "global_batch_size": gbs,
+                         "dataset": {"path": str(path)}})
         if parallel.get("pp", 1) > 1:  # clipping across stages is not implemented (issue 16)
             adapters[-1]["max_grad_norm"] = 0.0
     job = {"model": {"preset": "tiny", "num_layers": 2, "hidden_size": 64,
@@ -42,7 +44,8 @@ def _job(tmp_path, out: str, **parallel) -> str:
            "adapters": adapters, "data": {"max_seq_length": 48},
            "planner": {"token_capacity": 96, "solver": "greedy"},
            "parallel": parallel,
-           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / out)},
+           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / out),
+                     "recompute": recompute},
            "logging": {"progress_bar": False}}
     path = tmp_path / f"{out}.yaml"
     path.write_text(yaml.safe_dump(job))
@@ -79,3 +82,18 @@ def test_torchrun_dp2_tp2_and_pp2_train_and_export(tmp_path):
             assert pp2[key].shape == value.shape, f"{name} {key}: PP = 2 export shape"
             if "lora_B" in key:
                 assert torch.count_nonzero(pp2[key]) > 0, f"{name} {key}: B untrained at PP = 2"
+
+
+@pytest.mark.slow
+def test_torchrun_pp2_full_recompute_exports_the_weights_of_none(tmp_path):
+    """PP = 2 with LoRA dropout: in 1F1B, stage 0 runs the next microbatch's forward before a
+    backward, so each recomputed layer must restore the layout (and dropout masks) of its
+    own microbatch; full recompute then trains exactly what none trains."""
+    for mode in ("none", "full"):
+        _torchrun(_job(tmp_path, mode, recompute=mode, dropout=0.1, pp=2))
+    for name in ("sort", "add", "upper"):
+        none, full = (_exported(tmp_path, mode, name) for mode in ("none", "full"))
+        assert none.keys() == full.keys(), f"{name}: keys differ"
+        for key, value in none.items():
+            torch.testing.assert_close(full[key], value, atol=0, rtol=0,
+                                       msg=f"{name} {key}: full recompute != none at PP = 2")
