@@ -372,7 +372,7 @@ def _apply_preset(raw: dict, problems: list[str]) -> dict:
     if not isinstance(model, dict) or model.get("preset") is None:
         return raw
     preset = model["preset"]
-    if preset not in MODEL_PRESETS:
+    if not isinstance(preset, str) or preset not in MODEL_PRESETS:  # {} or [] are unhashable
         hint = difflib.get_close_matches(str(preset), MODEL_PRESETS, n=1)
         suffix = f"; did you mean {hint[0]!r}?" if hint else ""
         problems.append(f"model.preset must be one of {sorted(MODEL_PRESETS)}, "

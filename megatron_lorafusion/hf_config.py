@@ -47,7 +47,11 @@ def hf_model_fields(folder: str | Path) -> tuple[dict[str, Any], list[str]]:
         size); empty when it can.
     """
     path = Path(folder) / "config.json"
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as err:  # a name over 255 bytes: ENAMETOOLONG
+        return {}, [f"{str(path)!r} cannot be read ({err.strerror})"]
+    if not found:
         return {}, [f"{str(path)!r} does not exist"]
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
