@@ -257,6 +257,10 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     """
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank dies with its launcher
         die_with_parent(os.getppid())
+    # Packed microbatches change shape every step; without expandable segments the caching
+    # allocator's reserved memory grows with fragmentation (an 8B job held the whole card).
+    # Read at the first CUDA allocation; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():  # before anything exists
         raise ConfigError(["train.device must be 'auto' or 'cpu' on a machine without CUDA, "
                            "got 'cuda'"])
