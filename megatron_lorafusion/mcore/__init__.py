@@ -7,24 +7,41 @@ The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical 
     lora.layout = layout                        # before every forward
 """
 
-from megatron_lorafusion.mcore.attention import VarlenCoreAttention, varlen_causal_attention_ref
+from megatron_lorafusion.mcore.attention import (
+    PackedSelfAttention,
+    VarlenCoreAttention,
+    attention_backend,
+    document_causal_block_mask,
+    set_attention_backend,
+    varlen_causal_attention_flex,
+    varlen_causal_attention_ref,
+)
 from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
 from megatron_lorafusion.mcore.hf_import import HFCheckpoint, build_hf_gpt_model, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
+from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES, RecomputedLayer, apply_recompute
 from megatron_lorafusion.mcore.wgrad import WgradQueue
 
 __all__ = [
+    "RECOMPUTE_MODES",
     "HFCheckpoint",
     "LoRAColumnParallelLinear",
     "LoRAContext",
     "LoRARowParallelLinear",
+    "PackedSelfAttention",
+    "RecomputedLayer",
     "VarlenCoreAttention",
     "WgradQueue",
     "apply_lora",
+    "apply_recompute",
+    "attention_backend",
     "build_gpt_model",
     "build_hf_gpt_model",
+    "document_causal_block_mask",
     "get_gpt_lora_layer_spec",
     "load_hf_weights",
+    "set_attention_backend",
+    "varlen_causal_attention_flex",
     "varlen_causal_attention_ref",
 ]

@@ -22,6 +22,7 @@ from megatron_lorafusion.ops.linear_cross_entropy import (
 from megatron_lorafusion.ops.lora_dropout import fused_dropout_keep_mask
 from megatron_lorafusion.ops.lora_expand import lora_expand, lora_expand_ref
 from megatron_lorafusion.ops.lora_linear import (
+    InputRebuild,
     dropout_keep_mask,
     lora_down_ref,
     lora_linear,
@@ -50,6 +51,7 @@ from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
     "AdapterLayout",
+    "InputRebuild",
     "LinearCrossEntropyFunction",
     "LoRADownFunction",
     "LoRALinearFunction",
