@@ -53,10 +53,17 @@ class HFTokenizer:
 
     Raises:
         DataError: when the folder holds no loadable tokenizer or it has no EOS token.
+        ImportError: without transformers, naming the ``hf`` extra.
     """
 
     def __init__(self, folder: str | Path):
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise ImportError(
+                f"data.tokenizer {str(folder)!r} needs transformers: pip install "
+                "'megatron_lorafusion[hf]'"
+            ) from err
 
         self.folder = Path(folder)
         try:
