@@ -37,12 +37,13 @@ __all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_sessio
 
 logger = logging.getLogger(__name__)
 
-# Keys a resumed run may change: where and how often it saves, logs and caches, and the
-# device. Every other key changes what is trained or exported (or the plan), so a change
-# refuses the resume.
+# Keys a resumed run may change: where and how often it saves, logs and caches, the device,
+# and activation recompute (memory, not results: every mode computes the same gradients).
+# Every other key changes what is trained or exported (or the plan), so a change refuses the
+# resume.
 RESUMABLE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.keep_last",
-                  "train.save_every", "train.device", "data.cache_dir", "planner.time_limit_s",
-                  "logging")
+                  "train.save_every", "train.device", "train.recompute", "data.cache_dir",
+                  "planner.time_limit_s", "logging")
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:

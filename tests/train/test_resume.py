@@ -165,6 +165,14 @@ def test_resume_with_changed_logging_and_keep_last_continues(tmp_path, caplog):
     assert "resumed from" in caplog.text, "save and logging keys may change on resume"
 
 
+def test_resume_may_change_recompute_but_not_steps():
+    """Activation recompute changes memory, not results: a resume may switch it."""
+    saved = {"train": {"recompute": "selective", "steps": 2}}
+    assert resume.job_changes(saved, {"train": {"recompute": "full", "steps": 2}}) == []
+    assert resume.job_changes(saved, {"train": {"recompute": "none", "steps": 4}}) == [
+        "train.steps (2 -> 4)"]
+
+
 @pytest.mark.slow
 def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     """TP = 2: drop the checkpoints after the first (as if killed there), rerun, same result."""
