@@ -255,7 +255,7 @@ class TmaConfig(NamedTuple):
                 f"s{self.num_stages} e{self.epi_split}{extra}")
 
 
-# The TMA kernel's sweep (scripts/bench_lora_gemm.py times them on the H200); the
+# The TMA kernel's sweep (timed on the H200 by the bench_lora_gemm study, docs/kernels.md); the
 # first entry is the interpreter's (small blocks, several programs per SM-loop).
 _TMA_TILE_CONFIGS = [
     TmaConfig(16, 32, 16, 4, 1, 2),
