@@ -295,8 +295,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
     lora_a, lora_b, dy = prob["lora_a"], prob["lora_b"], prob["grad_y"]
     scales = torch.full((adapters,), 2.0, device="cuda")
     drop = torch.full((adapters,), p, device="cuda")
-    bits = torch.empty(tokens, (hidden + 7) // 8, dtype=torch.uint8, device="cuda")
-    s = lora_shrink(x, lora_a, scales, drop, layout, 1, keep_bits=bits)
+    s = lora_shrink(x, lora_a, scales, drop, layout, 1)
     b_t = lora_b.transpose(1, 2)
     grad_a_t = torch.empty_like(lora_a).transpose(1, 2)
     grad_x = torch.zeros_like(x)
@@ -317,9 +316,9 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
         """``fn`` with ``module``'s chunks sized for ``per_sm`` programs per SM."""
         return patched(module, "_PROGRAMS_PER_SM", per_sm, fn)
 
-    def wgrad(dropouts, keep_bits=None):
-        return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, keep_bits,
-                                  expand_m=lora_a, expand_out=torch.empty_like(x))
+    def wgrad(dropouts):
+        return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, expand_m=lora_a,
+                                  expand_out=torch.empty_like(x))
 
     rows = [
         ("F.linear X·Wᵀ", lambda: F.linear(x, weight), flops),
@@ -329,8 +328,6 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
                                                           layout, 1), flops),
         ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),
         (f"shrink X p={p}", lambda: lora_shrink(x, lora_a, scales, drop, layout, 1), 0),
-        (f"shrink X p={p}, writing the mask bits",
-         lambda: lora_shrink(x, lora_a, scales, drop, layout, 1, keep_bits=bits), 0),
         *[(f"shrink X p={q}, tile {_tile(cfg)}",
            at_tile(SHRINK_MODULE, cfg, lambda q=q: lora_shrink(x, lora_a, scales,
                                                                drop if q else None, layout, 1)),
@@ -349,10 +346,8 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
           for per_sm in (1, 2, 4)],
         ("wgrad dA + expand dX, p=0", wgrad(None), 0),
         (f"wgrad dA + expand dX, p={p}, mask drawn", wgrad(drop), 0),
-        (f"wgrad dA + expand dX, p={p}, mask from bits", wgrad(drop, bits), 0),
         *[(f"wgrad dA + expand dX, {how}, tile {_tile(cfg)}", at_tile(WGRAD_MODULE, cfg, fn), 0)
-          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)),
-                          (f"p={p} bits", wgrad(drop, bits)))
+          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
           for cfg in WGRAD_MODULE._TILE_CONFIGS[1:]],
         *[(f"wgrad dA + expand dX, {how}, {per_sm} programs per SM",
            per_sm_run(WGRAD_MODULE, per_sm, fn), 0)
@@ -381,10 +376,10 @@ def timings(tokens_list, shapes, csv_path):
                                         torch.empty(16, 16, device="cuda", dtype=torch.bfloat16))
     print(f"\n## Forward + backward, median ms (p20–p80 for auto), bf16, r={RANK}; "
           f"auto = {auto} here\n")
-    print("| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto | auto, mask bits "
+    print("| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto "
           "| augK copy | augK no-copy | cublas/frozen | triton/frozen | auto/frozen "
-          "| bits/frozen | ref/auto | graphed frozen | graphed auto | graphed auto/frozen |")
-    print("|" + "---|" * 21)
+          "| ref/auto | graphed frozen | graphed auto | graphed auto/frozen |")
+    print("|" + "---|" * 19)
     rows = []
     for tokens in tokens_list:
         for hidden, out in shapes:
@@ -396,10 +391,6 @@ def timings(tokens_list, shapes, csv_path):
                     cub = bench(*fwd_bwd(prob, fused_fn(prob, "cublas")))[0]
                     tri = bench(*fwd_bwd(prob, fused_fn(prob, "triton")))[0]
                     fused = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))
-                    bits = float("nan")
-                    if p > 0:
-                        with mock.patch.object(FUSED_MODULE, "_SAVE_MASK_BITS", True):
-                            bits = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))[0]
                     g_frozen = bench_graph(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
                     g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "auto")))
                     if p == 0:
@@ -408,13 +399,13 @@ def timings(tokens_list, shapes, csv_path):
                         aug = f"{aug_c:.3f} | {aug_n:.3f}"
                     else:
                         aug = "- | -"
-                    row = [tokens, hidden, out, adapters, p, frozen, ref, cub, tri, fused[0], bits]
+                    row = [tokens, hidden, out, adapters, p, frozen, ref, cub, tri, fused[0]]
                     rows.append(row)
                     print(f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen:.3f} "
                           f"| {ref:.3f} | {cub:.3f} | {tri:.3f} "
-                          f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {bits:.3f} | {aug} "
+                          f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {aug} "
                           f"| {cub / frozen:.3f} | {tri / frozen:.3f} | {fused[0] / frozen:.3f} "
-                          f"| {bits / frozen:.3f} | {ref / fused[0]:.2f} "
+                          f"| {ref / fused[0]:.2f} "
                           f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
                           flush=True)
                     del prob
@@ -435,8 +426,6 @@ def memory(tokens=8192, hidden=4096, out=4096):
                            ("reference (eager)", ref_fn(prob), True),
                            ("fused, mask regenerated (default)", fused_fn(prob, "auto"), True)):
         print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
-    with mock.patch.object(FUSED_MODULE, "_SAVE_MASK_BITS", True):
-        print(f"| fused, mask bits | {saved_bytes_per_token(prob, fused_fn(prob, 'auto')):.0f} |")
 
 
 def main(argv=None):

@@ -133,25 +133,10 @@ def check_tensor(
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
 
 
-def check_dropout_inputs(
-    dropouts: torch.Tensor | None,
-    keep_bits: torch.Tensor | None,
-    adapters: int,
-    tokens: int,
-    width: int,
-    device: torch.device,
-) -> None:
-    """Check a launch's optional dropout inputs; ``keep_bits`` needs ``dropouts``.
-
-    ``dropouts`` is (A,) fp32 per adapter; ``keep_bits`` the packed (T, ceil(width / 8))
-    uint8 keep-mask.
-    """
+def check_dropouts(dropouts: torch.Tensor | None, adapters: int, device: torch.device) -> None:
+    """Check a launch's optional ``dropouts``: (A,) fp32 per adapter on ``device``, or None."""
     if dropouts is not None:
         check_tensor("dropouts", dropouts, (adapters,), (torch.float32,), device)
-    if keep_bits is not None:
-        if dropouts is None:
-            raise ValueError("keep_bits needs dropouts: without dropout there is no mask")
-        check_tensor("keep_bits", keep_bits, (tokens, (width + 7) // 8), (torch.uint8,), device)
 
 
 @dataclass(frozen=True)
@@ -294,42 +279,3 @@ if triton is not None:
         """
         r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
         return _keep_from_words(r0, r1, r2, r3, p, BLOCK_D)
-
-    @triton.jit
-    def _word_keep_bits(word, threshold):
-        """Keep bits of the two 16-bit draws of ``word``: bit 0 the low half, bit 1 the high."""
-        low = ((word & 0xFFFF) >= threshold).to(tl.uint32)
-        high = ((word >> 16) >= threshold).to(tl.uint32)
-        return low | (high << 1)
-
-    @triton.jit
-    def keep_bits_from_words(r0, r1, r2, r3, p):
-        """(BLOCK_T, G) uint8 keep bits of the words of `_philox_words`.
-
-        Bit ``j`` of byte ``g`` keeps column ``8g + j``, in the ``(r0, r2, r1, r3)`` word order
-        of `_keep_from_words`.
-        """
-        threshold = _drop_threshold(p)
-        bits = (_word_keep_bits(r0, threshold) | (_word_keep_bits(r2, threshold) << 2)
-                | (_word_keep_bits(r1, threshold) << 4) | (_word_keep_bits(r3, threshold) << 6))
-        return bits.to(tl.uint8)
-
-    @triton.jit
-    def keep_mask_and_bits_tile(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
-        """`keep_mask_tile` and the same mask packed, from one draw.
-
-        Returns the (BLOCK_T, BLOCK_D) keep-mask and (BLOCK_T, BLOCK_D // 8) uint8 bits, bit
-        ``j`` of byte ``g`` keeping column ``8g + j`` of the tile. The bytes are built from
-        the Philox words, one per counter, without reshuffling the tile (packing the unpacked
-        mask cost more than the draws, docs/kernels.md).
-        """
-        r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
-        bits = keep_bits_from_words(r0, r1, r2, r3, p)
-        return _keep_from_words(r0, r1, r2, r3, p, BLOCK_D), bits
-
-    @triton.jit
-    def unpack_keep_bits(packed, BLOCK_D: tl.constexpr):
-        """(BLOCK_T, BLOCK_D // 8) uint8 of `keep_mask_and_bits_tile` → (BLOCK_T, BLOCK_D) bool."""
-        BLOCK_T: tl.constexpr = packed.shape[0]
-        bits = (packed.to(tl.int32)[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-        return bits.reshape(BLOCK_T, BLOCK_D) != 0

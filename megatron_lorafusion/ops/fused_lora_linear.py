@@ -13,8 +13,7 @@
   (``addmm_``). Weight gradients are reduced in a fixed order: no atomics, bitwise repeatable.
 
 Saved for backward: X, S' (T × R) and the weights; the backward regenerates the dropout mask
-from the Philox seed ``(layout.dropout_seed, layer_seed)`` (the default), or, with
-``_SAVE_MASK_BITS`` on, reads it as bits (T × H/8 bytes) written by the forward's shrink.
+from the Philox seed ``(layout.dropout_seed, layer_seed)``.
 Given an `InputRebuild`, X is not saved: its sources are, and the backward rebuilds X from them
 (selective recompute: a norm's output from the norm's input, which the norm saves anyway).
 docs/kernels.md records the designs measured on the H200 and why this one was kept.
@@ -35,9 +34,6 @@ from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
 from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
 from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
 
-# Save the dropout mask as bits (H/8 bytes per token) in the forward and read it in the backward,
-# instead of regenerating it twice from the seed; docs/kernels.md has the measurements.
-_SAVE_MASK_BITS = False
 # Where the frozen GEMM runs: "cublas" both ways, "triton" both ways (LoRA term in the
 # epilogue), "triton_fwd" the Triton GEMM forward and cuBLAS backward; "auto" picks one.
 _DESIGNS = ("auto", "cublas", "triton", "triton_fwd")
@@ -81,11 +77,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design,
                 rebuild):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
-        bits = None
-        if dropouts is not None and _SAVE_MASK_BITS:
-            bits = torch.empty(x.shape[0], (x.shape[1] + 7) // 8, dtype=torch.uint8,
-                               device=x.device)  # (T, ceil(H / 8)) packed keep-mask
-        s = _lora_shrink_launch(x, lora_a, scales, dropouts, layout, seed, keep_bits=bits)  # (T, R)
+        s = _lora_shrink_launch(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
         if design in ("triton", "triton_fwd"):
             y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
@@ -93,7 +85,7 @@ class LoRALinearFunction(torch.autograd.Function):
             y = _lora_expand_launch(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
         ctx.save_for_backward(*_save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
-                              dropouts, bits)
+                              dropouts)
         ctx.layout = layout
         ctx.seed = seed
         ctx.has_bias = bias is not None
@@ -103,10 +95,10 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")
     def backward(ctx, dy):
-        """Reads the mask bits saved by the forward (or regenerates the mask from the seed)."""
+        """Regenerates the dropout mask from the seed (X rebuilt first when it was not saved)."""
         saved = ctx.saved_tensors
         count = ctx.num_input_tensors
-        weight, lora_a, lora_b, s, scales, dropouts, bits = saved[count:]
+        weight, lora_a, lora_b, s, scales, dropouts = saved[count:]
         x = _saved_input(ctx, saved[:count])  # (T, H), rebuilt from its sources if they were saved
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
@@ -117,11 +109,11 @@ class LoRALinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.design != "triton":
             # One pass over X gives dA and the LoRA part of dX, drawing the mask once.
             grad_x = torch.empty_like(x)
-            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed, bits,
+            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed,
                                expand_m=lora_a, expand_out=grad_x)
             grad_x.addmm_(dy, weight)  # cuBLAS: (T, H), reads the LoRA part as C
         else:
-            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed, bits)
+            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
         if ctx.needs_input_grad[0] and ctx.design == "triton":
             grad_x = lora_gemm(dy, weight, ds, lora_a, None, dropouts, layout, seed)
         if ctx.needs_input_grad[1]:

@@ -19,15 +19,14 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 if triton is not None:
     import triton.language as tl
 
-    from megatron_lorafusion.ops._utils import keep_mask_tile, unpack_keep_bits
+    from megatron_lorafusion.ops._utils import keep_mask_tile
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_expand_kernel(
-        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, bits_ptr, seed,
+        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, seed,
         D, R, row_off, col_off, mask_d,
-        stride_st, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
+        stride_st, stride_ma, stride_mr, stride_md, stride_ot,
         HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        READ_BITS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
@@ -52,16 +51,8 @@ if triton is not None:
             acc = acc * tl.load(scale_ptr + adapter)
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-            if READ_BITS:
-                groups = pid_d * (BLOCK_D // 8) + tl.arange(0, BLOCK_D // 8)
-                packed = tl.load(
-                    bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
-                    mask=row_ok[:, None] & (groups < stride_bt)[None, :], other=0,
-                )
-                keep = unpack_keep_bits(packed, BLOCK_D)
-            else:
-                keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
-                                      BLOCK_D)
+            keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
+                                  BLOCK_D)
             acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -92,7 +83,6 @@ def lora_expand(
     layout: AdapterLayout,
     seed: int,
     out_dtype: torch.dtype | None = None,
-    keep_bits: torch.Tensor | None = None,
     *,
     scales: torch.Tensor | None = None,
     col_offset: int = 0,
@@ -108,8 +98,6 @@ def lora_expand(
         layout: the microbatch's adapter layout.
         seed: Philox seed of the dropout mask over the ``(T, D)`` output.
         out_dtype: dtype of the result (default ``s.dtype``).
-        keep_bits: (T, ceil(D / 8)) uint8 mask written by `lora_shrink`; read instead of
-            regenerating the mask from ``seed``. None regenerates.
         scales: (A,) fp32 per-adapter scale ``c_a`` on the product, or None for 1.
         col_offset: for a tensor-parallel shard of the output's columns, the index of its
             column 0 in the full width (a multiple of 8): the mask is columns
@@ -125,7 +113,7 @@ def lora_expand(
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     _utils.check_tensor("s", s, (layout.num_tokens, None), _utils._KERNEL_DTYPES, s.device)
-    tokens, rank = s.shape
+    rank = s.shape[1]
     adapters = layout.num_adapters
     if m.dim() != 3 or m.shape[0] != adapters or m.shape[1] != rank:
         raise ValueError(
@@ -138,15 +126,14 @@ def lora_expand(
         _utils.check_tensor("bias", bias, (width,), _utils._KERNEL_DTYPES, s.device)
     if scales is not None:
         _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
-    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, s.device)
+    _utils.check_dropouts(dropouts, adapters, s.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, keep_bits,
-                               scales, col_offset, mask_d)
+    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset,
+                               mask_d)
 
 
 def _lora_expand_launch(
-    s, m, bias, dropouts, layout, seed, out_dtype=None, keep_bits=None, scales=None,
-    col_offset=0, mask_d=None,
+    s, m, bias, dropouts, layout, seed, out_dtype=None, scales=None, col_offset=0, mask_d=None
 ) -> torch.Tensor:
     """`lora_expand` without the input checks (the autograd function checked them once).
 
@@ -165,11 +152,10 @@ def _lora_expand_launch(
         _lora_expand_kernel[grid](
             s, m, bias if bias is not None else s, out, tiles,
             scales if scales is not None else s, dropouts if dropouts is not None else s,
-            keep_bits if keep_bits is not None else s,
             seed, width, rank, layout.row_offset, col_offset, mask_d or width,
-            s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0), (width + 7) // 8,
+            s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
             HAS_BIAS=bias is not None, HAS_SCALE=scales is not None,
-            HAS_DROPOUT=dropouts is not None, READ_BITS=keep_bits is not None,
+            HAS_DROPOUT=dropouts is not None,
             DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -18,14 +18,14 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 if triton is not None:
     import triton.language as tl
 
-    from megatron_lorafusion.ops._utils import keep_mask_and_bits_tile, keep_mask_tile
+    from megatron_lorafusion.ops._utils import keep_mask_tile
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_shrink_kernel(
-        z_ptr, m_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, bits_ptr, seed,
+        z_ptr, m_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, seed,
         D, R, row_off, col_off, mask_d,
-        stride_zt, stride_ma, stride_mr, stride_md, stride_ot, stride_bt,
-        HAS_DROPOUT: tl.constexpr, WRITE_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        stride_zt, stride_ma, stride_mr, stride_md, stride_ot,
+        HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -50,14 +50,7 @@ if triton is not None:
             if HAS_DROPOUT:
                 # No run-time `if p > 0` here: a branch in the loop body stops Triton from
                 # pipelining the loads; p = 0 keeps everything anyway.
-                if WRITE_BITS:
-                    keep, bits = keep_mask_and_bits_tile(seed, mask_rows, d0 + col_off, mask_d, p,
-                                                         BLOCK_D)
-                    groups = d0 // 8 + tl.arange(0, BLOCK_D // 8)
-                    tl.store(bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
-                             bits, mask=row_ok[:, None] & (groups < stride_bt)[None, :])
-                else:
-                    keep = keep_mask_tile(seed, mask_rows, d0 + col_off, mask_d, p, BLOCK_D)
+                keep = keep_mask_tile(seed, mask_rows, d0 + col_off, mask_d, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             m = tl.load(m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
                         mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
@@ -98,7 +91,6 @@ def lora_shrink(
     layout: AdapterLayout,
     seed: int,
     out_dtype: torch.dtype | None = None,
-    keep_bits: torch.Tensor | None = None,
     *,
     col_offset: int = 0,
     full_width: int | None = None,
@@ -113,8 +105,6 @@ def lora_shrink(
         layout: the microbatch's adapter layout.
         seed: Philox seed of the dropout mask (see `_utils.mixed_seed`).
         out_dtype: dtype of the result (default ``z.dtype``).
-        keep_bits: (T, ceil(D / 8)) uint8, written in place with the dropout mask drawn here
-            (bit ``d % 8`` of byte ``d // 8``), for the backward to read; None writes nothing.
         col_offset: for a tensor-parallel shard of the input's columns, the index of ``z``'s
             column 0 in the full-width input (a multiple of 8): the mask is columns
             ``col_offset:col_offset + D`` of the ``full_width``-wide mask. Mask rows are
@@ -128,7 +118,7 @@ def lora_shrink(
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
-    tokens, width = z.shape if z.dim() == 2 else (-1, -1)
+    width = z.shape[1] if z.dim() == 2 else -1
     _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
     adapters = layout.num_adapters
     if m.dim() != 3 or m.shape[0] != adapters or m.shape[2] != width:
@@ -138,15 +128,14 @@ def lora_shrink(
     if m.dtype != z.dtype or m.device != z.device:
         raise ValueError(f"m is {m.dtype} on {m.device}, expected {z.dtype} on {z.device}")
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
-    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, z.device)
+    _utils.check_dropouts(dropouts, adapters, z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, keep_bits,
-                               col_offset, mask_d)
+    return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, col_offset,
+                               mask_d)
 
 
 def _lora_shrink_launch(
-    z, m, scales, dropouts, layout, seed, out_dtype=None, keep_bits=None, col_offset=0,
-    mask_d=None,
+    z, m, scales, dropouts, layout, seed, out_dtype=None, col_offset=0, mask_d=None
 ) -> torch.Tensor:
     """`lora_shrink` without the input checks (the autograd function checked them once).
 
@@ -162,12 +151,10 @@ def _lora_shrink_launch(
     def run(cfg: TileConfig) -> None:
         tiles = layout.tiles(cfg.block_t, z.device)
         _lora_shrink_kernel[(tiles.shape[0],)](
-            z, m, out, tiles, scales, dropouts if dropouts is not None else scales,
-            keep_bits if keep_bits is not None else out, seed,
+            z, m, out, tiles, scales, dropouts if dropouts is not None else scales, seed,
             width, rank, layout.row_offset, col_offset, mask_d or width,
             z.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
-            (width + 7) // 8,
-            HAS_DROPOUT=dropouts is not None, WRITE_BITS=keep_bits is not None,
+            HAS_DROPOUT=dropouts is not None,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -17,14 +17,14 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 if triton is not None:
     import triton.language as tl
 
-    from megatron_lorafusion.ops._utils import keep_mask_tile, unpack_keep_bits
+    from megatron_lorafusion.ops._utils import keep_mask_tile
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_wgrad_kernel(
-        z_ptr, s_ptr, part_ptr, chunks_ptr, p_ptr, bits_ptr, m_ptr, ex_ptr, seed,
+        z_ptr, s_ptr, part_ptr, chunks_ptr, p_ptr, m_ptr, ex_ptr, seed,
         D, R, row_off, col_off, mask_d,
-        stride_zt, stride_st, stride_bt, stride_ma, stride_mr, stride_md, stride_et,
-        HAS_DROPOUT: tl.constexpr, READ_BITS: tl.constexpr, EXPAND: tl.constexpr,
+        stride_zt, stride_st, stride_ma, stride_mr, stride_md, stride_et,
+        HAS_DROPOUT: tl.constexpr, EXPAND: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     ):
@@ -52,17 +52,9 @@ if triton is not None:
             z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_zt + cols[None, :],
                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_D)
             if HAS_DROPOUT:  # no run-time `if p > 0`: it would stop load pipelining
-                if READ_BITS:
-                    groups = pid_d * (BLOCK_D // 8) + tl.arange(0, BLOCK_D // 8)
-                    packed = tl.load(
-                        bits_ptr + rows.to(tl.int64)[:, None] * stride_bt + groups[None, :],
-                        mask=row_ok[:, None] & (groups < stride_bt)[None, :], other=0,
-                    )
-                    keep = unpack_keep_bits(packed, BLOCK_D)
-                else:
-                    # Mask keyed by the row and column in the whole (unsharded) input.
-                    keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d,
-                                          p, BLOCK_D)
+                # Mask keyed by the row and column in the whole (unsharded) input.
+                keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
+                                      BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
                         mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
@@ -119,15 +111,12 @@ _REDUCE_BLOCK_D = 64
 
 
 def _hopper_config(key: tuple) -> TileConfig:
-    _, width, block_r, mask = key  # key = (T, D, BLOCK_R, "none" | "drawn" | "bits")
+    _, width, block_r, mask = key  # key = (T, D, BLOCK_R, "none" | "drawn")
     if block_r <= 32:
         # Swept on the H200 with the fused expand at T = 16384, H = 4096 and 14336
-        # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs;
-        # reading it as bits wants 64 x 64 at both widths.
+        # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs.
         if mask == "drawn":
             return _TILE_CONFIGS[4] if width < 8192 else _TILE_CONFIGS[5]
-        if mask == "bits":
-            return _TILE_CONFIGS[3]
         return _TILE_CONFIGS[1]
     # Each pipeline stage holds a Z tile and a (block_t, BLOCK_R) tile of S: at BLOCK_R = 256
     # in fp32, 64-row tiles need 3 × 80 KiB of shared memory, over Hopper's 227 KiB
@@ -154,7 +143,6 @@ def lora_wgrad(
     dropouts: torch.Tensor | None,
     layout: AdapterLayout,
     seed: int,
-    keep_bits: torch.Tensor | None = None,
     expand_m: torch.Tensor | None = None,
     expand_out: torch.Tensor | None = None,
     *,
@@ -171,8 +159,6 @@ def lora_wgrad(
         dropouts: (A,) fp32 dropout probabilities applied to ``z``, or None.
         layout: the microbatch's adapter layout.
         seed: Philox seed of the dropout mask over ``z``.
-        keep_bits: (T, ceil(D / 8)) uint8 mask written by `lora_shrink`; read instead of
-            regenerating the mask from ``seed``. None regenerates.
         expand_m: (A, R, D) per-adapter matrices, any strides: when given (with
             ``expand_out``), the same pass also writes ``expand_out = drop(S·M_a)``, the
             `lora_expand` of ``s`` under the same mask (the backward's LoRA part of dX, with
@@ -201,7 +187,7 @@ def lora_wgrad(
             f"out has shape {tuple(out.shape)} on {out.device}, "
             f"expected (A, D, R)=({adapters}, {width}, {rank}) on {z.device}"
         )
-    _utils.check_dropout_inputs(dropouts, keep_bits, adapters, tokens, width, z.device)
+    _utils.check_dropouts(dropouts, adapters, z.device)
     if (expand_m is None) != (expand_out is None):
         raise ValueError("expand_m and expand_out go together")
     if expand_m is not None:
@@ -213,13 +199,12 @@ def lora_wgrad(
         _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils._KERNEL_DTYPES,
                             z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_wgrad_launch(z, s, out, dropouts, layout, seed, keep_bits, expand_m, expand_out,
-                              col_offset, mask_d)
+    return _lora_wgrad_launch(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset,
+                              mask_d)
 
 
 def _lora_wgrad_launch(
-    z, s, out, dropouts, layout, seed, keep_bits=None, expand_m=None, expand_out=None,
-    col_offset=0, mask_d=None,
+    z, s, out, dropouts, layout, seed, expand_m=None, expand_out=None, col_offset=0, mask_d=None
 ) -> torch.Tensor:
     """`lora_wgrad` without the input checks (the autograd function checked them once).
 
@@ -240,13 +225,10 @@ def _lora_wgrad_launch(
         ranges = layout.tile_ranges(chunk, z.device)
         part = torch.empty(chunks.shape[0], width, block_r, dtype=torch.float32, device=z.device)
         _lora_wgrad_kernel[(chunks.shape[0], _utils.cdiv(width, cfg.block_d))](
-            z, s, part, chunks, dropouts if dropouts is not None else s,
-            keep_bits if keep_bits is not None else s, m, ex, seed,
+            z, s, part, chunks, dropouts if dropouts is not None else s, m, ex, seed,
             width, rank, layout.row_offset, col_offset, mask_d or width,
-            z.stride(0), s.stride(0), (width + 7) // 8,
-            m.stride(0), m.stride(1), m.stride(2), ex.stride(0),
-            HAS_DROPOUT=dropouts is not None, READ_BITS=keep_bits is not None,
-            EXPAND=expand_m is not None,
+            z.stride(0), s.stride(0), m.stride(0), m.stride(1), m.stride(2), ex.stride(0),
+            HAS_DROPOUT=dropouts is not None, EXPAND=expand_m is not None,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -256,7 +238,7 @@ def _lora_wgrad_launch(
             BLOCK_D=_REDUCE_BLOCK_D, BLOCK_R=block_r,
         )
 
-    mask = "none" if dropouts is None else "bits" if keep_bits is not None else "drawn"
+    mask = "none" if dropouts is None else "drawn"
     key = (tokens, width, block_r, mask)
     cfg = _utils.pick_config("lora_wgrad", key, z.device, _hopper_config, _TILE_CONFIGS, run)
     run(cfg)

@@ -39,9 +39,6 @@ def test_lora_expand_names_bad_tensor(device, make_layout, make_lora):
     m, _ = make_lora(8, 16, [4, 4], torch.float32, device, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="bias"):
         lora_expand(s, m, torch.zeros(15, device=device), None, layout, 0)
-    with pytest.raises(ValueError, match="keep_bits needs dropouts"):
-        lora_expand(s, m, None, None, layout, 0,
-                    keep_bits=torch.zeros(8, 2, dtype=torch.uint8, device=device))
 
 
 def test_lora_expand_shard_with_scales_uses_rows_and_columns_of_whole_mask(

@@ -33,23 +33,6 @@ def test_lora_shrink_matches_reference(counts, ranks, dropouts, dtype, device, m
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol, msg="S")
 
 
-def test_lora_shrink_writes_the_mask_as_bits(device, make_layout, make_lora):
-    """``keep_bits``: bit ``j`` of byte ``g`` of a row is column ``8g + j`` of the keep-mask."""
-    gen = torch.Generator().manual_seed(2)
-    layout = make_layout([21, 0, 40, 3], device, seed=3)
-    dropouts, width = [0.2, 0.1, 0.0, 0.5], 76  # a partial last byte
-    z = torch.randn(layout.num_tokens, width, generator=gen).to(device)
-    m, _ = make_lora(8, width, [3, 8, 5, 1], torch.float32, device, gen)
-    bits = torch.full((layout.num_tokens, (width + 7) // 8), 0xAA, dtype=torch.uint8,
-                      device=device)
-    lora_shrink(z, m, torch.ones(4, device=device), torch.tensor(dropouts, device=device),
-                layout, seed=mixed_seed(layout.dropout_seed, 4), keep_bits=bits)
-    shifts = torch.arange(8, device=device, dtype=torch.uint8)
-    unpacked = ((bits[:, :, None] >> shifts) & 1).reshape(layout.num_tokens, -1)[:, :width]
-    keep = fused_dropout_keep_mask(layout, dropouts, width, 4, device)
-    assert torch.equal(unpacked.bool(), keep), "packed bits differ from the keep-mask"
-
-
 def test_lora_shrink_names_bad_tensor(device, make_layout, make_lora):
     layout = make_layout([4, 4], device)
     z = torch.randn(8, 16, device=device)
