@@ -282,9 +282,6 @@ _TMA_HOPPER = {
 _TMA_FP32 = TmaConfig(64, 64, 32, 4, 3, 1)
 _GROUP_M = 8
 _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops over tiles
-# Which kernel ``kernel="auto"`` runs on Hopper (the TMA tiles were only measured there);
-# elsewhere "plain".
-_AUTO_KERNEL = "tma"
 
 
 def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
@@ -305,8 +302,12 @@ def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
 
 
 def tma_kernel_runs(z: torch.Tensor, w: torch.Tensor) -> bool:
-    """True when ``lora_gemm(z, w, ...)`` with ``kernel="auto"`` runs the TMA kernel."""
-    return _AUTO_KERNEL == "tma" and _utils.is_hopper(z.device) and tma_supported(z, w)
+    """True when ``lora_gemm(z, w, ...)`` with ``kernel="auto"`` runs the TMA kernel.
+
+    That is on Hopper (the one GPU its tiles were measured on) when TMA can describe the
+    operands; a study that wants the other kernel passes ``kernel`` explicitly.
+    """
+    return _utils.is_hopper(z.device) and tma_supported(z, w)
 
 
 def _launch_plain(z, w, s, m, bias, dropouts, layout, seed, out, cfg, col_offset=0, mask_d=None):
@@ -425,7 +426,7 @@ def lora_gemm(
         config: forces a tile config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
             for the plain kernel, a `TmaConfig` for the TMA kernel.
         kernel: ``"plain"`` (pointer loads), ``"tma"`` (TMA descriptors, persistent) or
-            ``"auto"`` (``_AUTO_KERNEL`` on Hopper when the strides allow TMA, else plain).
+            ``"auto"`` (TMA on Hopper when the strides allow it, else plain).
         col_offset: for a tensor-parallel shard of the output's columns, the index of its
             column 0 in the full width (a multiple of 8): the mask is columns
             ``col_offset:col_offset + D`` of the ``full_width``-wide mask.
