@@ -16,6 +16,7 @@ import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,21 @@ import yaml
 
 from megatron_lorafusion.hf_config import hf_model_fields
 
-TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+FUSED_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""Megatron's adaptable linears of a decoder layer, in layer-seed order."""
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+"""The Hugging Face projections each Megatron linear fuses, in the fused linear's row order."""
+ALL_LINEAR = "all-linear"
+TARGET_MODULES = (*FUSED_LINEARS, *(p for ps in PROJECTIONS.values() for p in ps), ALL_LINEAR)
+"""Names ``target_modules`` accepts: ours (one LoRA per fused linear), Hugging Face's (one
+LoRA per projection, as PEFT trains them) and PEFT's ``all-linear`` (every projection)."""
+MAX_FUSED_RANK = 256
+"""Largest rank of one adapter on one fused linear (the kernels' register limit)."""
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # A random base with std 0.02 caps the logits of a narrow model near uniform (the final
@@ -138,15 +153,24 @@ class AdapterConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     """Where this adapter's training samples come from."""
     rank: int = 8
-    """LoRA rank r (1..256)."""
+    """LoRA rank r (1..256; PEFT's key ``r`` is accepted for it). Each projection named in
+    target_modules gets its own rank-r factors, so r × projections of one fused linear
+    (3 for q/k/v, 2 for gate/up) must stay <= 256."""
     alpha: float = 16.0
-    """LoRA alpha; scale = alpha / r (alpha / sqrt(r) with use_rslora)."""
+    """LoRA alpha (PEFT's ``lora_alpha`` is accepted); scale = alpha / r (alpha / sqrt(r)
+    with use_rslora), the same for every adapted module."""
     dropout: float = 0.0
-    """Dropout on the LoRA input, in [0, 1)."""
+    """Dropout on the LoRA input, in [0, 1) (PEFT's ``lora_dropout`` is accepted). One mask
+    per linear input: the projections of a fused linear (q/k/v, gate/up) see the same mask,
+    where PEFT draws one per module (equal at 0 and in evaluation; docs/adapters.md)."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
-    target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
-    """Megatron linears to adapt: linear_qkv, linear_proj, linear_fc1, linear_fc2."""
+    target_modules: list[str] = field(default_factory=lambda: list(FUSED_LINEARS))
+    """Modules to adapt. Megatron's linear_qkv, linear_proj, linear_fc1, linear_fc2: one LoRA
+    per fused linear (one A shared by q, k and v, or by gate and up); Hugging Face's q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: one LoRA per projection, exactly
+    what PEFT trains on those modules; ``all-linear`` (also as a bare string): all seven
+    projections, each its own LoRA. Each projection may be named once."""
     lr: float = 1e-3
     """Peak learning rate of this adapter's AdamW."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
@@ -339,8 +363,43 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
     return value
 
 
+ADAPTER_ALIASES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+"""PEFT's names of adapter keys; the resolved job holds only ours (the values)."""
+
+_PEFT_HINTS = {
+    "use_dora": "DoRA is not supported yet (issue 19)",
+    "loraplus_lr_ratio": "LoRA+ is not supported yet (issue 19)",
+    "task_type": "PEFT's task type: every adapter here is a causal LM (CAUSAL_LM); drop it",
+    "bias": "biases are never trained here (PEFT's bias: none); drop it",
+    "modules_to_save": "only LoRA factors are trained here; drop it",
+    "init_lora_weights": "A is kaiming-uniform and B zero, PEFT's default; drop it",
+    "fan_in_fan_out": "not needed: Llama-like linears are (out, in); drop it",
+    "lora_r": "PEFT's name is 'r' (ours 'rank')",
+}
+"""Hints for PEFT ``LoraConfig`` keys that have no counterpart here."""
+
+
+def _unknown_key_hint(key: str, names: list[str], where: str) -> str:
+    """``; <hint>`` for an unknown ``key`` of section ``where`` (empty when none fits)."""
+    where = where.removeprefix("job.")
+    for linear, projections in PROJECTIONS.items():
+        if key == linear or key in projections or key == ALL_LINEAR:
+            covered = "" if key in (linear, ALL_LINEAR) else f" (inside the fused {linear})"
+            place = where if where.startswith("adapters.") else "adapters.<i>"
+            return f"; {key!r} is a target module{covered}: list it in {place}.target_modules"
+    if key in _PEFT_HINTS:
+        return f"; {_PEFT_HINTS[key]}"
+    if key == "target_modules" and not where.startswith("adapters."):
+        return "; target_modules belongs to each adapter: adapters.<i>.target_modules"
+    hint = difflib.get_close_matches(str(key), names, n=1)
+    return f"; did you mean {hint[0]!r}?" if hint else ""
+
+
 def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
-    """Build dataclass ``cls`` from a mapping, recording unknown keys and type errors."""
+    """Build dataclass ``cls`` from a mapping, recording unknown keys and type errors.
+
+    An adapter's PEFT-named keys (`ADAPTER_ALIASES`) set our field; naming both is an error.
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -348,22 +407,30 @@ def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    aliases = ADAPTER_ALIASES if cls is AdapterConfig else {}
     kwargs = {}
     for key, value in raw.items():
-        if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1)
-            suffix = f"; did you mean {hint[0]!r}?" if hint else ""
+        name = aliases.get(key, key)
+        if name not in names:
+            suffix = _unknown_key_hint(str(key), names + list(aliases), where)
             if where == "job":  # a top-level key: "job." is dropped from the message
                 problems.append(f"job file section {str(key)!r} must be one of {names}, "
                                 f"got an unknown section{suffix}")
             else:
                 problems.append(f"{where}.{key} is not a known key{suffix}")
             continue
+        if name != key and name in raw:
+            problems.append(f"{where}.{key} and {name} set the same value ({key!r} is "
+                            f"PEFT's name for {name!r}): give one, got {key}={value!r}, "
+                            f"{name}={raw[name]!r}")
+            continue
+        if name == "target_modules" and value == ALL_LINEAR:  # PEFT's bare string
+            value = [ALL_LINEAR]
         before = len(problems)
-        converted = _convert(value, hints[key], f"{where}.{key}", problems)
+        converted = _convert(value, hints[name], f"{where}.{key}", problems)
         items = converted if isinstance(converted, list) else [converted]
         if len(problems) == before or items and all(dataclasses.is_dataclass(v) for v in items):
-            kwargs[key] = converted  # a wrong value keeps the default, so validate() runs
+            kwargs[name] = converted  # a wrong value keeps the default, so validate() runs
     return cls(**kwargs)
 
 
@@ -555,7 +622,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     problems = [q.removeprefix("job.") for q in problems]
     from megatron_lorafusion.validation import validate  # it imports this module
 
-    problems += _unmasked(validate(cfg), problems)
+    problems += _unmasked(validate(cfg) + _target_problems(cfg), problems)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -596,3 +663,82 @@ def job_from_dict(raw: dict) -> JobConfig:
 def adapter_scaling(adapter: AdapterConfig) -> float:
     """LoRA scale of ``adapter``: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return adapter.alpha / (adapter.rank**0.5 if adapter.use_rslora else adapter.rank)
+
+
+def lora_blocks(target_modules: Sequence[str]) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """The LoRA blocks of an adapter on each Megatron linear it adapts.
+
+    A block is a group of Hugging Face projections that share one ``(A, B)`` pair of rank r:
+    a Megatron name is one block of all its projections (one ``A`` for q, k and v), a Hugging
+    Face name a block of its own (PEFT's module), ``all-linear`` every projection on its own.
+    On a fused linear the adapter's blocks are stacked into one LoRA of rank ``blocks × r``
+    (docs/adapters.md).
+
+    Args:
+        target_modules: names from `TARGET_MODULES`.
+
+    Returns:
+        Per adapted linear (in `FUSED_LINEARS` order), its blocks in the linear's row order;
+        e.g. ``[q_proj, v_proj, linear_fc2]`` gives ``{"linear_qkv": (("q_proj",),
+        ("v_proj",)), "linear_fc2": (("down_proj",),)}``.
+
+    Raises:
+        ValueError: for an unknown name, or a projection named twice (``linear_qkv`` and
+            ``q_proj``, ``all-linear`` and anything else); the message reads on after
+            ``target_modules``.
+    """
+    owner: dict[str, str] = {}  # projection -> the entry that names it
+    whole: set[str] = set()
+    for entry in target_modules:
+        if entry not in TARGET_MODULES:
+            raise ValueError(f"must be a subset of {list(TARGET_MODULES)}, got {entry!r}")
+        if entry == ALL_LINEAR:
+            covered = [p for ps in PROJECTIONS.values() for p in ps]
+        else:
+            covered = list(PROJECTIONS.get(entry, (entry,)))
+        if entry in PROJECTIONS:
+            whole.add(entry)
+        for projection in covered:
+            if projection in owner:
+                raise ValueError(f"must name each projection once, got {projection!r} in both "
+                                 f"{owner[projection]!r} and {entry!r}")
+            owner[projection] = entry
+    blocks = {}
+    for linear, projections in PROJECTIONS.items():
+        if linear in whole:
+            blocks[linear] = (projections,)
+        elif chosen := tuple((p,) for p in projections if p in owner):
+            blocks[linear] = chosen
+    return blocks
+
+
+def fused_ranks(adapter: AdapterConfig) -> dict[str, int]:
+    """Rank of ``adapter`` on each Megatron linear it adapts: ``blocks × r`` (`lora_blocks`)."""
+    return {linear: len(blocks) * adapter.rank
+            for linear, blocks in lora_blocks(adapter.target_modules).items()}
+
+
+def _target_problems(cfg: JobConfig) -> list[str]:
+    """Overlapping targets and fused ranks above `MAX_FUSED_RANK`, one line per adapter.
+
+    Unknown names and ranks outside 1..256 are `validation`'s problems.
+    """
+    problems = []
+    for i, adapter in enumerate(cfg.adapters):
+        where = f"adapters.{i}"
+        if not set(adapter.target_modules) <= set(TARGET_MODULES):
+            continue
+        try:
+            ranks = fused_ranks(adapter)
+        except ValueError as err:
+            problems.append(f"{where}.target_modules {err}")
+            continue
+        linear = max(ranks, key=ranks.get, default=None)
+        if linear is None or not 1 <= adapter.rank <= 256 or ranks[linear] <= MAX_FUSED_RANK:
+            continue
+        blocks = ranks[linear] // adapter.rank
+        problems.append(f"{where}.rank must be <= {MAX_FUSED_RANK // blocks} with target_modules "
+                        f"{adapter.target_modules}: {blocks} projections of {linear} each get "
+                        f"rank-r factors, stacked into one LoRA of rank {blocks}·r <= "
+                        f"{MAX_FUSED_RANK} in the fused kernels, got {adapter.rank}")
+    return problems

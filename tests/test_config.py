@@ -394,3 +394,73 @@ def test_config_recompute_defaults_to_selective_and_is_checked(tmp_path):
     job["train"]["recompute"] = "partial"
     assert ("train.recompute must be one of 'none', 'selective', 'full', got 'partial'"
             in _errors(tmp_path, job))
+
+
+def test_config_peft_names_set_our_keys_and_the_resolved_job_holds_ours(tmp_path):
+    """A PEFT-style adapter (issue 19: it gave 14 errors, and 'r' was read as a typo of 'lr')."""
+    import dataclasses
+
+    job = _job(tmp_path)
+    job["adapters"][0].update(r=16, lora_alpha=32, lora_dropout=0.05,
+                              target_modules=["q_proj", "v_proj"])
+    cfg = load_config(_write(tmp_path, job))
+    adapter = cfg.adapters[0]
+    assert (adapter.rank, adapter.alpha, adapter.dropout) == (16, 32.0, 0.05)
+    assert adapter.target_modules == ["q_proj", "v_proj"]
+    resolved = dataclasses.asdict(cfg)["adapters"][0]
+    assert {"r", "lora_alpha", "lora_dropout"}.isdisjoint(resolved), "ours win in job.json"
+    job["adapters"][0]["target_modules"] = "all-linear"  # PEFT's bare string
+    assert load_config(_write(tmp_path, job)).adapters[0].target_modules == ["all-linear"]
+
+
+def test_config_peft_name_and_ours_together_is_named(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0].update(r=4, rank=8, lora_alpha=8)
+    assert ("adapters.0.r and rank set the same value ('r' is PEFT's name for "
+            "'rank'): give one, got r=4, rank=8") in _errors(tmp_path, job)
+
+
+@pytest.mark.parametrize(("key", "hint"), [
+    ("q_proj", "'q_proj' is a target module (inside the fused linear_qkv): list it in "
+               "adapters.0.target_modules"),
+    ("linear_fc1", "'linear_fc1' is a target module: list it in adapters.0.target_modules"),
+    ("use_dora", "DoRA is not supported yet (issue 19)"),
+    ("lora_alph", "did you mean 'lora_alpha'?"),
+])
+def test_config_unknown_adapter_key_gets_a_peft_aware_hint(tmp_path, key, hint):
+    job = _job(tmp_path)
+    job["adapters"][0][key] = 1
+    assert f"adapters.0.{key} is not a known key; {hint}" in _errors(tmp_path, job)
+
+
+def test_config_target_modules_outside_an_adapter_are_pointed_there(tmp_path):
+    job = _job(tmp_path, train={"steps": 2, "output_dir": str(tmp_path / "out"),
+                                "target_modules": ["q_proj"], "down_proj": 1})
+    errors = _errors(tmp_path, job)
+    assert ("train.target_modules is not a known key; target_modules belongs to each adapter: "
+            "adapters.<i>.target_modules") in errors
+    assert ("train.down_proj is not a known key; 'down_proj' is a target module (inside the "
+            "fused linear_fc2): list it in adapters.<i>.target_modules") in errors
+
+
+@pytest.mark.parametrize(("targets", "rank", "message"), [
+    (["linear_qkv", "q_proj"], 8, "adapters.0.target_modules must name each projection once, "
+                                  "got 'q_proj' in both 'linear_qkv' and 'q_proj'"),
+    (["all-linear", "o_proj"], 8, "adapters.0.target_modules must name each projection once, "
+                                  "got 'o_proj' in both 'all-linear' and 'o_proj'"),
+    (["q_proj", "qkv"], 8, "adapters.0.target_modules must be a non-empty subset of "
+                           "['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2', 'q_proj'"),
+    (["all-linear"], 100, "adapters.0.rank must be <= 85 with target_modules ['all-linear']: "
+                          "3 projections of linear_qkv each get rank-r factors"),
+    (["gate_proj", "up_proj"], 129, "adapters.0.rank must be <= 128 with target_modules"),
+])
+def test_config_bad_targets_are_named(tmp_path, targets, rank, message):
+    job = _job(tmp_path)
+    job["adapters"][0].update(target_modules=targets, rank=rank)
+    assert message in _errors(tmp_path, job)
+
+
+def test_config_fused_rank_limit_counts_projections_of_one_linear(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0].update(target_modules=["q_proj", "v_proj", "up_proj"], rank=128)
+    assert load_config(_write(tmp_path, job)).adapters[0].rank == 128, "2 x 128 <= 256"

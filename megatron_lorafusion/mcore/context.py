@@ -10,10 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+from megatron.core.transformer import TransformerConfig
 from torch import nn
 
-from megatron_lorafusion.config import TARGET_MODULES, AdapterConfig
-from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
+from megatron_lorafusion.config import FUSED_LINEARS, PROJECTIONS, AdapterConfig, lora_blocks
+from megatron_lorafusion.mcore.lora import (
+    LoRAColumnParallelLinear,
+    LoRARowParallelLinear,
+    RowBlocks,
+)
 from megatron_lorafusion.mcore.recompute import RecomputedLayer
 from megatron_lorafusion.mcore.wgrad import WgradQueue
 from megatron_lorafusion.ops import AdapterLayout
@@ -25,7 +30,7 @@ _TARGETS: dict[str, tuple[str, type[nn.Module]]] = {
     "linear_fc1": ("mlp", LoRAColumnParallelLinear),
     "linear_fc2": ("mlp", LoRARowParallelLinear),
 }
-assert tuple(_TARGETS) == TARGET_MODULES  # internal invariant: one wrapper per known target
+assert tuple(_TARGETS) == FUSED_LINEARS  # internal invariant: one wrapper per fused linear
 
 LoRAWrapper = LoRAColumnParallelLinear | LoRARowParallelLinear
 
@@ -106,8 +111,10 @@ class LoRAContext:
         """Named views of one adapter's factors in a (A, S) ``table`` laid out as ``weights``.
 
         Names are ``<linear>.lora_A`` (r, H_local) and ``<linear>.lora_B`` (N_local, r), for
-        the linears this adapter targets, with ``r`` its own rank. ``table`` is ``weights``,
-        ``grads`` or anything shaped like them (the optimizer's moments).
+        the linears this adapter targets, with ``r`` its rank there: its own rank, times its
+        blocks with per-projection targets (A stacked, B block-diagonal; docs/adapters.md).
+        ``table`` is ``weights``, ``grads`` or anything shaped like them (the optimizer's
+        moments).
         """
         self._check_id(adapter_id)
         if table.shape != self.weights.shape:
@@ -191,18 +198,75 @@ def load_views(views: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch
             v.copy_(state_dict[k])
 
 
-def _check_adapters(adapters: Sequence[AdapterConfig]) -> None:
+def _adapter_blocks(adapters: Sequence[AdapterConfig]) -> list[dict[str, tuple]]:
+    """`config.lora_blocks` of each adapter, checked.
+
+    Raises:
+        ValueError: for no adapters, a rank <= 0, an unknown or repeated target.
+    """
     if not adapters:
         raise ValueError("apply_lora needs at least one adapter")
+    blocks = []
     for i, adapter in enumerate(adapters):
-        unknown = sorted(set(adapter.target_modules) - set(TARGET_MODULES))
-        if unknown:
-            raise ValueError(
-                f"adapters[{i}].target_modules must be a subset of {list(TARGET_MODULES)}, "
-                f"got unknown {unknown}"
-            )
+        try:
+            blocks.append(lora_blocks(adapter.target_modules))
+        except ValueError as err:
+            raise ValueError(f"adapters[{i}].target_modules {err}") from None
         if adapter.rank <= 0:
             raise ValueError(f"adapters[{i}].rank must be > 0, got {adapter.rank}")
+    return blocks
+
+
+def _projection_rows(target: str, config: TransformerConfig, out_local: int) -> torch.Tensor:
+    """(N_local,) int64: which of ``PROJECTIONS[target]`` each local output row belongs to.
+
+    ``linear_qkv`` rows are grouped per query group, ``[q heads of the group | k | v]``
+    (0, 1, 2), and a TP rank holds whole groups; ``linear_fc1`` rows are this rank's
+    ``[gate | up]`` halves (0, 1). Other linears are one projection (all 0).
+
+    Args:
+        target: a name of `FUSED_LINEARS`.
+        config: the base linear's Megatron ``TransformerConfig``.
+        out_local: the base weight's rows on this rank.
+
+    Raises:
+        ValueError: when ``out_local`` does not fit that layout.
+    """
+    if target == "linear_qkv":
+        head_dim = config.kv_channels
+        groups = config.num_query_groups or config.num_attention_heads
+        per_group = config.num_attention_heads // groups
+        group = torch.tensor([0] * per_group * head_dim + [1] * head_dim + [2] * head_dim)
+        if out_local % len(group):
+            raise ValueError(f"linear_qkv has {out_local} output rows on this rank, not whole "
+                             f"query groups of {len(group)}")
+        return group.repeat(out_local // len(group))
+    if target == "linear_fc1":
+        if not config.gated_linear_unit or out_local % 2:
+            raise ValueError(f"linear_fc1 must be gated ([gate | up] rows) for gate_proj / "
+                             f"up_proj targets, got {out_local} rows, gated_linear_unit="
+                             f"{config.gated_linear_unit}")
+        return torch.arange(2).repeat_interleave(out_local // 2)
+    return torch.zeros(out_local, dtype=torch.int64)
+
+
+def _row_blocks(target: str, base: nn.Module, blocks: dict[int, tuple]) -> RowBlocks:
+    """`RowBlocks` of the adapters ``blocks`` holds whose blocks on ``target`` are not one.
+
+    ``blocks``: adapter id -> its blocks on ``target`` (`config.lora_blocks`).
+    """
+    split = {a: b for a, b in blocks.items() if b != (PROJECTIONS[target],)}
+    if not split:
+        return {}
+    rows = _projection_rows(target, base.config, base.weight.shape[0])  # (N_local,)
+    out = {}
+    for a, adapter_blocks in split.items():
+        lut = torch.full((len(PROJECTIONS[target]),), -1, dtype=torch.int64)
+        for j, block in enumerate(adapter_blocks):
+            for projection in block:
+                lut[PROJECTIONS[target].index(projection)] = j
+        out[a] = (len(adapter_blocks), lut[rows])
+    return out
 
 
 def apply_lora(
@@ -217,7 +281,9 @@ def apply_lora(
     Call after base weights are built or loaded and before any DDP wrapping. For every layer
     ``i`` (global index, so pipeline stages agree) and target ``t`` adapted by at least one
     adapter, ``decoder.layers.i.<parent>.t`` becomes a `LoRAColumnParallelLinear`
-    (linear_qkv, linear_fc1) or `LoRARowParallelLinear` (linear_proj, linear_fc2). Factors
+    (linear_qkv, linear_fc1) or `LoRARowParallelLinear` (linear_proj, linear_fc2); an adapter
+    naming Hugging Face projections gets one LoRA block per projection there (its blocks'
+    A rows stacked, B block-diagonal: `config.lora_blocks`, docs/adapters.md). Factors
     are drawn from ``(seed, adapter id, 4·i + target index)`` (A kaiming-uniform, B zero),
     the same number also keys the layer's dropout masks.
 
@@ -236,7 +302,7 @@ def apply_lora(
         RuntimeError: when the model already carries LoRA wrappers, or its layers are
             `RecomputedLayer`s (apply LoRA before `apply_recompute`).
     """
-    _check_adapters(adapters)
+    blocks = _adapter_blocks(adapters)
     decoder = getattr(model, "decoder", None)
     if decoder is None or not hasattr(decoder, "layers"):
         raise TypeError(
@@ -250,13 +316,17 @@ def apply_lora(
             raise RuntimeError(f"decoder.layers.{index} is a RecomputedLayer: apply LoRA before "
                                "apply_recompute")
         for target_index, (target, (parent_name, wrapper_cls)) in enumerate(_TARGETS.items()):
-            targeted = [a for a, ad in enumerate(adapters) if target in ad.target_modules]
+            targeted = [a for a in range(len(adapters)) if target in blocks[a]]
             if not targeted:
                 continue
             parent = getattr(layer, parent_name)
             base = getattr(parent, target)
             if isinstance(base, LoRAColumnParallelLinear | LoRARowParallelLinear):
                 raise RuntimeError(f"decoder.layers.{index}: LoRA is already applied")
+            extra = {}
+            if wrapper_cls is LoRAColumnParallelLinear:
+                extra["row_blocks"] = _row_blocks(target, base,
+                                                  {a: blocks[a][target] for a in targeted})
             wrapper = wrapper_cls(
                 base,
                 adapters,
@@ -265,6 +335,7 @@ def apply_lora(
                 seed=seed,
                 layer_seed=4 * index + target_index,
                 tp_group=tp_group,
+                **extra,
             )
             setattr(parent, target, wrapper)
             context.wrappers[f"decoder.layers.{index}.{parent_name}.{target}"] = wrapper

@@ -76,6 +76,28 @@ def _sequence_major(y: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
     return y.reshape(seq, 1, -1) if batch == 1 else y.reshape(batch, seq, -1).transpose(0, 1)
 
 
+RowBlocks = dict[int, tuple[int, torch.Tensor]]
+"""Per-projection adapters of a column wrapper: adapter id -> ``(k, block)``, its ``k`` LoRA
+blocks and ``block`` (N_local,) int64, the block of each local output row (-1: none)."""
+
+
+def _off_block_mask(row_blocks: RowBlocks, ranks: Sequence[int], num_adapters: int,
+                    out_local: int, max_rank: int) -> torch.Tensor | None:
+    """(A, N_local, R) bool, True where a per-projection adapter's ``B`` must stay zero.
+
+    Adapter ``a`` with ``k`` blocks of rank ``r`` owns rank columns ``j·r..(j+1)·r`` for its
+    block ``j``: entry ``(n, c)`` of its ``B`` is live only when row ``n`` is in block
+    ``c // r``. None when no adapter of the wrapper is per-projection.
+    """
+    if not row_blocks:
+        return None
+    off = torch.zeros(num_adapters, out_local, max_rank, dtype=torch.bool)
+    for a, (blocks, block_of_row) in row_blocks.items():
+        block_of_col = torch.arange(max_rank) // (ranks[a] // blocks)  # (R,), >= k past rank
+        off[a] = block_of_row[:, None] != block_of_col[None, :]
+    return off
+
+
 def _init_factors(
     wrapper: nn.Module,
     adapters: Sequence[AdapterConfig],
@@ -87,6 +109,7 @@ def _init_factors(
     seed: int,
     layer_seed: int,
     device: torch.device,
+    row_blocks: RowBlocks | None = None,
 ) -> None:
     """Give ``wrapper`` its packed factors and the per-adapter constants of the op.
 
@@ -97,22 +120,32 @@ def _init_factors(
     in training: its gradient is exactly zero (zero factors, or scale 0), and AdamW moves a
     zero weight with a zero gradient nowhere. `LoRAContext.pack` later moves both into its
     per-adapter rows.
+
+    An adapter of ``row_blocks`` (per-projection targets, `config.lora_blocks`) has rank
+    ``r_a = k·r`` here: its ``k`` blocks' A rows stacked, and a block-diagonal B whose
+    off-block entries ``wrapper.lora_B_off`` masks to zero in every forward, so their
+    gradient is exactly zero too and they stay zero (docs/adapters.md).
     """
     if not targeted:
         raise ValueError(f"{type(wrapper).__name__} needs at least one targeting adapter")
+    row_blocks = row_blocks or {}
     wrapper.num_adapters = len(adapters)
-    wrapper.max_rank = max(adapters[a].rank for a in targeted)
-    wrapper.ranks = [adapters[a].rank if a in targeted else 0 for a in range(len(adapters))]
+    wrapper.ranks = [0] * len(adapters)
+    for a in targeted:
+        wrapper.ranks[a] = adapters[a].rank * (row_blocks[a][0] if a in row_blocks else 1)
+    wrapper.max_rank = max(wrapper.ranks)
     local_in = len(range(in_features)[in_shard])
     lora_a = torch.zeros(len(adapters), wrapper.max_rank, local_in)
     for a in targeted:
-        rank = adapters[a].rank
+        rank = wrapper.ranks[a]
         generator = torch.Generator().manual_seed(_init_seed(seed, a, layer_seed))
         # Drawn at full width then sliced, so a TP shard equals the TP = 1 slice.
         lora_a[a, :rank] = _kaiming_uniform(rank, in_features, generator)[:, in_shard]
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
+    off = _off_block_mask(row_blocks, wrapper.ranks, len(adapters), out_local, wrapper.max_rank)
+    wrapper.lora_B_off = None if off is None else off.to(device)
     on = set(targeted)
     wrapper.scalings = [adapter_scaling(ad) if i in on else 0.0 for i, ad in enumerate(adapters)]
     wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
@@ -122,14 +155,18 @@ def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tens
     """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R), contiguous, in ``dtype``.
 
     One copy per factor and layer whatever the number of adapters; in backward one in-place
-    add per factor into the context's gradient table (`ops.packed_factor`).
+    add per factor into the context's gradient table (`ops.packed_factor`). Off-block entries
+    of per-projection adapters (``lora_B_off``) are zeroed here, so their gradient that
+    lands in the table is exactly zero (one masked fill of B, A × N_local × R elements).
     """
     if wrapper.lora_A_grad is None:
         raise RuntimeError(f"{type(wrapper).__name__}: its factors are not packed; build "
                            "wrappers through apply_lora")
     table = wrapper.context.weights
-    return (packed_factor(table, wrapper.lora_A, wrapper.lora_A_grad, dtype),
-            packed_factor(table, wrapper.lora_B, wrapper.lora_B_grad, dtype))
+    lora_b = packed_factor(table, wrapper.lora_B, wrapper.lora_B_grad, dtype)
+    if wrapper.lora_B_off is not None:
+        lora_b = lora_b.masked_fill(wrapper.lora_B_off, 0.0)
+    return packed_factor(table, wrapper.lora_A, wrapper.lora_A_grad, dtype), lora_b
 
 
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
@@ -365,6 +402,8 @@ class _LoRAWrapper(nn.Module):
         if rank == 0:
             return weight.clone()
         factor_b = self.lora_B[adapter_id, :, :rank]  # (N_local, r)
+        if self.lora_B_off is not None:
+            factor_b = factor_b.masked_fill(self.lora_B_off[adapter_id, :, :rank], 0.0)
         factor_a = self.lora_A[adapter_id, :rank]  # (r, H_local)
         delta = self.scalings[adapter_id] * (factor_b @ factor_a)
         return (weight.float() + delta.detach()).to(weight.dtype)  # fp32 arithmetic
@@ -389,6 +428,8 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         seed: run seed; factors are drawn from ``(seed, adapter id, layer_seed)``.
         layer_seed: a number unique to this linear in the model (also keys its dropout masks).
         tp_group: tensor-parallel group; defaults to ``base.tp_group``.
+        row_blocks: adapters with per-projection targets on this fused linear (`RowBlocks`,
+            on this rank's output rows); the others adapt it as one LoRA.
 
     Raises:
         NotImplementedError: for an MoE-expert base.
@@ -404,6 +445,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         seed: int,
         layer_seed: int,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        row_blocks: RowBlocks | None = None,
     ):
         super().__init__(base, context, layer_seed, tp_group, is_column=True)
         out_local, in_features = base.weight.shape
@@ -417,6 +459,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
             seed=seed,
             layer_seed=layer_seed,
             device=base.weight.device,
+            row_blocks=row_blocks,
         )
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):

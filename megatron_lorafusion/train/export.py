@@ -6,6 +6,11 @@ several LoRAs sharing one ``A``:
   group as ``[q heads of the group | k | v]``, so ``B`` is split group by group;
 - ``linear_fc1`` → ``gate_proj``/``up_proj``: rows are ``[gate | up]``;
 - ``linear_proj`` → ``o_proj``; ``linear_fc2`` → ``down_proj``.
+An adapter with per-projection targets (``q_proj``, ``all-linear``, ...) holds on a fused
+linear its blocks stacked (`config.lora_blocks`): block ``j``'s ``A`` is rows ``j·r..(j+1)·r``,
+its ``B`` the same rank columns of its projections' rows, every other entry zero; each block
+becomes its own PEFT module, so the folder has exactly the keys PEFT writes for those
+``target_modules``.
 
 `export_checkpoint` (the ``lorafusion export`` command) writes every adapter of a run's
 checkpoint this way and, on request, merges each into the base weights of the Hugging Face
@@ -22,16 +27,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig, adapter_scaling, job_from_dict
+from megatron_lorafusion.config import (
+    PROJECTIONS,
+    AdapterConfig,
+    ModelConfig,
+    adapter_scaling,
+    job_from_dict,
+    lora_blocks,
+)
 from megatron_lorafusion.validation import adapter_name_problem
 
 _PREFIX = "base_model.model.model.layers"
-_HF_TARGETS = {
-    "linear_qkv": ("self_attn", ["q_proj", "k_proj", "v_proj"]),
-    "linear_proj": ("self_attn", ["o_proj"]),
-    "linear_fc1": ("mlp", ["gate_proj", "up_proj"]),
-    "linear_fc2": ("mlp", ["down_proj"]),
-}
+_HF_BLOCK = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp",
+             "linear_fc2": "mlp"}
 
 
 def _split_b(module: str, lora_b: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
@@ -47,44 +55,78 @@ def _split_b(module: str, lora_b: torch.Tensor, model: ModelConfig) -> list[torc
     return [lora_b]
 
 
+def _block_pieces(key: str, module: str, factor: str, tensor: torch.Tensor,
+                  blocks: tuple[tuple[str, ...], ...], model: ModelConfig
+                  ) -> dict[str, torch.Tensor]:
+    """Hugging Face module -> its ``A`` (r, H_in) or ``B`` (out, r) from one fused factor.
+
+    Raises:
+        ValueError: when the rank does not split into ``blocks``, or ``B`` is non-zero
+            outside its blocks (not a per-projection adapter of these targets).
+    """
+    dim = 0 if factor == "lora_A" else 1
+    if tensor.shape[dim] % len(blocks):
+        raise ValueError(f"adapter tensor {key!r} has rank {tensor.shape[dim]}, not a multiple "
+                         f"of its {len(blocks)} LoRA blocks on {module}")
+    rank = tensor.shape[dim] // len(blocks)
+    if factor == "lora_A":
+        return {hf: tensor[j * rank:(j + 1) * rank]
+                for j, block in enumerate(blocks) for hf in block}
+    rows = dict(zip(PROJECTIONS[module], _split_b(module, tensor, model), strict=True))
+    out = {}
+    for hf, b in rows.items():  # b: (out, blocks·r)
+        j = next((j for j, block in enumerate(blocks) if hf in block), None)
+        live = torch.zeros(b.shape[1], dtype=torch.bool)
+        if j is not None:
+            live[j * rank:(j + 1) * rank] = True
+            out[hf] = b[:, live]
+        if bool(b[:, ~live].any()):
+            raise ValueError(f"adapter tensor {key!r} has non-zero entries outside its LoRA "
+                             f"blocks ({hf} rows); its target_modules do not match the weights")
+    return out
+
+
 def peft_state_dict(
-    megatron_state: dict[str, torch.Tensor], model: ModelConfig
+    megatron_state: dict[str, torch.Tensor], model: ModelConfig, target_modules: list[str]
 ) -> dict[str, torch.Tensor]:
     """Map an adapter's full (unsharded) Megatron tensors to PEFT names.
 
     Args:
-        megatron_state: ``decoder.layers.{i}.{self_attention|mlp}.{module}.lora_A`` (r, H_in)
-            and ``...lora_B`` (N, r) tensors.
+        megatron_state: ``decoder.layers.{i}.{self_attention|mlp}.{module}.lora_A``
+            (k·r, H_in) and ``...lora_B`` (N, k·r) tensors, ``k`` the adapter's LoRA blocks
+            on that module (1 but for per-projection targets; `config.lora_blocks`).
         model: the base model's sizes.
+        target_modules: the adapter's ``target_modules``.
 
     Returns:
-        ``base_model.model.model.layers.{i}.{self_attn|mlp}.{hf}.lora_{A|B}.weight`` tensors.
+        ``base_model.model.model.layers.{i}.{self_attn|mlp}.{hf}.lora_{A|B}.weight`` tensors:
+        ``A`` (r, H_in), ``B`` (out, r) per Hugging Face module the adapter targets.
 
     Raises:
-        ValueError: for a key that names no known LoRA module.
+        ValueError: for a key that names no LoRA module the targets adapt, or weights that
+            are not block-structured as the targets say.
     """
+    blocks = lora_blocks(target_modules)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in megatron_state.items():
         parts = key.split(".")
-        if len(parts) != 6 or parts[0:2] != ["decoder", "layers"] or parts[4] not in _HF_TARGETS:
-            raise ValueError(f"adapter tensor {key!r} names no known LoRA module")
+        if len(parts) != 6 or parts[0:2] != ["decoder", "layers"] or parts[4] not in blocks:
+            raise ValueError(f"adapter tensor {key!r} names no LoRA module of target_modules "
+                             f"{list(target_modules)}")
         layer, module, factor = parts[2], parts[4], parts[5]
-        block, hf_names = _HF_TARGETS[module]
-        if factor == "lora_A":
-            pieces = [tensor] * len(hf_names)
-        elif factor == "lora_B":
-            pieces = _split_b(module, tensor, model)
-        else:
+        if factor not in ("lora_A", "lora_B"):
             raise ValueError(f"adapter tensor {key!r} must end in lora_A or lora_B")
-        for hf, piece in zip(hf_names, pieces, strict=True):
-            name = f"{_PREFIX}.{layer}.{block}.{hf}.{factor}.weight"
+        pieces = _block_pieces(key, module, factor, tensor, blocks[module], model)
+        for hf, piece in pieces.items():
+            name = f"{_PREFIX}.{layer}.{_HF_BLOCK[module]}.{hf}.{factor}.weight"
             out[name] = piece.detach().to(torch.float32).contiguous().clone()
     return out
 
 
 def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict:
     """The ``adapter_config.json`` of ``adapter`` (``base``: the base model's folder, if any)."""
-    targets = sorted({hf for m in adapter.target_modules for hf in _HF_TARGETS[m][1]})
+    targets = sorted({hf for blocks in lora_blocks(adapter.target_modules).values()
+                      for block in blocks for hf in block})
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -140,7 +182,8 @@ def write_peft_folder(
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(peft_state_dict(megatron_state, model), str(tmp / "adapter_model.safetensors"))
+    save_file(peft_state_dict(megatron_state, model, adapter.target_modules),
+              str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(
         json.dumps(peft_adapter_config(adapter, model.hf_path), indent=2) + "\n",
         encoding="utf-8",
@@ -185,7 +228,8 @@ def write_merged_checkpoint(
         raise ValueError("merging needs a Hugging Face base (model.hf_path); this run was "
                          "trained on a random base, which has no checkpoint to merge into")
     check_finite_weights(adapter, megatron_state)
-    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model))
+    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model,
+                                                     adapter.target_modules))
     source, folder = Path(model.hf_path), Path(folder)
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)

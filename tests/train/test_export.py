@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig
+from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig, ModelConfig
 from megatron_lorafusion.train import peft_state_dict, write_peft_folder
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
@@ -33,7 +33,7 @@ def _megatron_state(rank):
 
 def test_export_names_and_shapes():
     rank = 4
-    out = peft_state_dict(_megatron_state(rank), MODEL)
+    out = peft_state_dict(_megatron_state(rank), MODEL, list(FUSED_LINEARS))
     prefix = "base_model.model.model.layers.1"
     shapes = {
         "self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
@@ -49,7 +49,7 @@ def test_export_names_and_shapes():
 def test_export_splits_grouped_qkv_rows():
     state = _megatron_state(2)
     b = state["decoder.layers.0.self_attention.linear_qkv.lora_B"]
-    out = peft_state_dict(state, MODEL)
+    out = peft_state_dict(state, MODEL, list(FUSED_LINEARS))
     q = out["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
     k = out["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]
     # Group g's rows are [q head 2g | q head 2g+1 | k head g | v head g], 16 rows each.
