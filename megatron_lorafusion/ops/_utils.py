@@ -172,6 +172,22 @@ def sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def chunk_rows(
+    tokens: int, width: int, cfg: TileConfig, device: torch.device, programs_per_sm: int
+) -> int:
+    """Rows per chunk of a split-T reduction (`lora_wgrad`, `lora_up_bwd`).
+
+    A multiple of ``cfg.block_t`` giving ~``programs_per_sm`` programs per SM over the
+    ``width / block_d`` column tiles; the interpreter gets several chunks per adapter.
+    """
+    if device.type != "cuda":
+        return 2 * cfg.block_t
+    sms = sm_count(device.index)
+    d_tiles = cdiv(width, cfg.block_d)
+    rows = cdiv(tokens * d_tiles, programs_per_sm * sms)
+    return max(cfg.block_t, cdiv(rows, cfg.block_t) * cfg.block_t)
+
+
 _TUNED: dict[tuple, TileConfig] = {}
 
 

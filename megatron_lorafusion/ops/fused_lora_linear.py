@@ -27,12 +27,12 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
-from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
+from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_kernel_runs
 from megatron_lorafusion.ops.lora_linear import InputRebuild, _save_input, _saved_input
-from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
-from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
-from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
+from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
 # Where the frozen GEMM runs: "cublas" both ways, "triton" both ways (LoRA term in the
 # epilogue), "triton_fwd" the Triton GEMM forward and cuBLAS backward; "auto" picks one.
@@ -77,12 +77,12 @@ class LoRALinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design,
                 rebuild):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
-        s = _lora_shrink_launch(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
+        s = lora_shrink_fwd(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
         if design in ("triton", "triton_fwd"):
             y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
         else:
-            y = _lora_expand_launch(s, b_t, bias, None, layout, seed)
+            y = lora_expand_fwd(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
         ctx.save_for_backward(*_save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
                               dropouts)
@@ -103,17 +103,17 @@ class LoRALinearFunction(torch.autograd.Function):
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
         # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s).
-        ds, grad_b = _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db=False)
+        ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0] and ctx.design != "triton":
             # One pass over X gives dA and the LoRA part of dX, drawing the mask once.
             grad_x = torch.empty_like(x)
-            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed,
+            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed,
                                expand_m=lora_a, expand_out=grad_x)
             grad_x.addmm_(dy, weight)  # cuBLAS: (T, H), reads the LoRA part as C
         else:
-            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
+            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
         if ctx.needs_input_grad[0] and ctx.design == "triton":
             grad_x = lora_gemm(dy, weight, ds, lora_a, None, dropouts, layout, seed)
         if ctx.needs_input_grad[1]:

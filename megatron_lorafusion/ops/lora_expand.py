@@ -128,15 +128,25 @@ def lora_expand(
         _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
     _utils.check_dropouts(dropouts, adapters, s.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_expand_launch(s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset,
+    return lora_expand_fwd(s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset,
                                mask_d)
 
 
-def _lora_expand_launch(
-    s, m, bias, dropouts, layout, seed, out_dtype=None, scales=None, col_offset=0, mask_d=None
+def lora_expand_fwd(
+    s: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None,
+    dropouts: torch.Tensor | None,
+    layout: AdapterLayout,
+    seed: int,
+    out_dtype: torch.dtype | None = None,
+    scales: torch.Tensor | None = None,
+    col_offset: int = 0,
+    mask_d: int | None = None,
 ) -> torch.Tensor:
-    """`lora_expand` without the input checks (the autograd function checked them once).
+    """Launch the expand on inputs already checked (`lora_expand` checks, then calls this).
 
+    The autograd functions check their inputs once and call this in forward and backward.
     ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
     """
     tokens, rank = s.shape

@@ -130,15 +130,24 @@ def lora_shrink(
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
     _utils.check_dropouts(dropouts, adapters, z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_shrink_launch(z, m, scales, dropouts, layout, seed, out_dtype, col_offset,
+    return lora_shrink_fwd(z, m, scales, dropouts, layout, seed, out_dtype, col_offset,
                                mask_d)
 
 
-def _lora_shrink_launch(
-    z, m, scales, dropouts, layout, seed, out_dtype=None, col_offset=0, mask_d=None
+def lora_shrink_fwd(
+    z: torch.Tensor,
+    m: torch.Tensor,
+    scales: torch.Tensor,
+    dropouts: torch.Tensor | None,
+    layout: AdapterLayout,
+    seed: int,
+    out_dtype: torch.dtype | None = None,
+    col_offset: int = 0,
+    mask_d: int | None = None,
 ) -> torch.Tensor:
-    """`lora_shrink` without the input checks (the autograd function checked them once).
+    """Launch the shrink on inputs already checked (`lora_shrink` checks, then calls this).
 
+    The autograd functions check their inputs once and call this in forward and backward.
     ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
     """
     tokens, width = z.shape

@@ -20,7 +20,7 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
-from megatron_lorafusion.ops.lora_expand import _lora_expand_launch
+from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_linear import (
     InputRebuild,
     _save_input,
@@ -29,9 +29,9 @@ from megatron_lorafusion.ops.lora_linear import (
     lora_down_ref,
     lora_up_ref,
 )
-from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
-from megatron_lorafusion.ops.lora_up_bwd import _lora_up_bwd_launch
-from megatron_lorafusion.ops.lora_wgrad import _lora_wgrad_launch
+from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
 
 class LoRADownFunction(torch.autograd.Function):
@@ -45,7 +45,7 @@ class LoRADownFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, mask_d, rebuild):
         """``ones``: (A,) fp32 ones (the shrink's scale); ``dropouts`` None = no mask."""
-        s = _lora_shrink_launch(x, lora_a, ones, dropouts, layout, seed,
+        s = lora_shrink_fwd(x, lora_a, ones, dropouts, layout, seed,
                                 col_offset=col_offset, mask_d=mask_d)  # (T, R)
         inputs = _save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
         ctx.num_input_tensors = len(inputs)
@@ -67,11 +67,11 @@ class LoRADownFunction(torch.autograd.Function):
             x = _saved_input(ctx, saved[:count])  # (T, H_l)
             grad_a = torch.empty_like(lora_a)
             grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-            _lora_wgrad_launch(x, ds, grad_a.transpose(1, 2), dropouts, ctx.layout, ctx.seed,
+            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, ctx.layout, ctx.seed,
                                expand_m=lora_a if grad_x is not None else None,
                                expand_out=grad_x, **mask)
         elif ctx.needs_input_grad[0]:
-            grad_x = _lora_expand_launch(ds, lora_a, None, dropouts, ctx.layout, ctx.seed, **mask)
+            grad_x = lora_expand_fwd(ds, lora_a, None, dropouts, ctx.layout, ctx.seed, **mask)
         return grad_x, grad_a, None, None, None, None, None, None, None
 
 
@@ -115,7 +115,7 @@ class LoRAUpFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, s, lora_b, scales, layout):
         """``scales``: (A,) fp32 on ``s``'s device."""
-        y = _lora_expand_launch(s, lora_b.transpose(1, 2), None, None, layout, 0,
+        y = lora_expand_fwd(s, lora_b.transpose(1, 2), None, None, layout, 0,
                                 scales=scales)  # (T, N)
         ctx.save_for_backward(s, lora_b, scales)
         ctx.layout = layout
@@ -126,8 +126,7 @@ class LoRAUpFunction(torch.autograd.Function):
     def backward(ctx, dy):
         """Gives dS = s·dY·B and dB = s·dYᵀ·S from one pass over dY (`lora_up_bwd`)."""
         s, lora_b, scales = ctx.saved_tensors
-        ds, grad_b = _lora_up_bwd_launch(dy.contiguous(), s, lora_b, scales, ctx.layout,
-                                         scale_db=True)
+        ds, grad_b = lora_up_bwd(dy.contiguous(), s, lora_b, scales, ctx.layout, scale_db=True)
         return ds, grad_b, None, None
 
 

@@ -19,8 +19,8 @@ import torch
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import TileConfig, triton
 from megatron_lorafusion.ops.layout import AdapterLayout
-from megatron_lorafusion.ops.lora_shrink import _lora_shrink_launch
-from megatron_lorafusion.ops.lora_wgrad import _chunk_rows, _lora_wgrad_launch
+from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
 if triton is not None:
     import triton.language as tl
@@ -171,7 +171,7 @@ def lora_up_bwd(
 
 
 def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.Tensor, ...]:
-    """`lora_up_bwd` without the input checks (the autograd functions checked them once)."""
+    """`lora_up_bwd` after its input checks."""
     tokens, width = dy.shape
     rank = s.shape[1]
     block_r = _utils.padded_rank(rank)
@@ -184,7 +184,7 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
         return ds, db.zero_()
 
     def run(cfg: TileConfig) -> None:
-        chunk = _chunk_rows(tokens, width, cfg, dy.device, _PROGRAMS_PER_SM)
+        chunk = _utils.chunk_rows(tokens, width, cfg, dy.device, _PROGRAMS_PER_SM)
         chunks = layout.tiles(chunk, dy.device)
         ranges = layout.tile_ranges(chunk, dy.device)
         col_tiles = _utils.cdiv(width, cfg.block_d)
@@ -215,8 +215,8 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
 
 def _two_pass(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.Tensor, torch.Tensor]:
     """Large ranks: `lora_shrink` over dY for dS, `lora_wgrad` over dY for dB."""
-    ds = _lora_shrink_launch(dy, lora_b.transpose(1, 2), scales, None, layout, 0)  # (T, R)
-    db = _lora_wgrad_launch(dy, s, torch.empty_like(lora_b), None, layout, 0)  # (A, N, R)
+    ds = lora_shrink_fwd(dy, lora_b.transpose(1, 2), scales, None, layout, 0)  # (T, R)
+    db = lora_wgrad_fwd(dy, s, torch.empty_like(lora_b), None, layout, 0)  # (A, N, R)
     if scale_db:
         db.mul_(scales.to(db.dtype)[:, None, None])
     return ds, db

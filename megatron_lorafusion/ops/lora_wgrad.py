@@ -124,18 +124,6 @@ def _hopper_config(key: tuple) -> TileConfig:
     return _TILE_CONFIGS[3] if block_r <= 128 else _TILE_CONFIGS[5]
 
 
-def _chunk_rows(
-    tokens: int, width: int, cfg: TileConfig, device: torch.device, programs_per_sm: int
-) -> int:
-    """Rows per chunk: a multiple of ``block_t`` giving ~``programs_per_sm`` programs per SM."""
-    if device.type != "cuda":
-        return 2 * cfg.block_t  # interpreter: several chunks per adapter
-    sms = _utils.sm_count(device.index)
-    d_tiles = _utils.cdiv(width, cfg.block_d)
-    rows = _utils.cdiv(tokens * d_tiles, programs_per_sm * sms)
-    return max(cfg.block_t, _utils.cdiv(rows, cfg.block_t) * cfg.block_t)
-
-
 def lora_wgrad(
     z: torch.Tensor,
     s: torch.Tensor,
@@ -199,15 +187,25 @@ def lora_wgrad(
         _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils._KERNEL_DTYPES,
                             z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return _lora_wgrad_launch(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset,
+    return lora_wgrad_fwd(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset,
                               mask_d)
 
 
-def _lora_wgrad_launch(
-    z, s, out, dropouts, layout, seed, expand_m=None, expand_out=None, col_offset=0, mask_d=None
+def lora_wgrad_fwd(
+    z: torch.Tensor,
+    s: torch.Tensor,
+    out: torch.Tensor,
+    dropouts: torch.Tensor | None,
+    layout: AdapterLayout,
+    seed: int,
+    expand_m: torch.Tensor | None = None,
+    expand_out: torch.Tensor | None = None,
+    col_offset: int = 0,
+    mask_d: int | None = None,
 ) -> torch.Tensor:
-    """`lora_wgrad` without the input checks (the autograd function checked them once).
+    """Launch the weight gradient on inputs already checked (`lora_wgrad` checks first).
 
+    The autograd functions check their inputs once and call this in backward.
     ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
     """
     tokens, width = z.shape
@@ -220,7 +218,7 @@ def _lora_wgrad_launch(
     ex = expand_out if expand_out is not None else s
 
     def run(cfg: TileConfig) -> None:
-        chunk = _chunk_rows(tokens, width, cfg, z.device, _PROGRAMS_PER_SM)
+        chunk = _utils.chunk_rows(tokens, width, cfg, z.device, _PROGRAMS_PER_SM)
         chunks = layout.tiles(chunk, z.device)
         ranges = layout.tile_ranges(chunk, z.device)
         part = torch.empty(chunks.shape[0], width, block_r, dtype=torch.float32, device=z.device)
