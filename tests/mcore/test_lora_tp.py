@@ -1,7 +1,9 @@
 """TP = 2 LoRA (2 gloo processes) against TP = 1: same loss, same adapter init and gradients.
 
 Column wrappers shard B on N (with the base's partition stride) and replicate A; row
-wrappers shard A on H and replicate B; dropout masks are the TP = 1 masks, sliced.
+wrappers shard A on H and replicate B; dropout masks are the TP = 1 masks, sliced. An adapter
+with per-projection targets (k/v, gate, down) masks the same entries of its stacked B on
+each rank's query groups and [gate | up] halves as at TP = 1.
 """
 
 import dataclasses
@@ -16,12 +18,15 @@ from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, r
 # dtype -> tolerances; TP splits sums over H (row) and vocab (loss) into per-rank partials.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 TP = 2
-SAMPLES = ([0, 0, 2], [6, 9, 5])  # adapter 1 absent
+SAMPLES = ([0, 0, 2, 3], [6, 9, 5, 7])  # adapter 1 absent
 ADAPTERS_WITH_DROPOUT = [
     dataclasses.replace(ADAPTERS[0], dropout=0.2),
     ADAPTERS[1],
     dataclasses.replace(ADAPTERS[2], dropout=0.1),
+    dataclasses.replace(ADAPTERS[0], name="a3", rank=3, dropout=0.1,
+                        target_modules=["k_proj", "v_proj", "gate_proj", "down_proj"]),
 ]
+NUM = len(ADAPTERS_WITH_DROPOUT)
 
 
 def _shard(name: str, full: torch.Tensor, rank: int, strides: dict[str, int]) -> torch.Tensor:
@@ -37,7 +42,7 @@ def _shard(name: str, full: torch.Tensor, rank: int, strides: dict[str, int]) ->
 
 
 def _batch():
-    batch = make_packed_batch(*SAMPLES, 3, seed=8, dropout_seed=3)
+    batch = make_packed_batch(*SAMPLES, NUM, seed=8, dropout_seed=3)
     return batch, torch.roll(batch.input_ids, -1, dims=1)
 
 
@@ -102,13 +107,13 @@ def test_tp2_lora_matches_tp1(megatron_single_process, tmp_path):
 
     model = build_gpt_model(TINY).train()  # training mode: LoRA dropout on
     context = apply_lora(model, ADAPTERS_WITH_DROPOUT, seed=4)
-    init = [context.adapter_state_dict(a) for a in range(3)]
+    init = [context.adapter_state_dict(a) for a in range(NUM)]
     randomize_lora_b(context, seed=5)  # non-zero B: every factor matters and gets gradients
-    trained = [context.adapter_state_dict(a) for a in range(3)]
+    trained = [context.adapter_state_dict(a) for a in range(NUM)]
     batch, labels = _batch()
     loss = run_model(model, context, batch, labels=labels)
     loss.sum().backward()
-    grads = [{n: g.clone() for n, g in context.adapter_grads(a).items()} for a in range(3)]
+    grads = [{n: g.clone() for n, g in context.adapter_grads(a).items()} for a in range(NUM)]
     torch.save(
         dict(init=init, trained=trained, loss=loss.detach(), grads=grads), tmp_path / "tp1.pt"
     )
