@@ -2,8 +2,8 @@
 
 Run as ``python -m scripts.bench_kernels`` (``--quick`` for one shape, ``--csv PATH`` to append
 rows). Forward + backward, W frozen, bf16, r = 16. Prints markdown tables headed by the GPU
-name and the torch / triton versions; docs/kernels.md quotes them. The GEMM of design (a) is
-benchmarked alone by the bench_lora_gemm study (docs/kernels.md).
+name and the torch / triton versions; docs/kernels.md quotes them. The TMA GEMM alone was
+benchmarked by the bench_lora_gemm study (in git history, see docs/kernels.md).
 """
 
 import argparse

@@ -1,14 +1,15 @@
 """Triton GEMM with the LoRA term in its epilogue: ``out = Z·Wop + drop_a(S·M_a) + b``.
 
-Design (a) of issue 3 (LoRAFusion, arXiv 2510.00206, Sec. 4.1): the frozen product and the
+LoRAFusion's fused up-projection (arXiv 2510.00206, Sec. 4.1): the frozen product and the
 LoRA up-projection in one kernel, so the (T, D) output is written once. M-tiles come from
 `AdapterLayout.tiles` (each tile inside one adapter's segment), so the epilogue reads a
 single adapter's ``M_a`` and dropout. Forward: ``Z = X``, ``Wop = Wᵀ``, ``S = S'``,
 ``M = Bᵀ``; backward: ``Z = dY``, ``Wop = W``, ``S = dS'``, ``M = A`` with dropout.
 
-Two kernels compute the same function (docs/kernels.md, sections (a) and (a2)):
+Two kernels compute the same function (docs/kernels.md has their H200 numbers):
 
-- ``"plain"``: one program per output tile, operands through masked pointer loads.
+- ``"plain"``: one program per output tile, operands through masked pointer loads; the
+  kernel off Hopper and for rows TMA cannot describe.
 - ``"tma"``: Hopper-style. Z, W and the output go through TMA tensor descriptors (host-side
   ``TensorDescriptor``, present in triton 3.6 and 3.8); a persistent grid of one program per
   SM walks the tiles in grouped order; the epilogue runs on column sub-tiles so the LoRA
@@ -255,8 +256,9 @@ class TmaConfig(NamedTuple):
                 f"s{self.num_stages} e{self.epi_split}{extra}")
 
 
-# The TMA kernel's sweep (timed on the H200 by the bench_lora_gemm study, docs/kernels.md); the
-# first entry is the interpreter's (small blocks, several programs per SM-loop).
+# The TMA kernel's sweep (timed on the H200 by the bench_lora_gemm study, docs/kernels.md,
+# "Design choices"); the first entry is the interpreter's (small blocks, several programs per
+# SM-loop).
 _TMA_TILE_CONFIGS = [
     TmaConfig(16, 32, 16, 4, 1, 2),
     TmaConfig(128, 256, 64, 8, 3, 2),
@@ -271,7 +273,7 @@ _TMA_TILE_CONFIGS = [
 ]
 # Hopper's TMA tiles for 2-byte dtypes, keyed by (W read by rows, i.e. the forward's Wᵀ;
 # dropout epilogue): the best of the sweep summed over (16384, 4096, 14336) and
-# (16384, 14336, 4096) on the H200 (docs/kernels.md, section (a2)).
+# (16384, 14336, 4096) on the H200 (docs/kernels.md, "Design choices").
 _TMA_HOPPER = {
     (True, False): _TMA_TILE_CONFIGS[1],
     (True, True): _TMA_TILE_CONFIGS[1],

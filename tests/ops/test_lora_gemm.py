@@ -1,4 +1,4 @@
-"""`lora_gemm` (design (a): Triton GEMM with the LoRA term in its epilogue) against
+"""`lora_gemm` (the Triton GEMM with the LoRA term in its epilogue) against
 `lora_gemm_ref`, both kernels (plain pointer loads; TMA descriptors, persistent), both operand
 layouts (forward ``Wᵀ``, backward ``W``).
 
