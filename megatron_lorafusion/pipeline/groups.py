@@ -33,6 +33,8 @@ class PipelineGroups:
         forward_group: the pipeline's ranks, carrying activations (None when ``S == 1``).
         backward_group: the pipeline's ranks, carrying activation gradients.
         dp_group: this stage's data-parallel replicas (adapter gradients, losses).
+        norm_group: the pipeline's ranks, summing adapters' squared gradient norms over the
+            stages (all-reduces issued in step order; None when ``S == 1``).
     """
 
     stage: int
@@ -45,6 +47,7 @@ class PipelineGroups:
     forward_group: dist.ProcessGroup | None
     backward_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    norm_group: dist.ProcessGroup | None = None
 
     @property
     def is_first(self) -> bool:
@@ -87,13 +90,13 @@ def make_pipeline_groups(
     if rank not in pp_ranks or rank not in dp_ranks:
         raise RuntimeError(f"rank {rank} is not in its own groups pp={pp_ranks} dp={dp_ranks}")
     timeout = timedelta(seconds=timeout_s)
-    forward_group = backward_group = dp_group = None
+    forward_group = backward_group = norm_group = dp_group = None
     # new_group is collective over the world: every rank creates every group, same order.
     for ranks in _groups_of_all_ranks(pp_ranks):
-        fwd = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
-        bwd = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
+        fwd, bwd, norm = (dist.new_group(list(ranks), timeout=timeout,
+                                         use_local_synchronization=False) for _ in range(3))
         if ranks == tuple(pp_ranks):
-            forward_group, backward_group = fwd, bwd
+            forward_group, backward_group, norm_group = fwd, bwd, norm
     for ranks in _groups_of_all_ranks(dp_ranks):
         group = dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
         if ranks == tuple(dp_ranks):
@@ -110,6 +113,7 @@ def make_pipeline_groups(
         forward_group=forward_group if num_stages > 1 else None,
         backward_group=backward_group if num_stages > 1 else None,
         dp_group=dp_group,
+        norm_group=norm_group if num_stages > 1 else None,
     )
 
 

@@ -12,6 +12,13 @@ asynchronously, and steps them (one fused launch) just before the next forward t
 one of them (or at the end). Loss denominators count the whole global batch, so the sum
 equals a one-process run.
 
+Gradient clipping (and the logged gradient norm) needs each adapter's norm over every stage:
+at the step action each stage computes its squared norms (after the DP sum, over its TP
+peers) and starts an all-reduce of them over the pipeline's ``norm_group``; every stage
+issues these in the same order (its table's step actions, in microbatch order), and steps the
+group once the sum is in, at the latest before the next forward that reads one of its
+adapters (the bubble lemma leaves ``S - 1`` microbatches of other work in between).
+
 A call drains the pipeline at its end and completes every pending step, so a run may be cut
 into consecutive calls (segments, for checkpoints): gradients of a global batch that
 straddles the cut stay in the gradient table and its partial loss in
@@ -68,8 +75,18 @@ class AdapterRun(Protocol):
 class AdapterOptimizer(Protocol):
     """What the runner needs of the adapters' optimizer (`train.optim.AdapterAdamW`)."""
 
-    def step(self, adapter_ids: Iterable[int]) -> None:
-        """Step these adapters (their rows of the gradient table) and zero their gradients."""
+    def needs_norms(self, adapter_ids: Iterable[int]) -> bool:
+        """A step of these adapters reads gradient norms (same answer on every rank)."""
+
+    def squared_norms(self) -> torch.Tensor:
+        """(A,) squared gradient norms of this rank's rows (summed over its TP peers)."""
+
+    def step(self, adapter_ids: Iterable[int], *,
+             squared_norms: torch.Tensor | None = None) -> None:
+        """Step these adapters (their rows of the gradient table) and zero their gradients.
+
+        ``squared_norms``: (A,) over every stage, when the step reads norms under PP > 1.
+        """
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of the adapter's next step."""
@@ -124,6 +141,8 @@ class _PendingStep:
     sums: torch.Tensor  # (k,) float64 this replica's loss sums, on the device
     work: dist.Work | None = None
     bucket: torch.Tensor | None = None  # (k·S + k,) gradient rows, then the loss sums
+    norms: torch.Tensor | None = None  # (A,) squared gradient norms, summed over the stages
+    norm_work: dist.Work | None = None
 
 
 @dataclass
@@ -325,14 +344,38 @@ class _Runner:
         self.state.loss_sums.index_fill_(0, rows, 0.0)
         for a in group.adapters:
             self.state.pending[a] = group
-        if self.g.dp_size == 1:
+        if self.g.dp_size > 1:
+            # One bucket per step group: the finishing adapters' gradient rows (zeros where
+            # this replica saw none of their tokens) and loss sums, summed while work runs.
+            group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1),
+                                      group.sums.to(self.grads.dtype)])
+            group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
+        if self.g.num_stages > 1 and self.optimizer.needs_norms(group.adapters):
+            self._reduce_norms(group)
+        elif self.g.dp_size == 1:
             self._finish_step(group.adapters[0])
+
+    def _reduce_norms(self, group: _PendingStep) -> None:
+        """Start the sum over stages of the squared norms (issued here, in step order).
+
+        Issued at once, never when the step is due: a stage that waits for a sum its peer
+        has not issued yet, while the peer waits for that stage's activations, would hang.
+        Under DP the norms are of the replicas' summed gradients, so the bucket is waited
+        for first (DP replicas reach this step at the same action).
+        """
+        self._receive_bucket(group)
+        group.norms = self.optimizer.squared_norms()
+        group.norm_work = dist.all_reduce(group.norms, group=self.g.norm_group, async_op=True)
+
+    def _receive_bucket(self, group: _PendingStep) -> None:
+        """Wait for a step group's DP sum and copy its gradient rows and loss sums back."""
+        if group.work is None:
             return
-        # One bucket per step group: the finishing adapters' gradient rows (zeros where this
-        # replica saw none of their tokens) and loss sums, summed while other work runs.
-        group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1),
-                                  group.sums.to(self.grads.dtype)])
-        group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
+        group.work.wait()
+        group.work = None
+        count = len(group.adapters)
+        self.grads.index_copy_(0, group.rows, group.bucket[:-count].view(count, -1))
+        group.sums = group.bucket[-count:]
 
     def _finish_step(self, a: int) -> None:
         """Complete the step group holding adapter ``a`` (all its adapters step now)."""
@@ -341,16 +384,13 @@ class _Runner:
             del self.state.pending[b]
         start = time.perf_counter()
         gpu_start = self._gpu_mark()
-        sums = group.sums
-        if group.work is not None:
-            group.work.wait()
-            count = len(group.adapters)
-            self.grads.index_copy_(0, group.rows, group.bucket[:-count].view(count, -1))
-            sums = group.bucket[-count:]
-        losses = sums.tolist()
+        self._receive_bucket(group)
+        if group.norm_work is not None:
+            group.norm_work.wait()
+        losses = group.sums.tolist()
         if self.g.is_last:  # only the last stage has the losses: it stops every rank
             self.optimizer.check_losses(dict(zip(group.adapters, losses, strict=True)))
-        self.optimizer.step(group.adapters)
+        self.optimizer.step(group.adapters, squared_norms=group.norms)
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
         for b, loss in zip(group.adapters, losses, strict=True):
             run = self.adapters[b]

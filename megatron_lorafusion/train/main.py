@@ -178,15 +178,12 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
 def _clipping(cfg: JobConfig, sizes: dict[str, int], groups, held, lora) -> dict:
     """`AdapterAdamW`'s norm keyword for this layout; refuses what is not implemented yet.
 
+    The keyword sums over TP shards; the pipeline runner sums the result over the stages.
+
     Raises:
-        NotImplementedError: clipping under PP > 1 (the norm would need every stage at each
-            step of a stream without flushes), evaluation of a pipelined run, or early
-            stopping under TP > 1 (issue 16).
+        NotImplementedError: evaluation of a pipelined run, or early stopping under TP > 1
+            (issue 16).
     """
-    if sizes["pp"] > 1 and any(a.max_grad_norm > 0 for a in cfg.adapters):
-        raise NotImplementedError(
-            f"gradient clipping across pipeline stages is not implemented (parallel.pp="
-            f"{sizes['pp']}); set max_grad_norm: 0 on every adapter, or run with pp=1")
     if groups is not None and cfg.train.eval_every > 0 and any(held):
         raise NotImplementedError("evaluation (train.eval_every) is not implemented for "
                                   "pipelined or data-parallel runs; set train.eval_every: 0")
@@ -216,12 +213,12 @@ def _metrics_records(out: Path) -> list[dict]:
 
 
 def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: AdapterAdamW,
-                session, sizes: dict[str, int]):
+                session):
     """``(on_step, on_microbatch)``: metrics per step; evaluations before each checkpoint."""
 
     def on_step(a: int, run: AdapterRun) -> None:
         stopped = a in optimizer.stopped
-        norm = None if stopped or sizes["pp"] > 1 or not metrics.enabled else optimizer.grad_norm(a)
+        norm = None if stopped or not metrics.enabled else optimizer.grad_norm(a)
         metrics.log_step(a, run.step, loss=run.losses[-1],
                          lr=0.0 if stopped else optimizer.last_lr[a], grad_norm=norm,
                          tokens=run.batch_tokens[run.step - 1])
@@ -323,7 +320,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
             lora, optimizer, metrics.log_eval, is_writer)
         if first:
             evaluator.restore(_metrics_records(out), [run.step for run in runs])
-        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, sizes)
+        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session)
         model.train()
         agree = None if sizes["world"] == 1 else _plans_agree
         try:

@@ -130,11 +130,34 @@ class AdapterAdamW:
             self.steps[adapter_id], self.total_steps[adapter_id], adapter
         )
 
-    def step(self, adapter_ids: Iterable[int]) -> None:
+    def needs_norms(self, adapter_ids: Iterable[int]) -> bool:
+        """A `step` of these adapters reads gradient norms (clipping or tracking).
+
+        Depends on the configs only (not on ``stopped``), so every rank of a model-parallel
+        run answers the same and issues the same collectives.
+        """
+        return self._track_grad_norms or any(
+            self.adapters[a].max_grad_norm > 0 for a in adapter_ids)
+
+    def squared_norms(self) -> torch.Tensor:
+        """(A,) fp32 squared gradient norms of every row, over this rank's model-parallel peers.
+
+        The ``squared_norms`` hook (a TP all-reduce under TP): a pipeline stage sums the
+        result over its stages and passes it to `step`.
+        """
+        return self._squared_norms(self.lora.grads)
+
+    def step(self, adapter_ids: Iterable[int], *,
+             squared_norms: torch.Tensor | None = None) -> None:
         """Clip and step the given adapters (one launch) and zero their gradients.
 
         The other adapters' weights, moments and accumulated gradients are left untouched;
         stopped adapters' gradients are zeroed without a step.
+
+        Args:
+            adapter_ids: the adapters whose global batch is done.
+            squared_norms: (A,) their squared gradient norms when already computed (summed
+                over pipeline stages by the runner); None: the ``squared_norms`` hook's.
         """
         stepping = set(adapter_ids)
         for a in stepping & self.stopped:
@@ -142,7 +165,7 @@ class AdapterAdamW:
         stepping -= self.stopped
         if not stepping:
             return
-        self._clip(stepping)
+        self._clip(stepping, squared_norms)
         rows = []
         for a in range(self.lora.num_adapters):
             if a not in stepping:
@@ -168,14 +191,14 @@ class AdapterAdamW:
         for a in stepping:
             self.steps[a] += 1
 
-    def _clip(self, stepping: set[int]) -> None:
+    def _clip(self, stepping: set[int], squared: torch.Tensor | None) -> None:
         """Norms of every row; rows of clipping adapters about to step scaled to their max."""
         grads = self.lora.grads
         clipping = any(self.adapters[a].max_grad_norm > 0 for a in stepping)
         if not (clipping or self._track_grad_norms):
             self._norms, self._norms_host = None, None
             return
-        norms = self._squared_norms(grads).sqrt()  # (A,)
+        norms = (self.squared_norms() if squared is None else squared).sqrt()  # (A,)
         self._norms, self._norms_host = norms, norms.tolist()
         for a in sorted(stepping):  # never step on a NaN/inf gradient
             if not math.isfinite(self._norms_host[a]):

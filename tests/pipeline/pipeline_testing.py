@@ -34,8 +34,7 @@ MODEL = ModelConfig(
 # Learning rates of 1e-3..2e-3: Adam turns the fp32 reordering of TP's partial sums into
 # weight differences proportional to lr; at 10x these rates TP = 2 against one process measured
 # 0.3-2.8x the 1e-5 tolerance over seeds 7-11 (0.04-0.17x here), while a wrong gradient still
-# moves the weights by ~lr per step. Clipping off: these optimizers see one stage's or one TP
-# rank's factors (the clipped norm across ranks is `train.main`'s, TP only; issue 16).
+# moves the weights by ~lr per step. Clipping off here; `adapters_for(dp, clip=True)` turns it on.
 ADAPTERS = [
     AdapterConfig(name="a0", rank=4, alpha=8.0, lr=2e-3, global_batch_size=2, max_grad_norm=0.0),
     AdapterConfig(name="a1", rank=2, alpha=4.0, lr=2e-3, global_batch_size=3,
@@ -47,14 +46,35 @@ ADAPTERS = [
 STEPS = 3  # optimizer steps of every adapter
 
 
-def adapters_for(dp: int) -> list:
+# Gradient norms of the 3 steps: a0 0.37-0.42 (with or without dropout), a2 1.11-1.21; both
+# are clipped at every step (AdamW is nearly invariant to a constant gradient scale, so the
+# weights move by what the coefficients' variation makes of it). Tests also compare the norms.
+CLIP_NORMS = (0.2, 0.0, 0.5)
+
+
+def _recording_norms(optimizer, num_adapters: int):
+    """``(norms, on_step)``: per adapter, the gradient norm of each step (NaN: not computed)."""
+    norms = [[] for _ in range(num_adapters)]
+
+    def on_step(a, run):
+        norms[a].append(optimizer.grad_norm(a))
+
+    return norms, on_step
+
+
+def adapters_for(dp: int, clip: bool = False) -> list:
     """`ADAPTERS`, with LoRA dropout on adapter 0 unless DP moves samples between rows.
 
     Dropout masks are keyed by (microbatch, packed row); a DP share packs other rows.
+    ``clip`` sets each adapter's ``max_grad_norm`` from `CLIP_NORMS`.
     """
+    adapters = ADAPTERS
+    if clip:
+        adapters = [dataclasses.replace(a, max_grad_norm=m)
+                    for a, m in zip(adapters, CLIP_NORMS, strict=True)]
     if dp > 1:
-        return ADAPTERS
-    return [dataclasses.replace(ADAPTERS[0], dropout=0.1), *ADAPTERS[1:]]
+        return adapters
+    return [dataclasses.replace(adapters[0], dropout=0.1), *adapters[1:]]
 CAPACITY = 40  # tokens per microbatch
 SEED = 7
 
@@ -106,12 +126,12 @@ def make_batch_fn(job: Job, num_adapters: int, pad_to_multiple: int = 1):
     return make_batch
 
 
-def build_adapter_runs(lora, job: Job, adapters=ADAPTERS):
-    """Per adapter its `AdapterRun`, and the adapters' `AdapterAdamW`."""
+def build_adapter_runs(lora, job: Job, adapters=ADAPTERS, **norms):
+    """Per adapter its `AdapterRun`, and the adapters' `AdapterAdamW` (``norms``: its hook)."""
     from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 
     runs = [AdapterRun(adapter.name, job.batch_tokens[a]) for a, adapter in enumerate(adapters)]
-    return runs, AdapterAdamW(lora, adapters, [STEPS] * len(adapters))
+    return runs, AdapterAdamW(lora, adapters, [STEPS] * len(adapters), **norms)
 
 
 def reference_run(job: Job, adapters=ADAPTERS) -> dict:
@@ -129,10 +149,11 @@ def reference_run(job: Job, adapters=ADAPTERS) -> dict:
         return model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
                      packed_seq_params=packed_seq_params(batch.layout)).float()
 
+    norms, on_step = _recording_norms(optimizer, len(adapters))
     run_plan(job.microbatches, forward, make_batch_fn(job, len(adapters)), runs, optimizer,
-             progress_bar=False)
+             progress_bar=False, on_step=on_step)
     return {"states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
-            "losses": [run.losses for run in runs]}
+            "losses": [run.losses for run in runs], "norms": norms}
 
 
 def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
@@ -158,20 +179,31 @@ def close_world() -> None:
 
 def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
                 sequence_parallel: bool = False):
-    """This rank's stage model, LoRA, ``(adapter runs, optimizer)`` and pipeline groups."""
+    """This rank's stage model, LoRA, ``(adapter runs, optimizer)`` and pipeline groups.
+
+    Under TP the optimizer's norms sum over the TP group (as `train.main` sets it up).
+    """
+    from megatron.core import parallel_state
+
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
     from megatron_lorafusion.pipeline import make_pipeline_groups
+    from megatron_lorafusion.train.optim import tensor_parallel_squared_norms
 
     groups = make_pipeline_groups(*pipeline_and_data_ranks(), timeout_s)
     model = build_gpt_model(MODEL, pre_process=groups.is_first, post_process=groups.is_last,
                             sequence_parallel=sequence_parallel).train()
     lora = apply_lora(model, adapters, seed=SEED)
-    return model, lora, build_adapter_runs(lora, job, adapters), groups
+    norms = {}
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        norms["squared_norms"] = tensor_parallel_squared_norms(
+            lora, parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
+    return model, lora, build_adapter_runs(lora, job, adapters, **norms), groups
 
 
 def run_stage(job: Job, model, lora, training, groups, adapters=ADAPTERS, make_batch=None,
-              sequence_shards: int = 1, defer_wgrad: bool = False):
+              sequence_shards: int = 1, defer_wgrad: bool = False, on_step=None):
     """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP.
 
     ``training`` is `build_adapter_runs`'s ``(runs, optimizer)``.
@@ -190,14 +222,15 @@ def run_stage(job: Job, model, lora, training, groups, adapters=ADAPTERS, make_b
                         global_batch_sizes=[a.global_batch_size for a in adapters],
                         hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
                         device="cpu", sequence_shards=sequence_shards,
-                        wgrad_queue=lora.wgrad_queue)
+                        wgrad_queue=lora.wgrad_queue, on_step=on_step)
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
-    """Train the job once per ``(name, tp, pp, sp, defer_wgrad)`` case on one rank of a world.
+    """Train the job once per ``(name, tp, pp, sp, defer_wgrad, clip)`` case on one rank.
 
     ``sp`` turns on sequence parallelism (microbatches padded to a multiple of ``tp``);
-    ``defer_wgrad`` defers LoRA A's weight gradients into idle time (zero-bubble).
+    ``defer_wgrad`` defers LoRA A's weight gradients into idle time (zero-bubble); ``clip``
+    clips gradient norms (`CLIP_NORMS`).
 
     Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
@@ -208,25 +241,27 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     from megatron_lorafusion.mcore.parallel import parallel_sizes
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp, sp, defer_wgrad in cases:
+    for name, tp, pp, sp, defer_wgrad, clip in cases:
         casedir = os.path.join(workdir, name)
         os.makedirs(casedir, exist_ok=True)
         init_world(rank, world, casedir, tp, pp)
         try:
             job = make_job(pp)
-            adapters = adapters_for(world // (tp * pp))
+            adapters = adapters_for(world // (tp * pp), clip)
             with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
                 model, lora, training, groups = build_stage(job, adapters, sequence_parallel=sp)
                 modes = {w.sequence_parallel for w in lora.wrappers.values()}
                 assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
+                norms, on_step = _recording_norms(training[1], len(adapters))
                 run_stage(job, model, lora, training, groups, adapters,
-                          sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad)
+                          sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad,
+                          on_step=on_step)
             sizes = parallel_sizes()
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])
             if rank == 0:
-                torch.save({"states": states, "losses": [r.losses for r in training[0]]},
-                           os.path.join(casedir, "result.pt"))
+                torch.save({"states": states, "losses": [r.losses for r in training[0]],
+                            "norms": norms}, os.path.join(casedir, "result.pt"))
         except Exception:
             with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())

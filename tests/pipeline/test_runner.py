@@ -4,7 +4,8 @@ After ``STEPS`` optimizer steps of 3 adapters with global batch sizes 2, 3 and 5
 adapter factor must equal the single-stage loop's, whatever the TP × PP × DP split, with
 or without sequence parallelism (which pads microbatches to a multiple of TP with a loss-free
 sample; the one-process run packs none). LoRA dropout is on for one adapter where DP does
-not move samples between packed rows.
+not move samples between packed rows. The ``_clip`` cases clip two adapters' gradient norms,
+which must span every stage and TP shard as in one process.
 """
 
 import pytest
@@ -27,10 +28,13 @@ CASES = {"pp2": (1, 2, 1, False), "dp2": (1, 1, 2, False), "tp2": (2, 1, 1, Fals
          "tp2sp": (2, 1, 1, True), "pp4": (1, 4, 1, False), "pp2xdp2": (1, 2, 2, False),
          "tp2xpp2": (2, 2, 1, False), "tp2xpp2sp": (2, 2, 1, True),
          "tp2xdp2sp": (2, 1, 2, True), "pp4_defer_wgrad": (1, 4, 1, False),
-         "tp2xpp2_defer_wgrad": (2, 2, 1, False)}
+         "tp2xpp2_defer_wgrad": (2, 2, 1, False), "pp2_clip": (1, 2, 1, False),
+         "pp2xdp2_clip": (1, 2, 2, False), "tp2_clip": (2, 1, 1, False),
+         "tp2xpp2_clip": (2, 2, 1, False)}
 # Cases that defer LoRA A's weight gradients (zero-bubble); with TP the row wrappers' deferred
 # dA draws its mask columns at the shard's offset.
 DEFER_WGRAD = {"pp4_defer_wgrad", "tp2xpp2_defer_wgrad"}
+CLIP = {name for name in CASES if name.endswith("_clip")}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,8 @@ def parallel_runs(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("parallel")
     by_world: dict[int, list] = {}
     for name, (tp, pp, dp, sp) in CASES.items():
-        by_world.setdefault(tp * pp * dp, []).append((name, tp, pp, sp, name in DEFER_WGRAD))
+        by_world.setdefault(tp * pp * dp, []).append(
+            (name, tp, pp, sp, name in DEFER_WGRAD, name in CLIP))
     for world, cases in by_world.items():
         mp.spawn(parallel_worker, args=(world, str(workdir), cases), nprocs=world, join=True)
     return workdir
@@ -52,19 +57,35 @@ def test_parallel_run_matches_one_process(megatron_single_process, parallel_runs
     casedir = parallel_runs / case
     errors = sorted(casedir.glob("error_*.txt"))
     assert not errors, "a worker failed:\n" + "\n".join(p.read_text() for p in errors)
-    adapters = adapters_for(dp)
+    adapters = adapters_for(dp, case in CLIP)
     expected = reference_run(make_job(pp), adapters)
     result = torch.load(casedir / "result.pt")
     for a, adapter in enumerate(adapters):
         assert result["losses"][a] == pytest.approx(expected["losses"][a], rel=1e-5), (
             f"adapter {adapter.name}: step losses differ at tp={tp} pp={pp} dp={dp} sp={sp}"
         )
+        if case in CLIP and adapter.max_grad_norm > 0:  # norms over every stage and TP shard
+            assert result["norms"][a] == pytest.approx(expected["norms"][a], rel=1e-5), (
+                f"adapter {adapter.name}: gradient norms differ at {case}")
         assert result["states"][a].keys() == expected["states"][a].keys()
         for name, value in expected["states"][a].items():
             torch.testing.assert_close(
                 result["states"][a][name], value, **TOL[torch.float32],
                 msg=f"adapter {adapter.name} {name} after training at {case}",
             )
+
+
+def test_clip_cases_clip(megatron_single_process):
+    """The clipped job trains other weights than the unclipped one (clipping acts)."""
+    job = make_job(2)
+    clipped, plain = (reference_run(job, adapters_for(2, clip)) for clip in (True, False))
+    for a in (0, 2):
+        moved = max((clipped["states"][a][n] - v).abs().max().item()
+                    for n, v in plain["states"][a].items())
+        assert moved > 10 * TOL[torch.float32]["atol"], f"adapter {a}: clipping moved {moved}"
+    for name, value in plain["states"][1].items():
+        torch.testing.assert_close(clipped["states"][1][name], value, atol=0, rtol=0,
+                                   msg=f"adapter a1 (max_grad_norm 0) {name} changed")
 
 
 def test_sequence_parallel_cases_pad_odd_microbatches():

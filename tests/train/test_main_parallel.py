@@ -2,7 +2,8 @@
 
 DP = 2 and TP = 2 (sequence parallelism on, the default: microbatches padded to even
 lengths, Megatron's SP collectives on gloo) run the one-process plan, so their exported
-weights must match; PP = 2 plans for two stages (another stream), so it must export every
+weights must match, gradient clipping included (its norm spans the replicas' summed
+gradients and the TP shards); PP = 2 plans for two stages (another stream), so it must export every
 layer of every adapter, trained. (Weight equality under PP is `tests/pipeline/test_runner.py`'s,
 on a shared plan.) At PP = 2, full activation recompute must export the weights of none.
 """
@@ -36,9 +37,8 @@ def _job(tmp_path, out: str, *, recompute: str = "selective", dropout: float = 0
         path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
         adapters.append({"name": task, "rank": 4 + 2 * i, "alpha": 8, "lr": 1e-2,
                          "dropout": dropout, "global_batch_size": gbs,
-                         "dataset": {"path": str(path)}})
-        if parallel.get("pp", 1) > 1:  # clipping across stages is not implemented (issue 16)
-            adapters[-1]["max_grad_norm"] = 0.0
+                         "dataset": {"path": str(path)},
+                         "max_grad_norm": 0.5})  # clips: norms span every rank's factors
     job = {"model": {"preset": "tiny", "num_layers": 2, "hidden_size": 64,
                      "ffn_hidden_size": 128},
            "adapters": adapters, "data": {"max_seq_length": 48},
