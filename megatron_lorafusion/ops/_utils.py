@@ -25,8 +25,7 @@ except ImportError:  # pragma: no cover - triton is a hard dependency of the CUD
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads (microbatch, layer) seeds apart
 _MAX_RANK = 256  # largest padded rank the kernels keep in registers
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def interpreter_enabled() -> bool:

@@ -29,7 +29,7 @@ from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_kernel_runs
-from megatron_lorafusion.ops.lora_linear import InputRebuild, _save_input, _saved_input
+from megatron_lorafusion.ops.lora_linear import InputRebuild, save_input, saved_input
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
@@ -52,7 +52,7 @@ def _resolve_design(design: str, x: torch.Tensor, weight: torch.Tensor) -> str:
 
 
 def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
-    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils._KERNEL_DTYPES, x.device)
+    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils.KERNEL_DTYPES, x.device)
     tokens, hidden = x.shape
     _utils.check_tensor("weight", weight, (None, hidden), (x.dtype,), x.device)
     out = weight.shape[0]
@@ -61,7 +61,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
     rank = lora_a.shape[1]
     _utils.check_tensor("lora_b", lora_b, (layout.num_adapters, out, rank), (x.dtype,), x.device)
     if bias is not None:
-        _utils.check_tensor("bias", bias, (out,), _utils._KERNEL_DTYPES, x.device)
+        _utils.check_tensor("bias", bias, (out,), _utils.KERNEL_DTYPES, x.device)
     _utils.padded_rank(rank)
 
 
@@ -84,7 +84,7 @@ class LoRALinearFunction(torch.autograd.Function):
         else:
             y = lora_expand_fwd(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
-        ctx.save_for_backward(*_save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
+        ctx.save_for_backward(*save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
                               dropouts)
         ctx.layout = layout
         ctx.seed = seed
@@ -99,7 +99,7 @@ class LoRALinearFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         count = ctx.num_input_tensors
         weight, lora_a, lora_b, s, scales, dropouts = saved[count:]
-        x = _saved_input(ctx, saved[:count])  # (T, H), rebuilt from its sources if they were saved
+        x = saved_input(ctx, saved[:count])  # (T, H), rebuilt from its sources if they were saved
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
         # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s).

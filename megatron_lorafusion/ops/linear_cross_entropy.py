@@ -171,7 +171,7 @@ def linear_cross_entropy(
         ValueError: on shape, dtype, device or contiguity mismatch (names the tensor).
         NotImplementedError: when ``weight`` requires a gradient (the output layer is frozen).
     """
-    _utils.check_tensor("hidden", hidden, (None, None), _utils._KERNEL_DTYPES, hidden.device)
+    _utils.check_tensor("hidden", hidden, (None, None), _utils.KERNEL_DTYPES, hidden.device)
     tokens, width = hidden.shape
     _utils.check_tensor("weight", weight, (None, width), (hidden.dtype,), hidden.device)
     _utils.check_tensor("labels", labels, (tokens,), (torch.int64,), hidden.device)

@@ -112,7 +112,7 @@ def lora_expand(
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
-    _utils.check_tensor("s", s, (layout.num_tokens, None), _utils._KERNEL_DTYPES, s.device)
+    _utils.check_tensor("s", s, (layout.num_tokens, None), _utils.KERNEL_DTYPES, s.device)
     rank = s.shape[1]
     adapters = layout.num_adapters
     if m.dim() != 3 or m.shape[0] != adapters or m.shape[1] != rank:
@@ -123,7 +123,7 @@ def lora_expand(
         raise ValueError(f"m is {m.dtype} on {m.device}, expected {s.dtype} on {s.device}")
     width = m.shape[2]
     if bias is not None:
-        _utils.check_tensor("bias", bias, (width,), _utils._KERNEL_DTYPES, s.device)
+        _utils.check_tensor("bias", bias, (width,), _utils.KERNEL_DTYPES, s.device)
     if scales is not None:
         _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
     _utils.check_dropouts(dropouts, adapters, s.device)

@@ -368,7 +368,7 @@ def _launch_tma(z, w, s, m, bias, dropouts, layout, seed, out, cfg: TmaConfig, c
 
 
 def _check_inputs(z, w, s, m, layout) -> None:
-    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
+    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils.KERNEL_DTYPES, z.device)
     inner = z.shape[1]
     if w.dim() != 2 or w.shape[0] != inner or w.dtype != z.dtype or w.device != z.device:
         raise ValueError(

@@ -40,7 +40,9 @@ class InputRebuild:
     sources: tuple[torch.Tensor, ...]
 
 
-def _save_input(ctx, x: torch.Tensor, rebuild: InputRebuild | None) -> tuple[torch.Tensor, ...]:
+def save_input(
+    ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, rebuild: InputRebuild | None
+) -> tuple[torch.Tensor, ...]:
     """What an autograd function saves for X: X, or the (detached) sources that rebuild it."""
     ctx.rebuild_fn = None if rebuild is None else rebuild.fn
     ctx.input_meta = (tuple(x.shape), x.dtype, x.is_contiguous())
@@ -48,8 +50,10 @@ def _save_input(ctx, x: torch.Tensor, rebuild: InputRebuild | None) -> tuple[tor
     return (x,) if rebuild is None else tuple(t.detach() for t in rebuild.sources)
 
 
-def _saved_input(ctx, saved: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """X back from what `_save_input` saved (rebuilt without autograd when sources were saved).
+def saved_input(
+    ctx: torch.autograd.function.FunctionCtx, saved: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """X back from what `save_input` saved (rebuilt without autograd when sources were saved).
 
     Raises:
         RuntimeError: when the rebuilt X has another shape or dtype than the forward's.

@@ -119,7 +119,7 @@ def lora_shrink(
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     width = z.shape[1] if z.dim() == 2 else -1
-    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
+    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils.KERNEL_DTYPES, z.device)
     adapters = layout.num_adapters
     if m.dim() != 3 or m.shape[0] != adapters or m.shape[2] != width:
         raise ValueError(

@@ -23,11 +23,11 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_linear import (
     InputRebuild,
-    _save_input,
-    _saved_input,
     dropout_keep_mask,
     lora_down_ref,
     lora_up_ref,
+    save_input,
+    saved_input,
 )
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
@@ -47,7 +47,7 @@ class LoRADownFunction(torch.autograd.Function):
         """``ones``: (A,) fp32 ones (the shrink's scale); ``dropouts`` None = no mask."""
         s = lora_shrink_fwd(x, lora_a, ones, dropouts, layout, seed,
                                 col_offset=col_offset, mask_d=mask_d)  # (T, R)
-        inputs = _save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
+        inputs = save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
         ctx.num_input_tensors = len(inputs)
         ctx.save_for_backward(*inputs, lora_a, dropouts)
         ctx.layout, ctx.seed, ctx.col_offset, ctx.mask_d = layout, seed, col_offset, mask_d
@@ -64,7 +64,7 @@ class LoRADownFunction(torch.autograd.Function):
         mask = {"col_offset": ctx.col_offset, "mask_d": ctx.mask_d}
         grad_x = grad_a = None
         if ctx.needs_input_grad[1]:
-            x = _saved_input(ctx, saved[:count])  # (T, H_l)
+            x = saved_input(ctx, saved[:count])  # (T, H_l)
             grad_a = torch.empty_like(lora_a)
             grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
             lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, ctx.layout, ctx.seed,
@@ -89,7 +89,7 @@ class LoRADownRebuildFunction(torch.autograd.Function):
         """``down``: ``(x, lora_a) -> S`` (T, R), the reference with its mask arguments bound."""
         with torch.no_grad():
             s = down(x, lora_a)
-        ctx.save_for_backward(*_save_input(ctx, x, rebuild), lora_a)
+        ctx.save_for_backward(*save_input(ctx, x, rebuild), lora_a)
         ctx.down = down
         return s
 
@@ -98,7 +98,7 @@ class LoRADownRebuildFunction(torch.autograd.Function):
         """Gradients of X and A from the rebuilt X (each only when needed)."""
         *sources, lora_a = ctx.saved_tensors
         needs = ctx.needs_input_grad[:2]
-        x = _saved_input(ctx, tuple(sources)).requires_grad_(needs[0])
+        x = saved_input(ctx, tuple(sources)).requires_grad_(needs[0])
         lora_a = lora_a.detach().requires_grad_(needs[1])
         with torch.enable_grad():
             s = ctx.down(x, lora_a)
@@ -196,7 +196,7 @@ def fused_lora_down(
         raise RuntimeError(f"fused_lora_down needs Triton on CUDA, got x on {x.device}")
     _check_down(x, lora_a, dropouts, layout, col_offset, full_width)
     x = x.contiguous()
-    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils._KERNEL_DTYPES, x.device)
+    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils.KERNEL_DTYPES, x.device)
     _utils.padded_rank(lora_a.shape[1])
     mask_d = _utils.mask_width(x.shape[1], col_offset, full_width)
     device = str(x.device)
@@ -226,7 +226,7 @@ def fused_lora_up(
         raise RuntimeError(f"fused_lora_up needs Triton on CUDA, got s on {s.device}")
     _check_up(s, lora_b, scalings, layout)
     s = s.contiguous()
-    _utils.check_tensor("s", s, (layout.num_tokens, None), _utils._KERNEL_DTYPES, s.device)
+    _utils.check_tensor("s", s, (layout.num_tokens, None), _utils.KERNEL_DTYPES, s.device)
     _utils.padded_rank(s.shape[1])
     scales = _utils.device_params(tuple(float(v) for v in scalings), str(s.device))
     return LoRAUpFunction.apply(s, lora_b, scales, layout)

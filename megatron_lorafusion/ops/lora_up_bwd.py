@@ -154,7 +154,7 @@ def lora_up_bwd(
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
         NotImplementedError: for a rank above 256.
     """
-    _utils.check_tensor("dy", dy, (layout.num_tokens, None), _utils._KERNEL_DTYPES, dy.device)
+    _utils.check_tensor("dy", dy, (layout.num_tokens, None), _utils.KERNEL_DTYPES, dy.device)
     tokens, width = dy.shape
     _utils.check_tensor("s", s, (tokens, None), (dy.dtype,), dy.device)
     adapters, rank = layout.num_adapters, s.shape[1]

@@ -165,7 +165,7 @@ def lora_wgrad(
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
-    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils._KERNEL_DTYPES, z.device)
+    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils.KERNEL_DTYPES, z.device)
     tokens, width = z.shape
     _utils.check_tensor("s", s, (tokens, None), (z.dtype,), z.device)
     rank = s.shape[1]
@@ -184,7 +184,7 @@ def lora_wgrad(
                 f"expand_m has shape {tuple(expand_m.shape)} {expand_m.dtype}, "
                 f"expected (A, R, D)=({adapters}, {rank}, {width}) {s.dtype}"
             )
-        _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils._KERNEL_DTYPES,
+        _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils.KERNEL_DTYPES,
                             z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
     return lora_wgrad_fwd(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset,

@@ -177,13 +177,13 @@ def _check(row, cos, sin, groups: int, q_per_group: int, head_dim: int) -> list[
             f"row has shape {tuple(row.shape)} (last stride {row.stride(-1)}), expected a "
             f"(T, G·(Q+2)·D)=(T, {width}) tensor with last stride 1"
         )
-    if row.dtype not in _utils._KERNEL_DTYPES:
-        raise ValueError(f"row has dtype {row.dtype}, expected one of {_utils._KERNEL_DTYPES}")
+    if row.dtype not in _utils.KERNEL_DTYPES:
+        raise ValueError(f"row has dtype {row.dtype}, expected one of {_utils.KERNEL_DTYPES}")
     tables = []
     for name, table in (("cos", cos), ("sin", sin)):
         flat = table.reshape(table.shape[0], -1) if table.dim() == 3 else table
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-        _utils.check_tensor(name, flat, (row.shape[0], head_dim), _utils._KERNEL_DTYPES, row.device)
+        _utils.check_tensor(name, flat, (row.shape[0], head_dim), _utils.KERNEL_DTYPES, row.device)
         tables.append(flat)
     return tables
 

@@ -120,7 +120,7 @@ def _check(name: str, t: torch.Tensor, tokens: int, dim: int, device: torch.devi
             f"{name} has shape {tuple(getattr(t, 'shape', ()))}, expected "
             f"(T, heads, D)=({tokens}, ?, {dim})"
         )
-    if t.dtype not in _utils._KERNEL_DTYPES or t.device != device:
+    if t.dtype not in _utils.KERNEL_DTYPES or t.device != device:
         raise ValueError(f"{name} is {t.dtype} on {t.device}, expected a float on {device}")
 
 
@@ -152,7 +152,7 @@ def rope(
     for name, table in (("cos", cos), ("sin", sin)):
         flat = table.reshape(table.shape[0], -1) if table.dim() == 3 else table
         _utils.check_tensor(
-            name, _last_dim_dense(flat), (tokens, dim), _utils._KERNEL_DTYPES, query.device
+            name, _last_dim_dense(flat), (tokens, dim), _utils.KERNEL_DTYPES, query.device
         )
         tables.append(_last_dim_dense(flat))
     return RoPEFunction.apply(_last_dim_dense(query), _last_dim_dense(key), *tables)

@@ -113,7 +113,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"x must have an even last dim [gate | up], got shape {tuple(getattr(x, 'shape', ()))}"
         )
-    _utils.check_tensor("x", x, list(x.shape), _utils._KERNEL_DTYPES, x.device)
+    _utils.check_tensor("x", x, list(x.shape), _utils.KERNEL_DTYPES, x.device)
     out = SwiGLUFunction.apply(x.view(-1, x.shape[-1]))  # (T, F)
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 
