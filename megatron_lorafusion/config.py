@@ -374,7 +374,7 @@ _PEFT_HINTS = {
     "modules_to_save": "only LoRA factors are trained here; drop it",
     "init_lora_weights": "A is kaiming-uniform and B zero, PEFT's default; drop it",
     "fan_in_fan_out": "not needed: Llama-like linears are (out, in); drop it",
-    "lora_r": "PEFT's name is 'r' (ours 'rank')",
+    "lora_r": "write 'rank' (or PEFT's 'r')",
 }
 """Hints for PEFT ``LoraConfig`` keys that have no counterpart here."""
 

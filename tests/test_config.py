@@ -425,6 +425,7 @@ def test_config_peft_name_and_ours_together_is_named(tmp_path):
                "adapters.0.target_modules"),
     ("linear_fc1", "'linear_fc1' is a target module: list it in adapters.0.target_modules"),
     ("use_dora", "DoRA is not supported yet (issue 19)"),
+    ("lora_r", "write 'rank' (or PEFT's 'r')"),
     ("lora_alph", "did you mean 'lora_alpha'?"),
 ])
 def test_config_unknown_adapter_key_gets_a_peft_aware_hint(tmp_path, key, hint):
