@@ -27,11 +27,16 @@ FC1 = "decoder.layers.0.mlp.linear_fc1"
 
 def test_projection_targets_stack_blocks_per_fused_linear(tiny_model):
     context = apply_lora(tiny_model, ADAPTERS, seed=3)
-    shapes = {a: {k: tuple(v.shape) for k, v in context.adapter_tensors(a).items()}
-              for a in range(len(ADAPTERS))}
+    shapes = {
+        a: {k: tuple(v.shape) for k, v in context.adapter_tensors(a).items()}
+        for a in range(len(ADAPTERS))
+    }
     hidden, qkv_out, fc1_out = TINY.hidden_size, 4 * 2 * HEAD, 2 * TINY.ffn_hidden_size
-    assert shapes[0] == {f"decoder.layers.{i}.self_attention.linear_qkv.lora_{f}": s
-                         for i in range(2) for f, s in (("A", (4, hidden)), ("B", (qkv_out, 4)))}
+    assert shapes[0] == {
+        f"decoder.layers.{i}.self_attention.linear_qkv.lora_{f}": s
+        for i in range(2)
+        for f, s in (("A", (4, hidden)), ("B", (qkv_out, 4)))
+    }
     assert shapes[1][f"{QKV}.lora_A"] == (9, hidden), "q, k, v: 3 blocks of rank 3"
     assert shapes[1][f"{FC1}.lora_B"] == (fc1_out, 6), "gate, up: 2 blocks of rank 3"
     assert shapes[1]["decoder.layers.0.mlp.linear_fc2.lora_A"] == (3, TINY.ffn_hidden_size)
@@ -44,8 +49,9 @@ def test_projection_targets_stack_blocks_per_fused_linear(tiny_model):
     expected[: 2 * HEAD, :2] = False  # q rows: rank columns 0-1 (block 0)
     expected[3 * HEAD :, 2:4] = False  # v rows: rank columns 2-3 (block 1); k rows: none
     torch.testing.assert_close(group, expected, atol=0, rtol=0, msg="adapter qv's blocks")
-    torch.testing.assert_close(off[0, 4 * HEAD :], group, atol=0, rtol=0,
-                               msg="query group 1 repeats group 0's pattern")
+    torch.testing.assert_close(
+        off[0, 4 * HEAD :], group, atol=0, rtol=0, msg="query group 1 repeats group 0's pattern"
+    )
     assert not off[2, :, :4].any(), "a fused target has no mask in its rank"
     up = context.wrappers[FC1].lora_B_off[2]
     assert up[: TINY.ffn_hidden_size].all(), "gate rows of an up_proj adapter: all masked"
@@ -68,7 +74,8 @@ def test_off_block_b_is_ignored_and_gets_zero_gradient(megatron_single_process):
             assert wrapper.lora_B_off is None or name.endswith(("linear_qkv", "linear_fc1"))
             if wrapper.lora_B_off is not None:
                 assert not wrapper.lora_B_grad[wrapper.lora_B_off].any(), (
-                    f"{name}: off-block entries of B must get exactly zero gradient")
+                    f"{name}: off-block entries of B must get exactly zero gradient"
+                )
                 assert wrapper.lora_B_grad[~wrapper.lora_B_off].any(), f"{name}: B untrained"
                 wrapper.lora_B.masked_fill_(wrapper.lora_B_off, 0.0)
         for a in range(len(ADAPTERS)):
@@ -78,18 +85,28 @@ def test_off_block_b_is_ignored_and_gets_zero_gradient(megatron_single_process):
             merged = run_model(masked, None, batch)[0]
             for i in (i for i, owner in enumerate(batch.adapters) if owner == a):
                 torch.testing.assert_close(
-                    merged[batch.sample(i)], logits.detach()[0, batch.sample(i)],
-                    atol=2e-5, rtol=2e-5,  # W·x + s·(x·Aᵀ)·Bᵀ vs (W + s·B·A)·x, as test_lora
-                    msg=f"adapter {a}: merged weights (blocks only) != LoRA output")
+                    merged[batch.sample(i)],
+                    logits.detach()[0, batch.sample(i)],
+                    atol=2e-5,
+                    rtol=2e-5,  # W·x + s·(x·Aᵀ)·Bᵀ vs (W + s·B·A)·x, as test_lora
+                    msg=f"adapter {a}: merged weights (blocks only) != LoRA output",
+                )
         zeroed = run_model(model, context, batch)
-    torch.testing.assert_close(zeroed, logits.detach(), **TOL[torch.float32],
-                               msg="zeroing the off-block entries must change nothing")
+    torch.testing.assert_close(
+        zeroed,
+        logits.detach(),
+        **TOL[torch.float32],
+        msg="zeroing the off-block entries must change nothing",
+    )
 
 
-@pytest.mark.parametrize(("targets", "message"), [
-    (["linear_fc1", "gate_proj"], "'gate_proj' in both 'linear_fc1' and 'gate_proj'"),
-    (["q_proj", "lm_head"], "got 'lm_head'"),
-])
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["linear_fc1", "gate_proj"], "'gate_proj' in both 'linear_fc1' and 'gate_proj'"),
+        (["q_proj", "lm_head"], "got 'lm_head'"),
+    ],
+)
 def test_apply_lora_refuses_bad_targets(tiny_model, targets, message):
     with pytest.raises(ValueError, match=rf"adapters\[0\]\.target_modules .*{message}"):
         apply_lora(tiny_model, [AdapterConfig(name="x", target_modules=targets)], seed=1)

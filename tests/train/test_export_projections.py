@@ -194,44 +194,64 @@ def test_train_main_mixed_targets_and_ranks_export_what_peft_loads(tmp_path):
     from megatron_lorafusion.train.main import main as train_main
 
     adapters = []
-    for task, keys in (("sort", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-                       ("add", dict(r=2, lora_alpha=4, lora_dropout=0.1,
-                                    target_modules="all-linear")),
-                       ("upper", dict(rank=3, alpha=6, target_modules=["gate_proj", "up_proj",
-                                                                       "down_proj"]))):
+    for task, keys in (
+        ("sort", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+        ("add", dict(r=2, lora_alpha=4, lora_dropout=0.1, target_modules="all-linear")),
+        ("upper", dict(rank=3, alpha=6, target_modules=["gate_proj", "up_proj", "down_proj"])),
+    ):
         path = write_task(task, tmp_path / f"{task}.jsonl", 24, seed=1)
-        adapters.append({"name": task, "lr": 2e-2, "global_batch_size": 3,
-                         "dataset": {"path": str(path)}, **keys})
-    job = {"model": {"preset": "tiny"}, "adapters": adapters, "data": {"max_seq_length": 48},
-           "planner": {"token_capacity": 96},
-           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / "run")},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "lr": 2e-2,
+                "global_batch_size": 3,
+                "dataset": {"path": str(path)},
+                **keys,
+            }
+        )
+    job = {
+        "model": {"preset": "tiny"},
+        "adapters": adapters,
+        "data": {"max_seq_length": 48},
+        "planner": {"token_capacity": 96},
+        "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / "run")},
+        "logging": {"progress_bar": False},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
     train_main(cfg)
 
     tiny = MODEL_PRESETS["tiny"]
     hf_config = transformers.LlamaConfig(
-        vocab_size=tiny["vocab_size"], hidden_size=tiny["hidden_size"],
-        intermediate_size=tiny["ffn_hidden_size"], num_hidden_layers=tiny["num_layers"],
+        vocab_size=tiny["vocab_size"],
+        hidden_size=tiny["hidden_size"],
+        intermediate_size=tiny["ffn_hidden_size"],
+        num_hidden_layers=tiny["num_layers"],
         num_attention_heads=tiny["num_attention_heads"],
-        num_key_value_heads=tiny["num_query_groups"])
+        num_key_value_heads=tiny["num_query_groups"],
+    )
     for adapter in cfg.adapters:
         folder = tmp_path / "run" / "adapters" / adapter.name
         config = json.loads((folder / "adapter_config.json").read_text())
         assert (config["r"], config["target_modules"]) == (adapter.rank, _hf_targets(adapter))
         saved = load_file(str(folder / "adapter_model.safetensors"))
-        expected = peft.get_peft_model_state_dict(peft.get_peft_model(
-            transformers.LlamaForCausalLM(hf_config),
-            peft.LoraConfig(r=adapter.rank, target_modules=_hf_targets(adapter))))
+        expected = peft.get_peft_model_state_dict(
+            peft.get_peft_model(
+                transformers.LlamaForCausalLM(hf_config),
+                peft.LoraConfig(r=adapter.rank, target_modules=_hf_targets(adapter)),
+            )
+        )
         assert {k: v.shape for k, v in saved.items()} == {
-            k: v.shape for k, v in expected.items()}, f"{adapter.name}: not PEFT's keys/shapes"
-        model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM(hf_config),
-                                               str(folder))
+            k: v.shape for k, v in expected.items()
+        }, f"{adapter.name}: not PEFT's keys/shapes"
+        model = peft.PeftModel.from_pretrained(
+            transformers.LlamaForCausalLM(hf_config), str(folder)
+        )
         loaded = peft.get_peft_model_state_dict(model)
         assert loaded.keys() == saved.keys(), f"{adapter.name}: missing or unexpected keys"
         for name, tensor in saved.items():
-            torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0,
-                                       msg=f"{adapter.name}: {name} changed on load")
+            torch.testing.assert_close(
+                loaded[name], tensor, atol=0, rtol=0, msg=f"{adapter.name}: {name} changed on load"
+            )
             if "lora_B" in name:
                 assert tensor.any(), f"{adapter.name}: {name} untrained"

@@ -28,22 +28,45 @@ def test_tp2_per_projection_adapters_export_what_peft_reproduces(tmp_path):
     base = tmp_path / "base"
     save_tiny_hf_model("llama", base)
     adapters = []
-    for task, keys in (("sort", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
-                       ("add", dict(r=2, lora_alpha=4, target_modules=["up_proj", "gate_proj",
-                                                                       "o_proj"]))):
+    for task, keys in (
+        ("sort", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])),
+        ("add", dict(r=2, lora_alpha=4, target_modules=["up_proj", "gate_proj", "o_proj"])),
+    ):
         path = write_task(task, tmp_path / f"{task}.jsonl", 24, seed=1)
-        adapters.append({"name": task, "lr": 2e-2, "global_batch_size": 3,
-                         "dataset": {"path": str(path)}, **keys})
-    job = {"model": {"hf_path": str(base)}, "adapters": adapters,
-           "data": {"tokenizer": "byte", "max_seq_length": 48},
-           "planner": {"token_capacity": 96}, "parallel": {"tp": 2},
-           "train": {"steps": 2, "device": "cpu", "output_dir": str(tmp_path / "run")},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "lr": 2e-2,
+                "global_batch_size": 3,
+                "dataset": {"path": str(path)},
+                **keys,
+            }
+        )
+    job = {
+        "model": {"hf_path": str(base)},
+        "adapters": adapters,
+        "data": {"tokenizer": "byte", "max_seq_length": 48},
+        "planner": {"token_capacity": 96},
+        "parallel": {"tp": 2},
+        "train": {"steps": 2, "device": "cpu", "output_dir": str(tmp_path / "run")},
+        "logging": {"progress_bar": False},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "megatron_lorafusion", "train", str(tmp_path / "job.yaml")]
-    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_lorafusion",
+        "train",
+        str(tmp_path / "job.yaml"),
+    ]
+    done = subprocess.run(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
 
     newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
@@ -53,12 +76,22 @@ def test_tp2_per_projection_adapters_export_what_peft_reproduces(tmp_path):
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
         mine = [s for s, owner in zip(samples, ours["owners"], strict=True) if owner == a]
-        expected = torch.cat([ours["logits"][sl] for sl, owner in
-                              zip(ours["slices"], ours["owners"], strict=True) if owner == a])
+        expected = torch.cat(
+            [
+                ours["logits"][sl]
+                for sl, owner in zip(ours["slices"], ours["owners"], strict=True)
+                if owner == a
+            ]
+        )
         assert (expected - hf_logits(_fresh(transformers, base), mine)).abs().max() > 1e-3, (
-            f"{adapter.name}: training must have moved the logits")
+            f"{adapter.name}: training must have moved the logits"
+        )
         with_peft = peft.PeftModel.from_pretrained(
-            _fresh(transformers, base), str(tmp_path / "run" / "adapters" / adapter.name)).eval()
-        torch.testing.assert_close(hf_logits(with_peft, mine), expected,
-                                   **TOL_LOGITS[torch.float32],
-                                   msg=f"{adapter.name}: peft logits differ from ours (TP = 2)")
+            _fresh(transformers, base), str(tmp_path / "run" / "adapters" / adapter.name)
+        ).eval()
+        torch.testing.assert_close(
+            hf_logits(with_peft, mine),
+            expected,
+            **TOL_LOGITS[torch.float32],
+            msg=f"{adapter.name}: peft logits differ from ours (TP = 2)",
+        )
