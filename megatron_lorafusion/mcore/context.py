@@ -13,7 +13,14 @@ import torch
 from megatron.core.transformer import TransformerConfig
 from torch import nn
 
-from megatron_lorafusion.config import FUSED_LINEARS, PROJECTIONS, AdapterConfig, lora_blocks
+from megatron_lorafusion.config import (
+    FUSED_LINEARS,
+    MAX_FUSED_RANK,
+    PROJECTIONS,
+    AdapterConfig,
+    fused_ranks,
+    lora_blocks,
+)
 from megatron_lorafusion.mcore.lora import (
     LoRAColumnParallelLinear,
     LoRARowParallelLinear,
@@ -203,6 +210,7 @@ def _adapter_blocks(adapters: Sequence[AdapterConfig]) -> list[dict[str, tuple]]
 
     Raises:
         ValueError: for no adapters, a rank <= 0, an unknown or repeated target.
+        NotImplementedError: for a rank × blocks on one linear above the kernels' limit.
     """
     if not adapters:
         raise ValueError("apply_lora needs at least one adapter")
@@ -214,6 +222,11 @@ def _adapter_blocks(adapters: Sequence[AdapterConfig]) -> list[dict[str, tuple]]
             raise ValueError(f"adapters[{i}].target_modules {err}") from None
         if adapter.rank <= 0:
             raise ValueError(f"adapters[{i}].rank must be > 0, got {adapter.rank}")
+        for linear, rank in fused_ranks(adapter).items():
+            if rank > MAX_FUSED_RANK:
+                raise NotImplementedError(
+                    f"adapters[{i}] has rank {adapter.rank} × {rank // adapter.rank} projections "
+                    f"= {rank} on {linear}, above the kernels' {MAX_FUSED_RANK}")
     return blocks
 
 
@@ -298,7 +311,9 @@ def apply_lora(
 
     Raises:
         TypeError: when ``model`` has no ``decoder.layers`` (e.g. it is already DDP-wrapped).
-        ValueError: on an empty adapter list or unknown target modules.
+        ValueError: on an empty adapter list, unknown or repeated target modules.
+        NotImplementedError: when an adapter's rank × projections on one fused linear
+            passes `config.MAX_FUSED_RANK`.
         RuntimeError: when the model already carries LoRA wrappers, or its layers are
             `RecomputedLayer`s (apply LoRA before `apply_recompute`).
     """

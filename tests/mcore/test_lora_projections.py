@@ -110,3 +110,9 @@ def test_off_block_b_is_ignored_and_gets_zero_gradient(megatron_single_process):
 def test_apply_lora_refuses_bad_targets(tiny_model, targets, message):
     with pytest.raises(ValueError, match=rf"adapters\[0\]\.target_modules .*{message}"):
         apply_lora(tiny_model, [AdapterConfig(name="x", target_modules=targets)], seed=1)
+
+
+def test_apply_lora_refuses_a_fused_rank_above_the_kernels(tiny_model):
+    adapter = AdapterConfig(name="x", rank=100, target_modules=["all-linear"])
+    with pytest.raises(NotImplementedError, match=r"adapters\[0\] has rank 100 × 3 projections"):
+        apply_lora(tiny_model, [adapter], seed=1)
