@@ -46,24 +46,43 @@ def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     counts = [tokens // adapters] * adapters
     counts[-1] += tokens - sum(counts)
-    layout = AdapterLayout.from_samples(list(range(adapters)), counts, adapters, "cuda",
-                                        dropout_seed=seed + 1)
+    layout = AdapterLayout.from_samples(
+        list(range(adapters)), counts, adapters, "cuda", dropout_seed=seed + 1
+    )
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(out, hidden, device="cuda", generator=gen) / hidden**0.5).to(dtype)
-    lora_a = (torch.randn(adapters, RANK, hidden, device="cuda", generator=gen)
-              / hidden**0.5).to(dtype)
+    lora_a = (torch.randn(adapters, RANK, hidden, device="cuda", generator=gen) / hidden**0.5).to(
+        dtype
+    )
     lora_b = (torch.randn(adapters, out, RANK, device="cuda", generator=gen) / RANK**0.5).to(dtype)
     grad_y = torch.randn(tokens, out, device="cuda", generator=gen).to(dtype)
     return {
-        "layout": layout, "x": x, "weight": weight, "lora_a": lora_a, "lora_b": lora_b,
-        "grad_y": grad_y, "scalings": [2.0] * adapters, "dropouts": [p] * adapters,
+        "layout": layout,
+        "x": x,
+        "weight": weight,
+        "lora_a": lora_a,
+        "lora_b": lora_b,
+        "grad_y": grad_y,
+        "scalings": [2.0] * adapters,
+        "dropouts": [p] * adapters,
     }
 
 
 def fused_fn(prob, design):
     def fn(x, lora_a, lora_b):
-        return fused_lora_linear(x, prob["weight"], None, lora_a, lora_b, prob["scalings"],
-                                 prob["dropouts"], prob["layout"], layer_seed=3, design=design)
+        return fused_lora_linear(
+            x,
+            prob["weight"],
+            None,
+            lora_a,
+            lora_b,
+            prob["scalings"],
+            prob["dropouts"],
+            prob["layout"],
+            layer_seed=3,
+            design=design,
+        )
+
     return fn
 
 
@@ -81,8 +100,18 @@ def ref_fn(prob, keep=None, draw_mask=True):
 
     def fn(x, lora_a, lora_b):
         mask = _eager_keep_mask(prob, hidden, x.device) if draw_mask else keep
-        return lora_linear_ref(x, prob["weight"], None, lora_a, lora_b, prob["scalings"],
-                               prob["dropouts"], prob["layout"], mask)
+        return lora_linear_ref(
+            x,
+            prob["weight"],
+            None,
+            lora_a,
+            lora_b,
+            prob["scalings"],
+            prob["dropouts"],
+            prob["layout"],
+            mask,
+        )
+
     return fn
 
 
@@ -106,7 +135,7 @@ class _AugmentedK(torch.autograd.Function):
         wa[:, hidden:].copy_(lora_b.permute(1, 0, 2).reshape(-1, adapters * rank))
         xa[:, hidden:].zero_()
         for a, start, end in layout.segments():
-            xa[start:end, hidden + a * rank:hidden + (a + 1) * rank] = s[start:end]
+            xa[start:end, hidden + a * rank : hidden + (a + 1) * rank] = s[start:end]
         y = xa @ wa.t()
         ctx.save_for_backward(x, lora_a, lora_b, weight, s, scales)
         ctx.layout, ctx.bufs = layout, bufs
@@ -129,7 +158,7 @@ class _AugmentedK(torch.autograd.Function):
         wt[out:].copy_(lora_a.reshape(adapters * rank, -1))
         dya[:, out:].zero_()
         for a, start, end in layout.segments():
-            dya[start:end, out + a * rank:out + (a + 1) * rank] = ds[start:end]
+            dya[start:end, out + a * rank : out + (a + 1) * rank] = ds[start:end]
         grad_x = dya @ wt
         return grad_x, grad_a, grad_b, None, None, None, None
 
@@ -153,12 +182,14 @@ def augk_fn(prob, copy):
 
     def fn(x_, lora_a_, lora_b_):
         return _AugmentedK.apply(x_, lora_a_, lora_b_, weight, prob["layout"], scales, bufs)
+
     return fn
 
 
 def frozen_fn(prob):
     def fn(x, lora_a, lora_b):
         return F.linear(x, prob["weight"])
+
     return fn
 
 
@@ -172,6 +203,7 @@ def fwd_bwd(prob, fn, with_lora=True):
 
     def step():
         fn(x, lora_a, lora_b).backward(grad_y)
+
     return step, leaves
 
 
@@ -215,8 +247,9 @@ def bench_graph(step, leaves):
 
 def saved_bytes_per_token(prob, fn, with_lora=True):
     """Bytes of activations saved for backward (weights excluded), per token."""
-    params = {t.untyped_storage().data_ptr() for t in
-              (prob["weight"], prob["lora_a"], prob["lora_b"])}
+    params = {
+        t.untyped_storage().data_ptr() for t in (prob["weight"], prob["lora_a"], prob["lora_b"])
+    }
     seen = {}
 
     def pack(t):
@@ -247,8 +280,10 @@ def grads(prob, fn, cast=None):
 
 
 def check_correctness(tokens, shapes):
-    print(f"\n## Correctness (bf16 vs fp32 reference with the fused mask, T={tokens}, A=4, "
-          f"r={RANK}, p=0.1; relative error = ||out - ref|| / ||ref||)\n")
+    print(
+        f"\n## Correctness (bf16 vs fp32 reference with the fused mask, T={tokens}, A=4, "
+        f"r={RANK}, p=0.1; relative error = ||out - ref|| / ||ref||)\n"
+    )
     print("| H | N | design | Y | dX | dA | dB | torch-bf16 ref (Y/dX/dA/dB) | deterministic |")
     print("|---|---|---|---|---|---|---|---|---|")
     ok = True
@@ -264,8 +299,10 @@ def check_correctness(tokens, shapes):
                 got = grads(prob, fused_fn(prob, design))
                 again = grads(prob, fused_fn(prob, design))
             except Exception as exc:  # noqa: BLE001 - report and go on to the timings
-                print(f"| {hidden} | {out} | {design} | failed: {type(exc).__name__}: "
-                      f"{str(exc)[:300]} |")
+                print(
+                    f"| {hidden} | {out} | {design} | failed: {type(exc).__name__}: "
+                    f"{str(exc)[:300]} |"
+                )
                 ok = False
                 continue
             errs = [rel_err(g, w) for g, w in zip(got, want, strict=True)]
@@ -303,9 +340,11 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
     def patched(module, attr, value, fn):
         """``fn`` run with ``module.attr`` set to ``value``."""
+
         def run():
             with mock.patch.object(module, attr, value):
                 fn()
+
         return run
 
     def at_tile(module, cfg, fn):
@@ -317,42 +356,80 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
         return patched(module, "_PROGRAMS_PER_SM", per_sm, fn)
 
     def wgrad(dropouts):
-        return lambda: lora_wgrad(x, s, grad_a_t, dropouts, layout, 1, expand_m=lora_a,
-                                  expand_out=torch.empty_like(x))
+        return lambda: lora_wgrad(
+            x, s, grad_a_t, dropouts, layout, 1, expand_m=lora_a, expand_out=torch.empty_like(x)
+        )
 
     rows = [
         ("F.linear X·Wᵀ", lambda: F.linear(x, weight), flops),
         ("dY·W (torch.mm)", lambda: dy @ weight, flops),
         ("dX += dY·W (addmm_, reads C)", lambda: grad_x.addmm_(dy, weight), flops),
-        ("TMA lora_gemm X·Wᵀ + S'·Bᵀ", lambda: lora_gemm(x, weight.t(), s, b_t, None, None,
-                                                          layout, 1), flops),
+        (
+            "TMA lora_gemm X·Wᵀ + S'·Bᵀ",
+            lambda: lora_gemm(x, weight.t(), s, b_t, None, None, layout, 1),
+            flops,
+        ),
         ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),
         (f"shrink X p={p}", lambda: lora_shrink(x, lora_a, scales, drop, layout, 1), 0),
-        *[(f"shrink X p={q}, tile {_tile(cfg)}",
-           at_tile(SHRINK_MODULE, cfg, lambda q=q: lora_shrink(x, lora_a, scales,
-                                                               drop if q else None, layout, 1)),
-           0)
-          for q in (0, p) for cfg in SHRINK_MODULE._TILE_CONFIGS[1:]],
+        *[
+            (
+                f"shrink X p={q}, tile {_tile(cfg)}",
+                at_tile(
+                    SHRINK_MODULE,
+                    cfg,
+                    lambda q=q: lora_shrink(x, lora_a, scales, drop if q else None, layout, 1),
+                ),
+                0,
+            )
+            for q in (0, p)
+            for cfg in SHRINK_MODULE._TILE_CONFIGS[1:]
+        ],
         ("expand Y (write T×N)", lambda: lora_expand(s, b_t, None, None, layout, 1), 0),
-        ("lora_up_bwd: dS' and dB, one pass over dY",
-         lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False), 0),
-        *[(f"lora_up_bwd, tile {_tile(cfg)}",
-           at_tile(UP_BWD_MODULE, cfg,
-                   lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)), 0)
-          for cfg in UP_BWD_MODULE._TILE_CONFIGS[1:]],
-        *[(f"lora_up_bwd, {per_sm} programs per SM",
-           per_sm_run(UP_BWD_MODULE, per_sm,
-                      lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)), 0)
-          for per_sm in (1, 2, 4)],
+        (
+            "lora_up_bwd: dS' and dB, one pass over dY",
+            lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False),
+            0,
+        ),
+        *[
+            (
+                f"lora_up_bwd, tile {_tile(cfg)}",
+                at_tile(
+                    UP_BWD_MODULE,
+                    cfg,
+                    lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False),
+                ),
+                0,
+            )
+            for cfg in UP_BWD_MODULE._TILE_CONFIGS[1:]
+        ],
+        *[
+            (
+                f"lora_up_bwd, {per_sm} programs per SM",
+                per_sm_run(
+                    UP_BWD_MODULE,
+                    per_sm,
+                    lambda: lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False),
+                ),
+                0,
+            )
+            for per_sm in (1, 2, 4)
+        ],
         ("wgrad dA + expand dX, p=0", wgrad(None), 0),
         (f"wgrad dA + expand dX, p={p}, mask drawn", wgrad(drop), 0),
-        *[(f"wgrad dA + expand dX, {how}, tile {_tile(cfg)}", at_tile(WGRAD_MODULE, cfg, fn), 0)
-          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
-          for cfg in WGRAD_MODULE._TILE_CONFIGS[1:]],
-        *[(f"wgrad dA + expand dX, {how}, {per_sm} programs per SM",
-           per_sm_run(WGRAD_MODULE, per_sm, fn), 0)
-          for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
-          for per_sm in (1, 2, 8)],
+        *[
+            (f"wgrad dA + expand dX, {how}, tile {_tile(cfg)}", at_tile(WGRAD_MODULE, cfg, fn), 0)
+            for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
+            for cfg in WGRAD_MODULE._TILE_CONFIGS[1:]
+        ],
+        *[
+            (
+                f"wgrad dA + expand dX, {how}, {per_sm} programs per SM",
+                per_sm_run(WGRAD_MODULE, per_sm, fn),
+                0,
+            )
+            for how, fn in (("p=0", wgrad(None)), (f"p={p} drawn", wgrad(drop)))
+            for per_sm in (1, 2, 8)
+        ],
     ]
     print(f"\n## Components (T={tokens}, H={hidden}, N={out}, A={adapters}, r={RANK})\n")
     print("| kernel | median ms (graphed) | TFLOP/s |")
@@ -371,14 +448,20 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
 
 def timings(tokens_list, shapes, csv_path):
-    auto = FUSED_MODULE._resolve_design("auto", torch.empty(16, 16, device="cuda",
-                                                            dtype=torch.bfloat16),
-                                        torch.empty(16, 16, device="cuda", dtype=torch.bfloat16))
-    print(f"\n## Forward + backward, median ms (p20–p80 for auto), bf16, r={RANK}; "
-          f"auto = {auto} here\n")
-    print("| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto "
-          "| augK copy | augK no-copy | cublas/frozen | triton/frozen | auto/frozen "
-          "| ref/auto | graphed frozen | graphed auto | graphed auto/frozen |")
+    auto = FUSED_MODULE._resolve_design(
+        "auto",
+        torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),
+        torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),
+    )
+    print(
+        f"\n## Forward + backward, median ms (p20–p80 for auto), bf16, r={RANK}; "
+        f"auto = {auto} here\n"
+    )
+    print(
+        "| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto "
+        "| augK copy | augK no-copy | cublas/frozen | triton/frozen | auto/frozen "
+        "| ref/auto | graphed frozen | graphed auto | graphed auto/frozen |"
+    )
     print("|" + "---|" * 19)
     rows = []
     for tokens in tokens_list:
@@ -401,13 +484,15 @@ def timings(tokens_list, shapes, csv_path):
                         aug = "- | -"
                     row = [tokens, hidden, out, adapters, p, frozen, ref, cub, tri, fused[0]]
                     rows.append(row)
-                    print(f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen:.3f} "
-                          f"| {ref:.3f} | {cub:.3f} | {tri:.3f} "
-                          f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {aug} "
-                          f"| {cub / frozen:.3f} | {tri / frozen:.3f} | {fused[0] / frozen:.3f} "
-                          f"| {ref / fused[0]:.2f} "
-                          f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
-                          flush=True)
+                    print(
+                        f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen:.3f} "
+                        f"| {ref:.3f} | {cub:.3f} | {tri:.3f} "
+                        f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {aug} "
+                        f"| {cub / frozen:.3f} | {tri / frozen:.3f} | {fused[0] / frozen:.3f} "
+                        f"| {ref / fused[0]:.2f} "
+                        f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
+                        flush=True,
+                    )
                     del prob
                     torch.cuda.empty_cache()
     if csv_path:
@@ -422,9 +507,11 @@ def memory(tokens=8192, hidden=4096, out=4096):
     print("| path | bytes / token |")
     print("|---|---|")
     prob = make_problem(tokens, hidden, out, 4, 0.1)
-    for name, fn, lora in (("frozen linear", frozen_fn(prob), False),
-                           ("reference (eager)", ref_fn(prob), True),
-                           ("fused, mask regenerated (default)", fused_fn(prob, "auto"), True)):
+    for name, fn, lora in (
+        ("frozen linear", frozen_fn(prob), False),
+        ("reference (eager)", ref_fn(prob), True),
+        ("fused, mask regenerated (default)", fused_fn(prob, "auto"), True),
+    ):
         print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
 
 
@@ -433,13 +520,18 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="one token count, one shape")
     parser.add_argument("--csv", default=None, help="append timing rows to this CSV file")
     parser.add_argument("--skip-components", action="store_true")
-    parser.add_argument("--components-only", action="store_true",
-                        help="only the per-kernel times, at T=16384 and every (H, N)")
+    parser.add_argument(
+        "--components-only",
+        action="store_true",
+        help="only the per-kernel times, at T=16384 and every (H, N)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels needs a CUDA device")
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"triton {triton.__version__}")
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+        f"triton {triton.__version__}"
+    )
     shapes = SHAPES[:1] if args.quick else SHAPES
     tokens_list = TOKENS[:1] if args.quick else TOKENS
     if args.components_only:

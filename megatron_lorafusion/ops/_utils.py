@@ -220,8 +220,6 @@ def pick_config(
     return _TUNED[cache_key]
 
 
-
-
 if triton is not None:
     _PHILOX_ROUNDS = tl.constexpr(7)  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11)
 
@@ -263,8 +261,9 @@ if triton is not None:
         """
         group = col_start // 8 + tl.arange(0, BLOCK_D // 8)  # one counter per 8 columns
         counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
-        return philox4x32(counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed,
-                          _PHILOX_ROUNDS)
+        return philox4x32(
+            counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed, _PHILOX_ROUNDS
+        )
 
     @triton.jit
     def _drop_threshold(p):

@@ -56,8 +56,7 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
     tokens, hidden = x.shape
     _utils.check_tensor("weight", weight, (None, hidden), (x.dtype,), x.device)
     out = weight.shape[0]
-    _utils.check_tensor("lora_a", lora_a, (layout.num_adapters, None, hidden), (x.dtype,),
-                        x.device)
+    _utils.check_tensor("lora_a", lora_a, (layout.num_adapters, None, hidden), (x.dtype,), x.device)
     rank = lora_a.shape[1]
     _utils.check_tensor("lora_b", lora_b, (layout.num_adapters, out, rank), (x.dtype,), x.device)
     if bias is not None:
@@ -74,8 +73,9 @@ class LoRALinearFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design,
-                rebuild):
+    def forward(
+        ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design, rebuild
+    ):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
         s = lora_shrink_fwd(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
@@ -84,8 +84,9 @@ class LoRALinearFunction(torch.autograd.Function):
         else:
             y = lora_expand_fwd(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)
-        ctx.save_for_backward(*save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales,
-                              dropouts)
+        ctx.save_for_backward(
+            *save_input(ctx, x, rebuild), weight, lora_a, lora_b, s, scales, dropouts
+        )
         ctx.layout = layout
         ctx.seed = seed
         ctx.has_bias = bias is not None
@@ -109,8 +110,16 @@ class LoRALinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.design != "triton":
             # One pass over X gives dA and the LoRA part of dX, drawing the mask once.
             grad_x = torch.empty_like(x)
-            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed,
-                               expand_m=lora_a, expand_out=grad_x)
+            lora_wgrad_fwd(
+                x,
+                ds,
+                grad_a.transpose(1, 2),
+                dropouts,
+                layout,
+                seed,
+                expand_m=lora_a,
+                expand_out=grad_x,
+            )
             grad_x.addmm_(dy, weight)  # cuBLAS: (T, H), reads the LoRA part as C
         else:
             lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
@@ -188,6 +197,15 @@ def fused_lora_linear(
     drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     return LoRALinearFunction.apply(
-        x, weight, bias, lora_a, lora_b, scales, drop, layout, seed,
-        _resolve_design(design, x, weight), rebuild,
+        x,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        scales,
+        drop,
+        layout,
+        seed,
+        _resolve_design(design, x, weight),
+        rebuild,
     )

@@ -23,12 +23,31 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_expand_kernel(
-        s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, seed,
-        D, R, row_off, col_off, mask_d,
-        stride_st, stride_ma, stride_mr, stride_md, stride_ot,
-        HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        s_ptr,
+        m_ptr,
+        bias_ptr,
+        out_ptr,
+        tiles_ptr,
+        scale_ptr,
+        p_ptr,
+        seed,
+        D,
+        R,
+        row_off,
+        col_off,
+        mask_d,
+        stride_st,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_ot,
+        HAS_BIAS: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         pid_d = tl.program_id(1)
@@ -41,18 +60,27 @@ if triton is not None:
         rank_ok = ranks < R
         cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < D
-        s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-                    mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
-        m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
-                    + cols[None, :] * stride_md,
-                    mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_D)
+        s = tl.load(
+            s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+            mask=row_ok[:, None] & rank_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_T, BLOCK_R)
+        m = tl.load(
+            m_ptr
+            + adapter.to(tl.int64) * stride_ma
+            + ranks[:, None] * stride_mr
+            + cols[None, :] * stride_md,
+            mask=rank_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_R, BLOCK_D)
         acc = tl.dot(s, m, input_precision=DOT_PRECISION)
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + adapter)
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-            keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
-                                  BLOCK_D)
+            keep = keep_mask_tile(
+                seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p, BLOCK_D
+            )
             acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -128,8 +156,9 @@ def lora_expand(
         _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
     _utils.check_dropouts(dropouts, adapters, s.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_expand_fwd(s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset,
-                               mask_d)
+    return lora_expand_fwd(
+        s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset, mask_d
+    )
 
 
 def lora_expand_fwd(
@@ -160,15 +189,33 @@ def lora_expand_fwd(
         tiles = layout.tiles(cfg.block_t, s.device)
         grid = (tiles.shape[0], _utils.cdiv(width, cfg.block_d))
         _lora_expand_kernel[grid](
-            s, m, bias if bias is not None else s, out, tiles,
-            scales if scales is not None else s, dropouts if dropouts is not None else s,
-            seed, width, rank, layout.row_offset, col_offset, mask_d or width,
-            s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
-            HAS_BIAS=bias is not None, HAS_SCALE=scales is not None,
+            s,
+            m,
+            bias if bias is not None else s,
+            out,
+            tiles,
+            scales if scales is not None else s,
+            dropouts if dropouts is not None else s,
+            seed,
+            width,
+            rank,
+            layout.row_offset,
+            col_offset,
+            mask_d or width,
+            s.stride(0),
+            m.stride(0),
+            m.stride(1),
+            m.stride(2),
+            out.stride(0),
+            HAS_BIAS=bias is not None,
+            HAS_SCALE=scales is not None,
             HAS_DROPOUT=dropouts is not None,
             DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
-            BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_T=cfg.block_t,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=block_r,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
     key = (tokens, width, block_r)

@@ -64,8 +64,10 @@ def saved_input(
     with torch.no_grad():
         x = ctx.rebuild_fn(*saved)
     if (tuple(x.shape), x.dtype) != (shape, dtype):
-        raise RuntimeError(f"the rebuilt LoRA input is {tuple(x.shape)} {x.dtype}, the forward's "
-                           f"was {shape} {dtype}")
+        raise RuntimeError(
+            f"the rebuilt LoRA input is {tuple(x.shape)} {x.dtype}, the forward's "
+            f"was {shape} {dtype}"
+        )
     return x.contiguous() if contiguous else x
 
 
@@ -249,8 +251,16 @@ def lora_linear(
         from megatron_lorafusion.ops.fused_lora_linear import fused_lora_linear
 
         return fused_lora_linear(
-            x.contiguous(), weight.contiguous(), bias, lora_a.contiguous(), lora_b.contiguous(),
-            scalings, dropouts, layout, layer_seed=layer_seed, training=training,
+            x.contiguous(),
+            weight.contiguous(),
+            bias,
+            lora_a.contiguous(),
+            lora_b.contiguous(),
+            scalings,
+            dropouts,
+            layout,
+            layer_seed=layer_seed,
+            training=training,
             rebuild=rebuild,
         )
     keep_mask = (

@@ -22,11 +22,28 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_shrink_kernel(
-        z_ptr, m_ptr, out_ptr, tiles_ptr, scale_ptr, p_ptr, seed,
-        D, R, row_off, col_off, mask_d,
-        stride_zt, stride_ma, stride_mr, stride_md, stride_ot,
-        HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+        z_ptr,
+        m_ptr,
+        out_ptr,
+        tiles_ptr,
+        scale_ptr,
+        p_ptr,
+        seed,
+        D,
+        R,
+        row_off,
+        col_off,
+        mask_d,
+        stride_zt,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_ot,
+        HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         pid = tl.program_id(0)
         adapter = tl.load(tiles_ptr + pid * 3)
@@ -52,15 +69,19 @@ if triton is not None:
                 # pipelining the loads; p = 0 keeps everything anyway.
                 keep = keep_mask_tile(seed, mask_rows, d0 + col_off, mask_d, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
-            m = tl.load(m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
-                        mask=col_ok[:, None] & rank_ok[None, :], other=0.0)
+            m = tl.load(
+                m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
+                mask=col_ok[:, None] & rank_ok[None, :],
+                other=0.0,
+            )
             acc = tl.dot(z, m, acc, input_precision=DOT_PRECISION)
         scale = tl.load(scale_ptr + adapter)
         if HAS_DROPOUT:
             scale = scale / (1.0 - p)  # inverted dropout, applied once to the fp32 sum
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + ranks[None, :]
-        tl.store(out, (acc * scale).to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & rank_ok[None, :])
+        tl.store(
+            out, (acc * scale).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & rank_ok[None, :]
+        )
 
 
 # Memory-bound: one pass over Z. 32-row tiles give >= 2 programs per SM at T=8192; wide
@@ -130,8 +151,7 @@ def lora_shrink(
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
     _utils.check_dropouts(dropouts, adapters, z.device)
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_shrink_fwd(z, m, scales, dropouts, layout, seed, out_dtype, col_offset,
-                               mask_d)
+    return lora_shrink_fwd(z, m, scales, dropouts, layout, seed, out_dtype, col_offset, mask_d)
 
 
 def lora_shrink_fwd(
@@ -160,13 +180,30 @@ def lora_shrink_fwd(
     def run(cfg: TileConfig) -> None:
         tiles = layout.tiles(cfg.block_t, z.device)
         _lora_shrink_kernel[(tiles.shape[0],)](
-            z, m, out, tiles, scales, dropouts if dropouts is not None else scales, seed,
-            width, rank, layout.row_offset, col_offset, mask_d or width,
-            z.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
+            z,
+            m,
+            out,
+            tiles,
+            scales,
+            dropouts if dropouts is not None else scales,
+            seed,
+            width,
+            rank,
+            layout.row_offset,
+            col_offset,
+            mask_d or width,
+            z.stride(0),
+            m.stride(0),
+            m.stride(1),
+            m.stride(2),
+            out.stride(0),
             HAS_DROPOUT=dropouts is not None,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
-            BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_T=cfg.block_t,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=block_r,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
 
     key = (tokens, width, block_r)
@@ -191,4 +228,3 @@ def lora_shrink_ref(
             z_seg = z_seg * keep_mask[start:end] / (1.0 - float(dropouts[adapter]))
         out[start:end] = (float(scales[adapter]) * z_seg @ m[adapter].float().t()).to(z.dtype)
     return out
-

@@ -45,8 +45,9 @@ class LoRADownFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, mask_d, rebuild):
         """``ones``: (A,) fp32 ones (the shrink's scale); ``dropouts`` None = no mask."""
-        s = lora_shrink_fwd(x, lora_a, ones, dropouts, layout, seed,
-                                col_offset=col_offset, mask_d=mask_d)  # (T, R)
+        s = lora_shrink_fwd(
+            x, lora_a, ones, dropouts, layout, seed, col_offset=col_offset, mask_d=mask_d
+        )  # (T, R)
         inputs = save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
         ctx.num_input_tensors = len(inputs)
         ctx.save_for_backward(*inputs, lora_a, dropouts)
@@ -67,9 +68,17 @@ class LoRADownFunction(torch.autograd.Function):
             x = saved_input(ctx, saved[:count])  # (T, H_l)
             grad_a = torch.empty_like(lora_a)
             grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, ctx.layout, ctx.seed,
-                               expand_m=lora_a if grad_x is not None else None,
-                               expand_out=grad_x, **mask)
+            lora_wgrad_fwd(
+                x,
+                ds,
+                grad_a.transpose(1, 2),
+                dropouts,
+                ctx.layout,
+                ctx.seed,
+                expand_m=lora_a if grad_x is not None else None,
+                expand_out=grad_x,
+                **mask,
+            )
         elif ctx.needs_input_grad[0]:
             grad_x = lora_expand_fwd(ds, lora_a, None, dropouts, ctx.layout, ctx.seed, **mask)
         return grad_x, grad_a, None, None, None, None, None, None, None
@@ -115,8 +124,9 @@ class LoRAUpFunction(torch.autograd.Function):
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(ctx, s, lora_b, scales, layout):
         """``scales``: (A,) fp32 on ``s``'s device."""
-        y = lora_expand_fwd(s, lora_b.transpose(1, 2), None, None, layout, 0,
-                                scales=scales)  # (T, N)
+        y = lora_expand_fwd(
+            s, lora_b.transpose(1, 2), None, None, layout, 0, scales=scales
+        )  # (T, N)
         ctx.save_for_backward(s, lora_b, scales)
         ctx.layout = layout
         return y
@@ -142,14 +152,16 @@ def _check_down(x, lora_a, dropouts, layout, col_offset, full_width) -> int:
             f"lora_a has shape {tuple(lora_a.shape)}, expected (A, R, H_l)=({adapters}, R, {width})"
         )
     if lora_a.dtype != x.dtype or lora_a.device != x.device:
-        raise ValueError(f"lora_a is {lora_a.dtype} on {lora_a.device}, "
-                         f"expected {x.dtype} on {x.device} like x")
+        raise ValueError(
+            f"lora_a is {lora_a.dtype} on {lora_a.device}, expected {x.dtype} on {x.device} like x"
+        )
     if len(dropouts) != adapters or any(not 0.0 <= p < 1.0 for p in dropouts):
         raise ValueError(f"dropouts must be {adapters} values in [0, 1), got {list(dropouts)}")
     full = width if full_width is None else int(full_width)
     if col_offset < 0 or col_offset + width > full:
-        raise ValueError(f"x's columns [{col_offset}, {col_offset + width}) must lie in "
-                         f"[0, full_width={full})")
+        raise ValueError(
+            f"x's columns [{col_offset}, {col_offset + width}) must lie in [0, full_width={full})"
+        )
     return full
 
 
@@ -164,8 +176,9 @@ def _check_up(s, lora_b, scalings, layout) -> None:
             f"lora_b has shape {tuple(lora_b.shape)}, expected (A, N, R)=({adapters}, N, {rank})"
         )
     if lora_b.dtype != s.dtype or lora_b.device != s.device:
-        raise ValueError(f"lora_b is {lora_b.dtype} on {lora_b.device}, "
-                         f"expected {s.dtype} on {s.device} like s")
+        raise ValueError(
+            f"lora_b is {lora_b.dtype} on {lora_b.device}, expected {s.dtype} on {s.device} like s"
+        )
     if len(scalings) != adapters:
         raise ValueError(f"scalings has {len(scalings)} entries, expected A={adapters}")
 
@@ -205,8 +218,7 @@ def fused_lora_down(
     use_mask = training and any(p > 0 and n > 0 for p, n in zip(dropouts, counts, strict=True))
     drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
-    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, mask_d,
-                                  rebuild)
+    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, mask_d, rebuild)
 
 
 def fused_lora_up(
@@ -270,26 +282,48 @@ def lora_down(
     """
     full = _check_down(x, lora_a, dropouts, layout, col_offset, full_width)
     if x.is_cuda and _utils.triton is not None:
-        return fused_lora_down(x, lora_a, dropouts, layout, layer_seed=layer_seed,
-                               training=training, col_offset=col_offset, full_width=full,
-                               rebuild=rebuild)
-    down = functools.partial(_masked_down_ref, dropouts=dropouts, layout=layout,
-                             layer_seed=layer_seed, training=training, col_offset=col_offset,
-                             full_width=full)
+        return fused_lora_down(
+            x,
+            lora_a,
+            dropouts,
+            layout,
+            layer_seed=layer_seed,
+            training=training,
+            col_offset=col_offset,
+            full_width=full,
+            rebuild=rebuild,
+        )
+    down = functools.partial(
+        _masked_down_ref,
+        dropouts=dropouts,
+        layout=layout,
+        layer_seed=layer_seed,
+        training=training,
+        col_offset=col_offset,
+        full_width=full,
+    )
     if rebuild is None or not torch.is_grad_enabled():
         return down(x, lora_a)
     return LoRADownRebuildFunction.apply(x, lora_a, down, rebuild)
 
 
-def _masked_down_ref(x: torch.Tensor, lora_a: torch.Tensor, *, dropouts: Sequence[float],
-                     layout: AdapterLayout, layer_seed: int, training: bool, col_offset: int,
-                     full_width: int) -> torch.Tensor:
+def _masked_down_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    *,
+    dropouts: Sequence[float],
+    layout: AdapterLayout,
+    layer_seed: int,
+    training: bool,
+    col_offset: int,
+    full_width: int,
+) -> torch.Tensor:
     """`lora_down`'s reference path: (T, R) ``S`` with the mask columns of ``x`` drawn here."""
     keep = None
     if training:
         keep = dropout_keep_mask(layout, dropouts, full_width, layer_seed, x.device)  # (T, H)
     if keep is not None:
-        keep = keep[:, col_offset:col_offset + x.shape[1]]  # (T, H_l)
+        keep = keep[:, col_offset : col_offset + x.shape[1]]  # (T, H_l)
     return lora_down_ref(x, lora_a, dropouts, layout, keep)
 
 

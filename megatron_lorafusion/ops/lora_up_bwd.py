@@ -27,10 +27,26 @@ if triton is not None:
 
     @triton.jit
     def _lora_up_bwd_kernel(
-        dy_ptr, s_ptr, b_ptr, scale_ptr, ds_part_ptr, db_part_ptr, chunks_ptr,
-        T, N, R, stride_dyt, stride_st, stride_ba, stride_bn, stride_br,
-        SCALE_DB: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+        dy_ptr,
+        s_ptr,
+        b_ptr,
+        scale_ptr,
+        ds_part_ptr,
+        db_part_ptr,
+        chunks_ptr,
+        T,
+        N,
+        R,
+        stride_dyt,
+        stride_st,
+        stride_ba,
+        stride_bn,
+        stride_br,
+        SCALE_DB: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         pid_c = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -42,22 +58,36 @@ if triton is not None:
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < R
         scale = tl.load(scale_ptr + adapter)
-        b = tl.load(b_ptr + adapter.to(tl.int64) * stride_ba + cols[:, None] * stride_bn
-                    + ranks[None, :] * stride_br,
-                    mask=col_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_N, BLOCK_R)
+        b = tl.load(
+            b_ptr
+            + adapter.to(tl.int64) * stride_ba
+            + cols[:, None] * stride_bn
+            + ranks[None, :] * stride_br,
+            mask=col_ok[:, None] & rank_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_N, BLOCK_R)
         acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         ds_part = ds_part_ptr + pid_n.to(tl.int64) * T * BLOCK_R  # this tile's (T, BLOCK_R)
         for t0 in range(row_start, row_end, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
             row_ok = rows < row_end
-            dy = tl.load(dy_ptr + rows.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
-                         mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_N)
-            s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-                        mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
+            dy = tl.load(
+                dy_ptr + rows.to(tl.int64)[:, None] * stride_dyt + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )  # (BLOCK_T, BLOCK_N)
+            s = tl.load(
+                s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+                mask=row_ok[:, None] & rank_ok[None, :],
+                other=0.0,
+            )  # (BLOCK_T, BLOCK_R)
             acc = tl.dot(tl.trans(dy), s, acc, input_precision=DOT_PRECISION)
             ds = tl.dot(dy, b, input_precision=DOT_PRECISION) * scale  # (BLOCK_T, BLOCK_R)
-            tl.store(ds_part + rows.to(tl.int64)[:, None] * BLOCK_R + ranks[None, :], ds,
-                     mask=row_ok[:, None])
+            tl.store(
+                ds_part + rows.to(tl.int64)[:, None] * BLOCK_R + ranks[None, :],
+                ds,
+                mask=row_ok[:, None],
+            )
         if SCALE_DB:
             acc = acc * scale
         part = db_part_ptr + (pid_c.to(tl.int64) * N + cols[:, None]) * BLOCK_R + ranks[None, :]
@@ -65,9 +95,23 @@ if triton is not None:
 
     @triton.jit
     def _lora_up_bwd_reduce_kernel(
-        ds_part_ptr, ds_ptr, db_part_ptr, db_ptr, ranges_ptr,
-        T, N, R, n_col_tiles, db_programs, stride_dst, stride_dba, stride_dbn, stride_dbr,
-        BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+        ds_part_ptr,
+        ds_ptr,
+        db_part_ptr,
+        db_ptr,
+        ranges_ptr,
+        T,
+        N,
+        R,
+        n_col_tiles,
+        db_programs,
+        stride_dst,
+        stride_dba,
+        stride_dbn,
+        stride_dbr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         # One launch for both sums (one host launch less): programs [0, db_programs) reduce
         # dB per (adapter, column tile), the rest reduce dS per row block.
@@ -83,13 +127,21 @@ if triton is not None:
             last = tl.load(ranges_ptr + adapter + 1)
             acc = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
             stride_c = N * BLOCK_R  # one chunk's partial, (N, BLOCK_R) fp32
-            part = (db_part_ptr + first.to(tl.int64) * stride_c + cols[:, None] * BLOCK_R
-                    + ranks[None, :])
+            part = (
+                db_part_ptr
+                + first.to(tl.int64) * stride_c
+                + cols[:, None] * BLOCK_R
+                + ranks[None, :]
+            )
             for _ in range(first, last):  # fixed order: deterministic
                 acc += tl.load(part, mask=col_ok[:, None], other=0.0)
                 part += stride_c
-            out = (db_ptr + adapter.to(tl.int64) * stride_dba + cols[:, None] * stride_dbn
-                   + ranks[None, :] * stride_dbr)
+            out = (
+                db_ptr
+                + adapter.to(tl.int64) * stride_dba
+                + cols[:, None] * stride_dbn
+                + ranks[None, :] * stride_dbr
+            )
             tl.store(out, acc.to(db_ptr.dtype.element_ty), mask=col_ok[:, None] & rank_ok[None, :])
         else:
             rows = (pid - db_programs) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -189,22 +241,53 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
         ranges = layout.tile_ranges(chunk, dy.device)
         col_tiles = _utils.cdiv(width, cfg.block_d)
         ds_part = torch.empty(col_tiles, tokens, block_r, dtype=torch.float32, device=dy.device)
-        db_part = torch.empty(chunks.shape[0], width, block_r, dtype=torch.float32,
-                              device=dy.device)
+        db_part = torch.empty(
+            chunks.shape[0], width, block_r, dtype=torch.float32, device=dy.device
+        )
         _lora_up_bwd_kernel[(chunks.shape[0], col_tiles)](
-            dy, s, lora_b, scales, ds_part, db_part, chunks,
-            tokens, width, rank, dy.stride(0), s.stride(0),
-            lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-            SCALE_DB=scale_db, DOT_PRECISION="ieee" if dy.dtype == torch.float32 else None,
-            BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_d, BLOCK_R=block_r,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            dy,
+            s,
+            lora_b,
+            scales,
+            ds_part,
+            db_part,
+            chunks,
+            tokens,
+            width,
+            rank,
+            dy.stride(0),
+            s.stride(0),
+            lora_b.stride(0),
+            lora_b.stride(1),
+            lora_b.stride(2),
+            SCALE_DB=scale_db,
+            DOT_PRECISION="ieee" if dy.dtype == torch.float32 else None,
+            BLOCK_T=cfg.block_t,
+            BLOCK_N=cfg.block_d,
+            BLOCK_R=block_r,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         db_programs = adapters * _utils.cdiv(width, _REDUCE_BLOCK_D)
         grid = (db_programs + _utils.cdiv(tokens, _REDUCE_BLOCK_ROWS),)
         _lora_up_bwd_reduce_kernel[grid](
-            ds_part, ds, db_part, db, ranges, tokens, width, rank, col_tiles, db_programs,
-            ds.stride(0), db.stride(0), db.stride(1), db.stride(2),
-            BLOCK_D=_REDUCE_BLOCK_D, BLOCK_ROWS=_REDUCE_BLOCK_ROWS, BLOCK_R=block_r,
+            ds_part,
+            ds,
+            db_part,
+            db,
+            ranges,
+            tokens,
+            width,
+            rank,
+            col_tiles,
+            db_programs,
+            ds.stride(0),
+            db.stride(0),
+            db.stride(1),
+            db.stride(2),
+            BLOCK_D=_REDUCE_BLOCK_D,
+            BLOCK_ROWS=_REDUCE_BLOCK_ROWS,
+            BLOCK_R=block_r,
         )
 
     key = (tokens, width, block_r)

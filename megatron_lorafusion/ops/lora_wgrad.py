@@ -21,12 +21,31 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
     def _lora_wgrad_kernel(
-        z_ptr, s_ptr, part_ptr, chunks_ptr, p_ptr, m_ptr, ex_ptr, seed,
-        D, R, row_off, col_off, mask_d,
-        stride_zt, stride_st, stride_ma, stride_mr, stride_md, stride_et,
-        HAS_DROPOUT: tl.constexpr, EXPAND: tl.constexpr,
+        z_ptr,
+        s_ptr,
+        part_ptr,
+        chunks_ptr,
+        p_ptr,
+        m_ptr,
+        ex_ptr,
+        seed,
+        D,
+        R,
+        row_off,
+        col_off,
+        mask_d,
+        stride_zt,
+        stride_st,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_et,
+        HAS_DROPOUT: tl.constexpr,
+        EXPAND: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         pid_c = tl.program_id(0)
         pid_d = tl.program_id(1)
@@ -43,21 +62,33 @@ if triton is not None:
         keep_scale = 1.0 / (1.0 - p)  # inverted dropout: one multiply per element, not a divide
         acc = tl.zeros((BLOCK_D, BLOCK_R), dtype=tl.float32)
         if EXPAND:  # this adapter's M_a tile, (BLOCK_R, BLOCK_D)
-            m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
-                        + cols[None, :] * stride_md,
-                        mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
+            m = tl.load(
+                m_ptr
+                + adapter.to(tl.int64) * stride_ma
+                + ranks[:, None] * stride_mr
+                + cols[None, :] * stride_md,
+                mask=rank_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
         for t0 in range(row_start, row_end, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
             row_ok = rows < row_end
-            z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_zt + cols[None, :],
-                        mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_D)
+            z = tl.load(
+                z_ptr + rows.to(tl.int64)[:, None] * stride_zt + cols[None, :],
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )  # (BLOCK_T, BLOCK_D)
             if HAS_DROPOUT:  # no run-time `if p > 0`: it would stop load pipelining
                 # Mask keyed by the row and column in the whole (unsharded) input.
-                keep = keep_mask_tile(seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p,
-                                      BLOCK_D)
+                keep = keep_mask_tile(
+                    seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p, BLOCK_D
+                )
                 z = tl.where(keep, z, 0.0)
-            s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-                        mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_T, BLOCK_R)
+            s = tl.load(
+                s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+                mask=row_ok[:, None] & rank_ok[None, :],
+                other=0.0,
+            )  # (BLOCK_T, BLOCK_R)
             acc = tl.dot(tl.trans(z), s, acc, input_precision=DOT_PRECISION)
             if EXPAND:  # the same tile of drop(S·M_a), sharing this tile's mask
                 lora = tl.dot(s, m, input_precision=DOT_PRECISION)  # (BLOCK_T, BLOCK_D)
@@ -67,8 +98,11 @@ if triton is not None:
                     # (~20 % more instructions per loop step, sm_90, docs/kernels.md).
                     lora = (lora * keep_scale).to(ex_ptr.dtype.element_ty)
                     lora = lora * keep.to(ex_ptr.dtype.element_ty)
-                tl.store(ex_ptr + rows.to(tl.int64)[:, None] * stride_et + cols[None, :],
-                         lora.to(ex_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                tl.store(
+                    ex_ptr + rows.to(tl.int64)[:, None] * stride_et + cols[None, :],
+                    lora.to(ex_ptr.dtype.element_ty),
+                    mask=row_ok[:, None] & col_ok[None, :],
+                )
         if HAS_DROPOUT:
             acc = acc * keep_scale
         part = part_ptr + (pid_c.to(tl.int64) * D + cols[:, None]) * BLOCK_R + ranks[None, :]
@@ -76,8 +110,16 @@ if triton is not None:
 
     @triton.jit
     def _lora_wgrad_reduce_kernel(
-        part_ptr, out_ptr, ranges_ptr, D, R, stride_oa, stride_od, stride_or,
-        BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+        part_ptr,
+        out_ptr,
+        ranges_ptr,
+        D,
+        R,
+        stride_oa,
+        stride_od,
+        stride_or,
+        BLOCK_D: tl.constexpr,
+        BLOCK_R: tl.constexpr,
     ):
         adapter = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -91,8 +133,12 @@ if triton is not None:
         for _ in range(first, last):  # fixed order: deterministic
             acc += tl.load(part, mask=col_ok[:, None], other=0.0)
             part += stride_c
-        out = (out_ptr + adapter.to(tl.int64) * stride_oa + cols[:, None] * stride_od
-               + ranks[None, :] * stride_or)
+        out = (
+            out_ptr
+            + adapter.to(tl.int64) * stride_oa
+            + cols[:, None] * stride_od
+            + ranks[None, :] * stride_or
+        )
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & (ranks < R)[None, :])
 
 
@@ -184,11 +230,13 @@ def lora_wgrad(
                 f"expand_m has shape {tuple(expand_m.shape)} {expand_m.dtype}, "
                 f"expected (A, R, D)=({adapters}, {rank}, {width}) {s.dtype}"
             )
-        _utils.check_tensor("expand_out", expand_out, (tokens, width), _utils.KERNEL_DTYPES,
-                            z.device)
+        _utils.check_tensor(
+            "expand_out", expand_out, (tokens, width), _utils.KERNEL_DTYPES, z.device
+        )
     mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_wgrad_fwd(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset,
-                              mask_d)
+    return lora_wgrad_fwd(
+        z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset, mask_d
+    )
 
 
 def lora_wgrad_fwd(
@@ -223,17 +271,45 @@ def lora_wgrad_fwd(
         ranges = layout.tile_ranges(chunk, z.device)
         part = torch.empty(chunks.shape[0], width, block_r, dtype=torch.float32, device=z.device)
         _lora_wgrad_kernel[(chunks.shape[0], _utils.cdiv(width, cfg.block_d))](
-            z, s, part, chunks, dropouts if dropouts is not None else s, m, ex, seed,
-            width, rank, layout.row_offset, col_offset, mask_d or width,
-            z.stride(0), s.stride(0), m.stride(0), m.stride(1), m.stride(2), ex.stride(0),
-            HAS_DROPOUT=dropouts is not None, EXPAND=expand_m is not None,
+            z,
+            s,
+            part,
+            chunks,
+            dropouts if dropouts is not None else s,
+            m,
+            ex,
+            seed,
+            width,
+            rank,
+            layout.row_offset,
+            col_offset,
+            mask_d or width,
+            z.stride(0),
+            s.stride(0),
+            m.stride(0),
+            m.stride(1),
+            m.stride(2),
+            ex.stride(0),
+            HAS_DROPOUT=dropouts is not None,
+            EXPAND=expand_m is not None,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
-            BLOCK_T=cfg.block_t, BLOCK_D=cfg.block_d, BLOCK_R=block_r,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_T=cfg.block_t,
+            BLOCK_D=cfg.block_d,
+            BLOCK_R=block_r,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         _lora_wgrad_reduce_kernel[(adapters, _utils.cdiv(width, _REDUCE_BLOCK_D))](
-            part, out, ranges, width, rank, out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_D=_REDUCE_BLOCK_D, BLOCK_R=block_r,
+            part,
+            out,
+            ranges,
+            width,
+            rank,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            BLOCK_D=_REDUCE_BLOCK_D,
+            BLOCK_R=block_r,
         )
 
     mask = "none" if dropouts is None else "drawn"

@@ -32,8 +32,14 @@ CASES = {
     "single": ([45], [4], [1.5], [0.25], 40, 24),
     "no_dropout": ([7, 20, 9], [2, 6, 4], [1.0, 2.0, 0.5], [0.0, 0.0, 0.0], 24, 56),
     "rank_200": ([9, 5], [200, 37], [0.25, 1.0], [0.1, 0.0], 24, 16),
-    "many_adapters": ([(3 * a) % 7 for a in range(64)], [1 + a % 9 for a in range(64)],
-                      [0.5 + a % 3 for a in range(64)], [0.1 * (a % 3) for a in range(64)], 16, 24),
+    "many_adapters": (
+        [(3 * a) % 7 for a in range(64)],
+        [1 + a % 9 for a in range(64)],
+        [0.5 + a % 3 for a in range(64)],
+        [0.1 * (a % 3) for a in range(64)],
+        16,
+        24,
+    ),
 }
 DESIGNS = ["cublas", "triton", "triton_fwd"]
 
@@ -58,23 +64,33 @@ def _grads(fn, x, lora_a, lora_b, grad_y):
     return [y.detach()] + [t.grad for t in leaves]
 
 
-def _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep,
-                              grad_y, design, label):
+def _assert_matches_reference(
+    x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep, grad_y, design, label
+):
     """Fused output and gradients equal the fp32 reference run with mask ``keep``."""
     got = _grads(
-        lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts, layout,
-                                             layer_seed=5, design=design),
-        x, lora_a, lora_b, grad_y,
+        lambda x_, a_, b_: fused_lora_linear(
+            x_, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=5, design=design
+        ),
+        x,
+        lora_a,
+        lora_b,
+        grad_y,
     )
     want = _grads(
-        lambda x_, a_, b_: lora_linear_ref(x_, weight.float(), bias.float(), a_, b_, scalings,
-                                           dropouts, layout, keep),
-        x.float(), lora_a.float(), lora_b.float(), grad_y.float(),
+        lambda x_, a_, b_: lora_linear_ref(
+            x_, weight.float(), bias.float(), a_, b_, scalings, dropouts, layout, keep
+        ),
+        x.float(),
+        lora_a.float(),
+        lora_b.float(),
+        grad_y.float(),
     )
     atol, rtol = TOL[x.dtype]
     for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
-        torch.testing.assert_close(g.float(), w, atol=atol, rtol=rtol,
-                                   msg=lambda m, n=name: f"{label} {n}: {m}")
+        torch.testing.assert_close(
+            g.float(), w, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{label} {n}: {m}"
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -87,8 +103,20 @@ def test_fused_lora_linear_matches_reference(case, design, dtype, device, make_l
         case, dtype, device, make_layout, make_lora
     )
     keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)
-    _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, keep,
-                              grad_y, design, f"{case}/{design}/{dtype}")
+    _assert_matches_reference(
+        x,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        scalings,
+        dropouts,
+        layout,
+        keep,
+        grad_y,
+        design,
+        f"{case}/{design}/{dtype}",
+    )
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -96,8 +124,9 @@ def test_fused_lora_linear_eval_uses_no_mask(design, device, make_layout, make_l
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
         "ragged", torch.float32, device, make_layout, make_lora
     )
-    got = fused_lora_linear(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout,
-                            training=False, design=design)
+    got = fused_lora_linear(
+        x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, training=False, design=design
+    )
     want = lora_linear_ref(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, None)
     atol, rtol = TOL[torch.float32]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg="eval output")
@@ -110,10 +139,20 @@ def test_fused_lora_linear_without_input_grad(device, make_layout, make_lora):
     )
     keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 1, device)
     grads = {}
-    for name, fn in (("fused", lambda a_, b_: fused_lora_linear(
-                         x, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=1)),
-                     ("ref", lambda a_, b_: lora_linear_ref(
-                         x, weight, bias, a_, b_, scalings, dropouts, layout, keep))):
+    for name, fn in (
+        (
+            "fused",
+            lambda a_, b_: fused_lora_linear(
+                x, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=1
+            ),
+        ),
+        (
+            "ref",
+            lambda a_, b_: lora_linear_ref(
+                x, weight, bias, a_, b_, scalings, dropouts, layout, keep
+            ),
+        ),
+    ):
         a_, b_ = (t.detach().clone().requires_grad_() for t in (lora_a, lora_b))
         fn(a_, b_).backward(grad_y)
         grads[name] = (a_.grad, b_.grad)
@@ -129,9 +168,13 @@ def test_fused_lora_linear_backward_is_bitwise_repeatable(device, make_layout, m
 
     def run():
         return _grads(
-            lambda x_, a_, b_: fused_lora_linear(x_, weight, bias, a_, b_, scalings, dropouts,
-                                                 layout, layer_seed=2),
-            x, lora_a, lora_b, grad_y,
+            lambda x_, a_, b_: fused_lora_linear(
+                x_, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=2
+            ),
+            x,
+            lora_a,
+            lora_b,
+            grad_y,
         )
 
     first, second = run(), run()
@@ -152,8 +195,9 @@ def test_fused_lora_linear_rejects_bad_inputs(device, make_layout, make_lora):
     with pytest.raises(ValueError, match="dropouts"):
         fused_lora_linear(x, weight, bias, lora_a, lora_b, scalings, [1.0] * 4, layout)
     with pytest.raises(ValueError, match="design"):
-        fused_lora_linear(x, weight, bias, lora_a, lora_b, scalings, dropouts, layout,
-                          design="cutlass")
+        fused_lora_linear(
+            x, weight, bias, lora_a, lora_b, scalings, dropouts, layout, design="cutlass"
+        )
     big_a = torch.zeros(4, 300, x.shape[1], dtype=x.dtype, device=device)
     big_b = torch.zeros(4, weight.shape[0], 300, dtype=x.dtype, device=device)
     with pytest.raises(NotImplementedError, match="rank"):
@@ -189,17 +233,26 @@ def test_fused_lora_linear_bf16_close_to_fp32(design, make_layout, make_lora):
     grad_y = torch.randn(layout.num_tokens, out, generator=gen).cuda().bfloat16()
     keep = fused_dropout_keep_mask(layout, dropouts, hidden, 9, "cuda")
     fused = _grads(
-        lambda x_, a_, b_: fused_lora_linear(x_, weight, None, a_, b_, scalings, dropouts, layout,
-                                             layer_seed=9, design=design),
-        x, lora_a, lora_b, grad_y,
+        lambda x_, a_, b_: fused_lora_linear(
+            x_, weight, None, a_, b_, scalings, dropouts, layout, layer_seed=9, design=design
+        ),
+        x,
+        lora_a,
+        lora_b,
+        grad_y,
     )
 
     def ref(x_, a_, b_, w_):
         return lora_linear_ref(x_, w_, None, a_, b_, scalings, dropouts, layout, keep)
 
     ref16 = _grads(lambda x_, a_, b_: ref(x_, a_, b_, weight), x, lora_a, lora_b, grad_y)
-    ref32 = _grads(lambda x_, a_, b_: ref(x_, a_, b_, weight.float()),
-                   x.float(), lora_a.float(), lora_b.float(), grad_y.float())
+    ref32 = _grads(
+        lambda x_, a_, b_: ref(x_, a_, b_, weight.float()),
+        x.float(),
+        lora_a.float(),
+        lora_b.float(),
+        grad_y.float(),
+    )
     for name, f, r16, r32 in zip(["y", "dx", "da", "db"], fused, ref16, ref32, strict=True):
         err_fused = float((f.float() - r32).norm() / r32.norm())
         err_torch = float((r16.float() - r32).norm() / r32.norm())
@@ -210,8 +263,9 @@ def test_fused_lora_linear_bf16_close_to_fp32(design, make_layout, make_lora):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("design", DESIGNS)
-def test_fused_lora_linear_shard_uses_rows_of_whole_mask(design, dtype, device, make_layout,
-                                                         make_lora):
+def test_fused_lora_linear_shard_uses_rows_of_whole_mask(
+    design, dtype, device, make_layout, make_lora
+):
     """A sequence-parallel shard (rows 20:90 of 109) gives the rows of the unsharded op."""
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
         "ragged", dtype, device, make_layout, make_lora
@@ -220,13 +274,26 @@ def test_fused_lora_linear_shard_uses_rows_of_whole_mask(design, dtype, device, 
     shard = layout.shard(start, end)
     keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)[start:end]
     x, grad_y = x[start:end].contiguous(), grad_y[start:end].contiguous()
-    _assert_matches_reference(x, weight, bias, lora_a, lora_b, scalings, dropouts, shard, keep,
-                              grad_y, design, f"shard/{design}/{dtype}")
+    _assert_matches_reference(
+        x,
+        weight,
+        bias,
+        lora_a,
+        lora_b,
+        scalings,
+        dropouts,
+        shard,
+        keep,
+        grad_y,
+        design,
+        f"shard/{design}/{dtype}",
+    )
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_fused_lora_linear_rebuilt_input_keeps_bits_and_is_not_saved(design, device,
-                                                                     make_layout, make_lora):
+def test_fused_lora_linear_rebuilt_input_keeps_bits_and_is_not_saved(
+    design, device, make_layout, make_lora
+):
     """X rebuilt in backward from its source: y, d_source, dA, dB bit for bit those of the
     op that saves X, and X's storage is not among the saved tensors."""
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
@@ -247,13 +314,23 @@ def test_fused_lora_linear_rebuilt_input_keeps_bits_and_is_not_saved(design, dev
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = fused_lora_linear(x_, weight, bias, a, b, scalings, dropouts, layout,
-                                  layer_seed=5, design=design,
-                                  rebuild=InputRebuild(producer, (src,)) if rebuilt else None)
+            y = fused_lora_linear(
+                x_,
+                weight,
+                bias,
+                a,
+                b,
+                scalings,
+                dropouts,
+                layout,
+                layer_seed=5,
+                design=design,
+                rebuild=InputRebuild(producer, (src,)) if rebuilt else None,
+            )
         assert (x_.untyped_storage().data_ptr() in saved) != rebuilt, f"{design}: X saved"
         y.backward(grad_y)
         runs[rebuilt] = (y.detach(), src.grad, a.grad, b.grad)
-    for name, got, want in zip(["y", "d_source", "da", "db"], runs[True], runs[False],
-                               strict=True):
-        torch.testing.assert_close(got, want, atol=0, rtol=0,
-                                   msg=lambda m, n=name: f"{design} {n}: {m}")
+    for name, got, want in zip(["y", "d_source", "da", "db"], runs[True], runs[False], strict=True):
+        torch.testing.assert_close(
+            got, want, atol=0, rtol=0, msg=lambda m, n=name: f"{design} {n}: {m}"
+        )

@@ -13,12 +13,16 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("counts", "ranks", "dropouts"), [
-    ([32, 32], [16, 16], [0.0, 0.0]),
-    ([21, 0, 40, 3], [3, 8, 5, 1], [0.2, 0.1, 0.0, 0.5]),
-])
-def test_lora_expand_matches_reference(counts, ranks, dropouts, dtype, device, make_layout,
-                                       make_lora):
+@pytest.mark.parametrize(
+    ("counts", "ranks", "dropouts"),
+    [
+        ([32, 32], [16, 16], [0.0, 0.0]),
+        ([21, 0, 40, 3], [3, 8, 5, 1], [0.2, 0.1, 0.0, 0.5]),
+    ],
+)
+def test_lora_expand_matches_reference(
+    counts, ranks, dropouts, dtype, device, make_layout, make_lora
+):
     gen = torch.Generator().manual_seed(1)
     layout = make_layout(counts, device, seed=5)
     width = 40
@@ -54,9 +58,18 @@ def test_lora_expand_shard_with_scales_uses_rows_and_columns_of_whole_mask(
     scales = torch.tensor([0.5, 1.0, 2.0, 3.0], device=device)
     drop = torch.tensor(dropouts, device=device)
     keep = fused_dropout_keep_mask(layout, dropouts, full_width, 6, device)
-    keep = keep[start:end, col_offset:col_offset + width]
-    got = lora_expand(s, m, None, drop, shard, mixed_seed(layout.dropout_seed, 6), scales=scales,
-                      col_offset=col_offset, full_width=full_width)
+    keep = keep[start:end, col_offset : col_offset + width]
+    got = lora_expand(
+        s,
+        m,
+        None,
+        drop,
+        shard,
+        mixed_seed(layout.dropout_seed, 6),
+        scales=scales,
+        col_offset=col_offset,
+        full_width=full_width,
+    )
     want = lora_expand_ref(s, m, None, keep, drop, shard, scales)
     atol, rtol = TOL[torch.float32]
     torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg="sharded expand")

@@ -42,16 +42,19 @@ def test_lora_gemm_matches_reference(kernel, transposed, dtype, device, make_lay
     layout = make_layout(counts, device, seed=8)
     # K not a multiple of BLOCK_K, D not a multiple of BLOCK_N; TMA needs D·itemsize % 16 == 0
     inner, width = 40, (36 if kernel == "plain" else 40)
-    z, w, s, m, bias = _problem(layout, inner, width, [6, 2, 4], dtype, device, make_lora,
-                                transposed)
+    z, w, s, m, bias = _problem(
+        layout, inner, width, [6, 2, 4], dtype, device, make_lora, transposed
+    )
     drop = torch.tensor(dropouts, device=device)
     keep = fused_dropout_keep_mask(layout, dropouts, width, 1, device)
-    got = lora_gemm(z, w, s, m, bias, drop, layout, mixed_seed(layout.dropout_seed, 1),
-                    kernel=kernel)
+    got = lora_gemm(
+        z, w, s, m, bias, drop, layout, mixed_seed(layout.dropout_seed, 1), kernel=kernel
+    )
     want = lora_gemm_ref(z, w, s, m, bias, keep, drop, layout)
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol,
-                               msg=f"{kernel} gemm")
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=atol, rtol=rtol, msg=f"{kernel} gemm"
+    )
 
 
 @pytest.mark.parametrize("kernel", ["plain", "tma"])
@@ -63,8 +66,19 @@ def test_lora_gemm_shard_draws_whole_microbatch_mask(kernel, device, make_layout
     z, w, s, m, _ = _problem(layout, 32, 40, [4, 4], torch.float32, device, make_lora, True)
     drop = torch.tensor(dropouts, device=device)
     keep = fused_dropout_keep_mask(whole, dropouts, 56, 2, device)[5:37, 8:48]
-    got = lora_gemm(z, w, s, m, None, drop, layout, mixed_seed(layout.dropout_seed, 2),
-                    kernel=kernel, col_offset=8, full_width=56)
+    got = lora_gemm(
+        z,
+        w,
+        s,
+        m,
+        None,
+        drop,
+        layout,
+        mixed_seed(layout.dropout_seed, 2),
+        kernel=kernel,
+        col_offset=8,
+        full_width=56,
+    )
     want = lora_gemm_ref(z, w, s, m, None, keep, drop, layout)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{kernel} shard mask")
 
@@ -73,8 +87,16 @@ def test_lora_gemm_names_bad_tensor(device, make_layout):
     layout = make_layout([4, 4], device)
     z, s = torch.randn(8, 16, device=device), torch.randn(8, 4, device=device)
     with pytest.raises(ValueError, match="w has shape"):
-        lora_gemm(z, torch.randn(15, 8, device=device), s, torch.randn(2, 4, 8, device=device),
-                  None, None, layout, 0)
+        lora_gemm(
+            z,
+            torch.randn(15, 8, device=device),
+            s,
+            torch.randn(2, 4, 8, device=device),
+            None,
+            None,
+            layout,
+            0,
+        )
 
 
 def test_lora_gemm_tma_rejects_unaligned_rows(device, make_layout):
@@ -83,8 +105,7 @@ def test_lora_gemm_tma_rejects_unaligned_rows(device, make_layout):
     w = torch.randn(16, 6, device=device)  # D·4 bytes = 24: not a multiple of 16
     assert not tma_supported(z, w, torch.empty(8, 6, device=device))
     with pytest.raises(ValueError, match="16-byte aligned"):
-        lora_gemm(z, w, s, torch.randn(2, 4, 6, device=device), None, None, layout, 0,
-                  kernel="tma")
+        lora_gemm(z, w, s, torch.randn(2, 4, 6, device=device), None, None, layout, 0, kernel="tma")
 
 
 def _rel_err(a, b):
@@ -101,14 +122,23 @@ def test_lora_gemm_tma_bf16_configs(cfg, direction, make_layout, make_lora):
     counts, dropouts = [300, 0, 517, 211], [0.1, 0.0, 0.0, 0.3]
     layout = make_layout(counts, "cuda", seed=5)
     fwd = direction == "fwd"
-    z, w, s, m, bias = _problem(layout, 320, 384, [16, 8, 16, 4], torch.bfloat16, "cuda",
-                                make_lora, transposed=fwd)
+    z, w, s, m, bias = _problem(
+        layout, 320, 384, [16, 8, 16, 4], torch.bfloat16, "cuda", make_lora, transposed=fwd
+    )
     bias = bias if fwd else None
     drop = None if fwd else torch.tensor(dropouts, device="cuda")
     keep = None if fwd else fused_dropout_keep_mask(layout, dropouts, 384, 7, "cuda")
     got = lora_gemm(z, w, s, m, bias, drop, layout, mixed_seed(layout.dropout_seed, 7), cfg)
-    want = lora_gemm_ref(z.float(), w.float(), s.float(), m.float(),
-                         None if bias is None else bias.float(), keep, drop, layout)
+    want = lora_gemm_ref(
+        z.float(),
+        w.float(),
+        s.float(),
+        m.float(),
+        None if bias is None else bias.float(),
+        keep,
+        drop,
+        layout,
+    )
     assert got.isfinite().all(), f"{cfg.label()} {direction}: non-finite output"
     err = _rel_err(got, want)
     assert err < BF16_REL_ERR, f"{cfg.label()} {direction}: rel err {err:.2e}"

@@ -13,12 +13,16 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("counts", "ranks", "dropouts"), [
-    ([32, 32], [16, 16], [0.0, 0.0]),  # round, no dropout
-    ([21, 0, 40, 3], [3, 8, 5, 1], [0.2, 0.1, 0.0, 0.5]),  # ragged, zero-token adapter
-])
-def test_lora_shrink_matches_reference(counts, ranks, dropouts, dtype, device, make_layout,
-                                       make_lora):
+@pytest.mark.parametrize(
+    ("counts", "ranks", "dropouts"),
+    [
+        ([32, 32], [16, 16], [0.0, 0.0]),  # round, no dropout
+        ([21, 0, 40, 3], [3, 8, 5, 1], [0.2, 0.1, 0.0, 0.5]),  # ragged, zero-token adapter
+    ],
+)
+def test_lora_shrink_matches_reference(
+    counts, ranks, dropouts, dtype, device, make_layout, make_lora
+):
     gen = torch.Generator().manual_seed(0)
     layout = make_layout(counts, device, seed=3)
     width = 72
@@ -46,10 +50,10 @@ def test_lora_shrink_names_bad_tensor(device, make_layout, make_lora):
         lora_shrink(z[:7], m, scales, None, layout, 0)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_lora_shrink_shard_uses_rows_and_columns_of_whole_mask(dtype, device, make_layout,
-                                                               make_lora):
+def test_lora_shrink_shard_uses_rows_and_columns_of_whole_mask(
+    dtype, device, make_layout, make_lora
+):
     """A shard of rows 9:50 and columns 16:56 of a 72-wide input draws that block of the mask."""
     gen = torch.Generator().manual_seed(5)
     layout = make_layout([21, 0, 40, 3], device, seed=3)
@@ -61,9 +65,17 @@ def test_lora_shrink_shard_uses_rows_and_columns_of_whole_mask(dtype, device, ma
     scales = torch.tensor([0.5, 1.0, 2.0, 1.5], device=device)
     drop = torch.tensor(dropouts, device=device)
     keep = fused_dropout_keep_mask(layout, dropouts, full_width, 4, device)
-    keep = keep[start:end, col_offset:col_offset + width]
-    got = lora_shrink(z, m, scales, drop, shard, mixed_seed(layout.dropout_seed, 4),
-                      col_offset=col_offset, full_width=full_width)
+    keep = keep[start:end, col_offset : col_offset + width]
+    got = lora_shrink(
+        z,
+        m,
+        scales,
+        drop,
+        shard,
+        mixed_seed(layout.dropout_seed, 4),
+        col_offset=col_offset,
+        full_width=full_width,
+    )
     want = lora_shrink_ref(z.float(), m.float(), scales, keep, drop, shard)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol, msg="sharded S")
