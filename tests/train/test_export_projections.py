@@ -182,7 +182,6 @@ def test_projection_targets_match_peft_logits_grads_and_merge(
         )
 
 
-@pytest.mark.slow
 def test_train_main_mixed_targets_and_ranks_export_what_peft_loads(tmp_path):
     """One run (tiny preset, CPU): q/v, all-linear and MLP-only adapters of three ranks,
     written with PEFT's and our key names; each export loads in peft with PEFT's own keys."""
