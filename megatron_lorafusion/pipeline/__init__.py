@@ -1,5 +1,6 @@
 """The multi-adapter pipeline: pure 1F1B schedule tables and the runner that executes them."""
 
+from megatron_lorafusion.pipeline.forward_only import forward_loss_sums
 from megatron_lorafusion.pipeline.groups import (
     PipelineGroups,
     check_same_across_ranks,
@@ -34,6 +35,7 @@ __all__ = [
     "check_same_across_ranks",
     "checked",
     "data_parallel_share",
+    "forward_loss_sums",
     "gpt_stage_forward",
     "lemma_checked",
     "make_pipeline_groups",

@@ -34,7 +34,8 @@ def _unshard(shards: list[torch.Tensor], factor: str, stride: int) -> torch.Tens
 
 
 def gather_adapter_states(
-    lora, *, tp_rank: int, tp_size: int, dp_rank: int
+    lora, *, tp_rank: int, tp_size: int, dp_rank: int,
+    local: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[dict[str, torch.Tensor]] | None:
     """Every adapter's full state dict on global rank 0 (a collective over the world).
 
@@ -43,14 +44,17 @@ def gather_adapter_states(
         tp_rank: this rank's tensor-parallel rank.
         tp_size: tensor-parallel size.
         dp_rank: this rank's data-parallel rank (only replica 0 is kept).
+        local: per adapter, this rank's factors to gather instead of the current ones (an
+            early-stopped adapter's best); None entries (or None): the current weights.
 
     Returns:
         On rank 0, per adapter id, ``{"decoder.layers.{i}.<parent>.<linear>.lora_A|B": fp32
         CPU tensor}`` over all layers, unsharded; None on other ranks.
     """
     rules = {name: _shard_rule(w) for name, w in lora.wrappers.items()}
+    local = local or [None] * lora.num_adapters
     states = [
-        {k: v.cpu() for k, v in lora.adapter_state_dict(a).items()}
+        {k: v.cpu() for k, v in (local[a] or lora.adapter_state_dict(a)).items()}
         for a in range(lora.num_adapters)
     ]
     payload = (tp_rank, dp_rank, rules, states)

@@ -1,4 +1,4 @@
-"""Per-adapter evaluation and early stopping of a one-stage run.
+"""Per-adapter evaluation and early stopping, in one process or across TP × PP × DP ranks.
 
 Each adapter may hold out rows (``eval_dataset``, or ``eval_fraction`` of its training file).
 Every ``train.eval_every`` of its optimizer steps (and at its last) its eval loss, the
@@ -8,9 +8,15 @@ most ``planner.token_capacity`` tokens. With ``early_stopping_patience`` an adap
 loss has not improved for that many evaluations stops stepping (`AdapterAdamW.stopped`; its
 samples still flow, their gradients are dropped) and its best weights are exported.
 
+The loss sums come from a `LossSums` function: `one_stage_loss_sums` in one process (and on
+each TP rank alike), `pipeline.forward_loss_sums` through the pipeline and DP replicas, which
+a pipelined run calls at a drained cut of its stream (`cut_after`). Every rank gets the same
+totals, so every rank takes the same early-stopping decision.
+
 Early-stopping state is rebuilt on resume from ``metrics.jsonl`` (the evaluations up to the
-restored step) and ``best/<adapter>.pt`` (the best weights, saved at each improvement); the
-evaluations run before each checkpoint, so a resumed run stops where an uninterrupted one does.
+restored step) and ``best/<adapter>.pt`` (the best weights, saved at each improvement; one
+``best/<adapter>_tp<t>_pp<p>.pt`` per shard under TP or PP); the evaluations run before each
+checkpoint, so a resumed run stops where an uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -28,9 +34,13 @@ from megatron_lorafusion.config import JobConfig
 from megatron_lorafusion.data import PackedBatch, TokenizedSample, load_adapter_dataset
 from megatron_lorafusion.planner import Microbatch, Sample
 
-__all__ = ["Evaluator", "split_eval_datasets"]
+__all__ = ["Evaluator", "LossSums", "one_stage_loss_sums", "split_eval_datasets"]
 
 logger = logging.getLogger(__name__)
+
+LossSums = Callable[[Sequence[Microbatch]], tuple[torch.Tensor, torch.Tensor]]
+"""``eval microbatches -> (loss sums, trained tokens)``, each (A,) float64 CPU, the same on
+every rank."""
 
 
 def split_eval_datasets(
@@ -77,19 +87,48 @@ def _pack(
     return microbatches
 
 
+def one_stage_loss_sums(
+    forward: Callable[[PackedBatch], torch.Tensor],
+    make_batch: Callable[[Microbatch], PackedBatch],
+    num_adapters: int,
+) -> LossSums:
+    """`LossSums` of a one-stage model: ``forward(batch) -> (1, T)`` fp32 token losses."""
+
+    @torch.no_grad()
+    def loss_sums(microbatches: Sequence[Microbatch]) -> tuple[torch.Tensor, torch.Tensor]:
+        sums = torch.zeros(num_adapters, dtype=torch.float64)
+        counts = torch.zeros(num_adapters, dtype=torch.float64)
+        for mb in microbatches:
+            if mb.is_idle:  # nothing to evaluate (a plan's idle slot)
+                continue
+            batch = make_batch(mb)
+            token_loss = (forward(batch) * batch.loss_mask)[0]  # (T,)
+            rows = batch.layout.row_adapter(token_loss.device)
+            per = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
+            per.index_add_(0, rows, token_loss.float())
+            tokens = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
+            tokens.index_add_(0, rows, batch.loss_mask[0].float())
+            sums += per.double().cpu()
+            counts += tokens.double().cpu()
+        return sums, counts
+
+    return loss_sums
+
+
 class Evaluator:
-    """Eval losses and early stopping of every adapter of a one-stage run.
+    """Eval losses and early stopping of every adapter of a run.
 
     Args:
         cfg: the job (eval_every, patience, token capacity, output folder).
         held: per adapter, its eval rows (`split_eval_datasets`).
-        model: the model (switched to eval mode while evaluating).
-        forward: ``batch -> (1, T)`` fp32 per-token loss (the training forward).
-        make_batch: ``(microbatch, samples, orders) -> PackedBatch`` of eval rows.
+        model: this rank's model (switched to eval mode while evaluating).
+        loss_sums: the eval rows' loss sums (`one_stage_loss_sums`, or the pipeline's).
         lora: the adapters' `LoRAContext` (best weights are copied from it).
         optimizer: the adapters' `AdapterAdamW` (stopped adapters join ``stopped``).
         log_eval: called with ``(adapter id, step, eval loss)`` (the metrics writer).
-        is_writer: this rank writes ``best/``.
+        is_writer: this rank writes its shard of ``best/`` (DP replica 0).
+        shard: ``(tp_rank, pp_rank)`` under TP or PP (names the best-weights files); None in
+            a run of one shard.
     """
 
     def __init__(
@@ -97,16 +136,16 @@ class Evaluator:
         cfg: JobConfig,
         held: list[list[TokenizedSample]],
         model,
-        forward,
-        make_batch: Callable[..., PackedBatch],
+        loss_sums: LossSums,
         lora,
         optimizer,
         log_eval: Callable[[int, int, float], None],
         is_writer: bool,
+        shard: tuple[int, int] | None = None,
     ):
-        self.cfg, self.held, self.model, self.forward = cfg, held, model, forward
-        self.make_batch, self.lora, self.optimizer = make_batch, lora, optimizer
-        self.log_eval, self.is_writer = log_eval, is_writer
+        self.cfg, self.held, self.model, self.loss_sums = cfg, held, model, loss_sums
+        self.lora, self.optimizer = lora, optimizer
+        self.log_eval, self.is_writer, self.shard = log_eval, is_writer, shard
         self.best_dir = Path(cfg.train.output_dir) / "best"
         num = len(cfg.adapters)
         self.best = [math.inf] * num
@@ -120,13 +159,23 @@ class Evaluator:
         """Adapter ``a`` is evaluated (it has eval rows and train.eval_every > 0)."""
         return self.cfg.train.eval_every > 0 and bool(self.held[a])
 
+    def is_due(self, a: int, step: int, total_steps: int) -> bool:
+        """Adapter ``a`` is evaluated after its step ``step`` of ``total_steps``."""
+        if not self.enabled(a) or a in self.optimizer.stopped:
+            return False
+        return step % self.cfg.train.eval_every == 0 or step == total_steps
+
     def on_step(self, a: int, step: int, total_steps: int) -> None:
         """Mark adapter ``a`` due after its step ``step`` of ``total_steps`` when scheduled."""
-        if not self.enabled(a) or a in self.optimizer.stopped:
-            return
-        if step % self.cfg.train.eval_every == 0 or step == total_steps:
+        if self.is_due(a, step, total_steps):
             self.due.add(a)
             self.last_step[a] = step
+
+    def _best_path(self, a: int) -> Path:
+        name = self.cfg.adapters[a].name
+        if self.shard is None:
+            return self.best_dir / f"{name}.pt"
+        return self.best_dir / f"{name}_tp{self.shard[0]}_pp{self.shard[1]}.pt"
 
     def run_due(self) -> None:
         """Evaluate the due adapters together and apply early stopping."""
@@ -144,23 +193,11 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self, adapter_ids: Sequence[int]) -> dict[int, float]:
         """Per adapter, the per-token mean loss over its eval rows (no gradients, no dropout)."""
-        num = len(self.cfg.adapters)
-        sums = torch.zeros(num, dtype=torch.float64)
-        counts = torch.zeros(num, dtype=torch.float64)
-        orders = [list(range(len(rows))) for rows in self.held]
         was_training = self.model.training
         self.model.eval()
         try:
-            for mb in _pack(self.held, adapter_ids, self.cfg.planner.token_capacity):
-                batch = self.make_batch(mb, self.held, orders)
-                token_loss = (self.forward(batch) * batch.loss_mask)[0]  # (T,)
-                rows = batch.layout.row_adapter(token_loss.device)
-                per = torch.zeros(num, dtype=torch.float32, device=token_loss.device)
-                per.index_add_(0, rows, token_loss.float())
-                tokens = torch.zeros(num, dtype=torch.float32, device=token_loss.device)
-                tokens.index_add_(0, rows, batch.loss_mask[0].float())
-                sums += per.double().cpu()
-                counts += tokens.double().cpu()
+            sums, counts = self.loss_sums(
+                _pack(self.held, adapter_ids, self.cfg.planner.token_capacity))
         finally:
             self.model.train(was_training)
         return {a: float(sums[a] / max(counts[a].item(), 1.0)) for a in adapter_ids}
@@ -177,7 +214,7 @@ class Evaluator:
                     self.best_dir.mkdir(parents=True, exist_ok=True)
                     torch.save(
                         {"step": step, "eval_loss": loss, "state": self.best_states[a]},
-                        self.best_dir / f"{self.cfg.adapters[a].name}.pt",
+                        self._best_path(a),
                     )
             return
         self.bad[a] += 1
@@ -205,7 +242,7 @@ class Evaluator:
             if step <= steps[a]:
                 self._update(a, step, loss, save=False)
         for a, adapter in enumerate(self.cfg.adapters):
-            path = self.best_dir / f"{adapter.name}.pt"
+            path = self._best_path(a)
             if adapter.early_stopping_patience > 0 and self.best_step[a] and path.is_file():
                 saved = torch.load(path, map_location="cpu", weights_only=True)
                 if saved["step"] == self.best_step[a]:

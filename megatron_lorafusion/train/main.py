@@ -31,7 +31,12 @@ from megatron_lorafusion.planner import (
     PlanProblem,
     PlanVerifier,
 )
-from megatron_lorafusion.train.evaluate import Evaluator, split_eval_datasets
+from megatron_lorafusion.train.evaluate import (
+    Evaluator,
+    LossSums,
+    one_stage_loss_sums,
+    split_eval_datasets,
+)
 from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
 from megatron_lorafusion.train.metrics import MetricsWriter, read_metrics
@@ -150,13 +155,16 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
 
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
                    runs: list[AdapterRun], optimizer: AdapterAdamW, groups,
-                   device: torch.device, session, shards: int, on_step=None) -> None:
+                   device: torch.device, session, shards: int, evaluator: Evaluator,
+                   on_step=None) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
-    The stream is cut at the checkpoint points (`ResumeSession.segments`): each segment is
-    one 1F1B stream, drained at its end (every DP all-reduce waited for, every due step
-    taken), then every rank saves its shard. Each cut costs one fill and drain of the
-    pipeline, about ``(S - 1) × (t_F + t_B)`` of idle time per stage.
+    The stream is cut at the checkpoint points and after the microbatches that finish an
+    evaluated step (`ResumeSession.segments`): each segment is one 1F1B stream, drained at
+    its end (every DP all-reduce waited for, every due step taken), then the due adapters are
+    evaluated through the pipeline (every stage holds their new weights, as one process does
+    right after the step) and, at a save point, every rank saves its shard. Each cut costs one
+    fill and drain of the pipeline, about ``(S - 1) × (t_F + t_B)`` of idle time per stage.
     """
     from megatron_lorafusion.mcore import WgradQueue
     from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
@@ -164,7 +172,11 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     if cfg.parallel.defer_wgrad:
         lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
-    for first_index, segment in session.segments(stream):
+
+    def evaluated(finishes, steps) -> bool:
+        return any(evaluator.is_due(a, steps[a], len(runs[a].batch_tokens)) for a in finishes)
+
+    for first_index, segment in session.segments(stream, evaluated):
         run_pipeline(segment, forward, make_batch, runs, optimizer, lora.grads, groups,
                      global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
                      hidden_size=cfg.model.hidden_size,
@@ -172,24 +184,30 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
                      first_index=first_index, sequence_shards=shards,
                      wgrad_queue=lora.wgrad_queue, on_step=on_step,
                      log_every=cfg.logging.log_every)
-        session.save()
+        evaluator.run_due()  # before the checkpoint, as in one process
+        if session.at_save_point:
+            session.save()
 
 
-def _clipping(cfg: JobConfig, sizes: dict[str, int], groups, held, lora) -> dict:
-    """`AdapterAdamW`'s norm keyword for this layout; refuses what is not implemented yet.
+def _eval_loss_sums(cfg: JobConfig, model, lora, groups, forward, pack_eval,
+                    device: torch.device, shards: int, tp_rank: int) -> LossSums:
+    """The eval rows' loss sums: the one-stage forward, or forward-only through the pipeline."""
+    if groups is None:
+        return one_stage_loss_sums(forward, pack_eval, len(cfg.adapters))
+    from megatron_lorafusion.pipeline import forward_loss_sums, gpt_stage_forward
+
+    stage = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    return lambda microbatches: forward_loss_sums(
+        microbatches, stage, pack_eval, groups, num_adapters=len(cfg.adapters),
+        hidden_size=cfg.model.hidden_size, activation_dtype=_DTYPES[cfg.train.precision],
+        device=device, counts_once=tp_rank == 0, sequence_shards=shards)
+
+
+def _clipping(sizes: dict[str, int], lora) -> dict:
+    """`AdapterAdamW`'s norm keyword for this layout.
 
     The keyword sums over TP shards; the pipeline runner sums the result over the stages.
-
-    Raises:
-        NotImplementedError: evaluation of a pipelined run, or early stopping under TP > 1
-            (issue 16).
     """
-    if groups is not None and cfg.train.eval_every > 0 and any(held):
-        raise NotImplementedError("evaluation (train.eval_every) is not implemented for "
-                                  "pipelined or data-parallel runs; set train.eval_every: 0")
-    if sizes["tp"] > 1 and any(a.early_stopping_patience > 0 for a in cfg.adapters):
-        raise NotImplementedError("early stopping is not implemented for parallel.tp > 1; "
-                                  "set early_stopping_patience: 0")
     if sizes["tp"] == 1:
         return {}
     from megatron.core import parallel_state
@@ -231,14 +249,18 @@ def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: Adapter
     return on_step, on_microbatch
 
 
-def _full_adapter_states(lora, sizes: dict[str, int]) -> list[dict[str, torch.Tensor]] | None:
-    """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None."""
+def _full_adapter_states(lora, sizes: dict[str, int],
+                         local=None) -> list[dict[str, torch.Tensor]] | None:
+    """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None.
+
+    ``local``: per adapter, this rank's factors to gather instead of the current ones.
+    """
     if sizes["pp"] == 1 and sizes["tp"] == 1:
         return None
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
     return gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=sizes["tp"],
-                                 dp_rank=sizes["dp_rank"])
+                                 dp_rank=sizes["dp_rank"], local=local)
 
 
 def main(cfg: JobConfig) -> dict[str, list[float]]:
@@ -291,7 +313,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         apply_recompute(model, lora, cfg.train.recompute)  # both loops: one process, pipelined
         optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens],
                                  track_grad_norms=True,  # metrics.jsonl's grad_norm
-                                 **_clipping(cfg, sizes, groups, held, lora))
+                                 **_clipping(sizes, lora))
         runs = [AdapterRun(adapter.name, tokens)
                 for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
         out = Path(cfg.train.output_dir)
@@ -315,9 +337,19 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
         metrics = MetricsWriter(out, [a.name for a in cfg.adapters], device=device,
                                 enabled=_writes_metrics(sizes, groups))
-        evaluator = Evaluator(cfg, held, model, forward, lambda mb, rows, order: pack_microbatch(
-            mb, rows, order, len(cfg.adapters), device, dropout_seed=0, pad_to_multiple=shards),
-            lora, optimizer, metrics.log_eval, is_writer)
+        held_orders = [list(range(len(rows))) for rows in held]
+
+        def pack_eval(microbatch: Microbatch):
+            return pack_microbatch(microbatch, held, held_orders, len(cfg.adapters), device,
+                                   dropout_seed=0, pad_to_multiple=shards)
+
+        evaluator = Evaluator(
+            cfg, held, model,
+            _eval_loss_sums(cfg, model, lora, groups, forward, pack_eval, device, shards,
+                            sizes["tp_rank"]),
+            lora, optimizer, metrics.log_eval, is_writer=sizes["dp_rank"] == 0,
+            shard=None if sizes["tp"] == sizes["pp"] == 1 else (sizes["tp_rank"],
+                                                                 sizes["pp_rank"]))
         if first:
             evaluator.restore(_metrics_records(out), [run.step for run in runs])
         on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session)
@@ -333,23 +365,26 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                              log_every=cfg.logging.log_every, first_index=first,
                              on_step=on_step, on_microbatch=on_microbatch)
                 else:
-                    _run_pipelined(cfg, stream, model, lora, make_batch,
-                                   runs, optimizer, groups, device, session, shards, on_step)
+                    _run_pipelined(cfg, stream, model, lora, make_batch, runs, optimizer,
+                                   groups, device, session, shards, evaluator, on_step)
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run stopped
             steps = ", ".join(f"{run.name} {run.step}" for run in runs)
             raise type(stop)(f"step {min(run.step for run in runs)} ({steps})") from None
         metrics.close()
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)
+        best = [evaluator.export_state(a) for a in range(len(cfg.adapters))]  # by eval
+        if any(b is not None for b in best) and sizes["pp"] * sizes["tp"] > 1:  # every rank
+            best = _full_adapter_states(lora, sizes, best) or best
         if is_writer:
             for a, adapter in enumerate(cfg.adapters):  # all or none: never a NaN weight out
                 check_finite_weights(adapter, lora.adapter_state_dict(a) if states is None
                                      else states[a])
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):
                 folder = write_peft_folder(out / "adapters" / adapter.name, adapter,
-                                           evaluator.export_state(a)  # best by eval
-                                           or (lora.adapter_state_dict(a) if states is None
-                                               else states[a]), cfg.model)
+                                           best[a] or (lora.adapter_state_dict(a)
+                                                       if states is None else states[a]),
+                                           cfg.model)
                 logger.info("adapter %s (scale %.3g): %d steps, loss %.4f -> %.4f, exported to %s",
                             adapter.name, adapter_scaling(adapter), run.step, run.losses[0],
                             run.losses[-1], folder)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -128,6 +128,8 @@ class ResumeSession:
         self._digest = hashlib.sha256()
         self._last_mark = 0
         self._stream_steps = 0  # optimizer steps due by the microbatches `segments` yielded
+        self._adapter_steps: list[int] = []  # the same, per adapter
+        self.at_save_point = False  # the last segment ended at a save point (or the end)
 
     def _mark(self, steps: int | None = None) -> int:
         """Save points passed after ``steps`` optimizer steps (default: those taken)."""
@@ -183,15 +185,21 @@ class ResumeSession:
             self._last_mark = mark
             self.save()
 
-    def segments(self, microbatches: Iterable[Microbatch]) -> Iterator[
-            tuple[int, Iterator[Microbatch]]]:
+    def segments(self, microbatches: Iterable[Microbatch],
+                 cut_after: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
+                 ) -> Iterator[tuple[int, Iterator[Microbatch]]]:
         """The stream after the restored position, cut at the save points of `after_microbatch`.
 
         A segment ends after the microbatch whose ``finishes`` bring the adapters' optimizer
         steps past a multiple of ``save_every × adapters``: exactly where the single-stage
         loop saves, since once a segment has drained every step of its microbatches is taken.
-        Consume each segment, then `save`, before asking for the next; the next segment's
-        first microbatch is read from the stream only then.
+        Consume each segment, then `save` when ``at_save_point``, before asking for the next;
+        the next segment's first microbatch is read from the stream only then.
+
+        Args:
+            microbatches: the whole plan stream.
+            cut_after: ``(finishing adapters, each adapter's steps after them) -> bool``: also
+                end a segment there (an evaluation point).
 
         Yields:
             ``(first_index, segment)``: the stream index of the segment's first microbatch and
@@ -199,19 +207,28 @@ class ResumeSession:
         """
         stream = self.stream(microbatches)
         self._stream_steps = sum(run.step for run in self.runs)  # finishes before `position`
+        self._adapter_steps = [run.step for run in self.runs]
         while (first := next(stream, None)) is not None:
-            yield self._consumed - 1, self._until_save_point(first, stream)
+            yield self._consumed - 1, self._until_cut(first, stream, cut_after)
 
-    def _until_save_point(self, first: Microbatch,
-                          stream: Iterator[Microbatch]) -> Iterator[Microbatch]:
+    def _until_cut(self, first: Microbatch, stream: Iterator[Microbatch],
+                   cut_after) -> Iterator[Microbatch]:
         microbatch: Microbatch | None = first
+        self.at_save_point = False
         while microbatch is not None:
             yield microbatch
             before = self._stream_steps
             self._stream_steps += len(microbatch.finishes)
+            for a in microbatch.finishes:
+                self._adapter_steps[a] += 1
             if self._mark(self._stream_steps) > self._mark(before):
+                self.at_save_point = True
                 return  # a save point: the caller drains, saves, then asks for more
+            if cut_after is not None and microbatch.finishes and cut_after(
+                    microbatch.finishes, self._adapter_steps):
+                return  # the caller drains and evaluates
             microbatch = next(stream, None)
+        self.at_save_point = True  # the end of the stream
 
     def save(self) -> Path:
         """Checkpoint every adapter after the microbatches the stream has yielded so far."""

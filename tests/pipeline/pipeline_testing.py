@@ -149,11 +149,31 @@ def reference_run(job: Job, adapters=ADAPTERS) -> dict:
         return model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
                      packed_seq_params=packed_seq_params(batch.layout)).float()
 
+    from megatron_lorafusion.train.evaluate import one_stage_loss_sums
+
     norms, on_step = _recording_norms(optimizer, len(adapters))
-    run_plan(job.microbatches, forward, make_batch_fn(job, len(adapters)), runs, optimizer,
+    make_batch = make_batch_fn(job, len(adapters))
+    run_plan(job.microbatches, forward, make_batch, runs, optimizer,
              progress_bar=False, on_step=on_step)
+    model.eval()
+    sums = one_stage_loss_sums(forward, lambda mb: make_batch(mb, 0), len(adapters))
     return {"states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
-            "losses": [run.losses for run in runs], "norms": norms}
+            "losses": [run.losses for run in runs], "norms": norms,
+            "eval": sums(job.microbatches)}
+
+
+def eval_stage(job: Job, model, lora, groups, adapters, tp_rank: int,
+               sequence_shards: int = 1):
+    """The trained stage's eval loss sums over the plan's microbatches (forward only)."""
+    from megatron_lorafusion.pipeline import forward_loss_sums, gpt_stage_forward
+
+    model.eval()
+    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    make_batch = make_batch_fn(job, len(adapters), sequence_shards)
+    return forward_loss_sums(job.microbatches, forward, lambda mb: make_batch(mb, 0), groups,
+                             num_adapters=len(adapters), hidden_size=MODEL.hidden_size,
+                             activation_dtype=torch.float32, device="cpu",
+                             counts_once=tp_rank == 0, sequence_shards=sequence_shards)
 
 
 def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
@@ -230,7 +250,8 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
 
     ``sp`` turns on sequence parallelism (microbatches padded to a multiple of ``tp``);
     ``defer_wgrad`` defers LoRA A's weight gradients into idle time (zero-bubble); ``clip``
-    clips gradient norms (`CLIP_NORMS`).
+    clips gradient norms (`CLIP_NORMS`). After training, the plan's microbatches are
+    evaluated forward only through the same grid (`eval_stage`).
 
     Cases share the processes (imports cost ~10 s each on 2 cores) but not the groups: each
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
@@ -256,12 +277,15 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
                 run_stage(job, model, lora, training, groups, adapters,
                           sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad,
                           on_step=on_step)
-            sizes = parallel_sizes()
+                sizes = parallel_sizes()
+                evaluated = eval_stage(job, model, lora, groups, adapters, sizes["tp_rank"],
+                                       sequence_shards=tp if sp else 1)
             states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
                                            dp_rank=sizes["dp_rank"])
             if rank == 0:
                 torch.save({"states": states, "losses": [r.losses for r in training[0]],
-                            "norms": norms}, os.path.join(casedir, "result.pt"))
+                            "norms": norms, "eval": evaluated},
+                           os.path.join(casedir, "result.pt"))
         except Exception:
             with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())

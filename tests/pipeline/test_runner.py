@@ -5,7 +5,9 @@ adapter factor must equal the single-stage loop's, whatever the TP × PP × DP s
 or without sequence parallelism (which pads microbatches to a multiple of TP with a loss-free
 sample; the one-process run packs none). LoRA dropout is on for one adapter where DP does
 not move samples between packed rows. The ``_clip`` cases clip two adapters' gradient norms,
-which must span every stage and TP shard as in one process.
+which must span every stage and TP shard as in one process. After training, every case
+evaluates the plan forward only through its grid (`pipeline.forward_loss_sums`): the eval
+loss per adapter must equal one process's.
 """
 
 import pytest
@@ -68,6 +70,11 @@ def test_parallel_run_matches_one_process(megatron_single_process, parallel_runs
             assert result["norms"][a] == pytest.approx(expected["norms"][a], rel=1e-5), (
                 f"adapter {adapter.name}: gradient norms differ at {case}")
         assert result["states"][a].keys() == expected["states"][a].keys()
+        (sums, counts), (ref_sums, ref_counts) = result["eval"], expected["eval"]
+        assert counts[a].item() == ref_counts[a].item(), f"adapter {adapter.name}: eval tokens"
+        loss, ref_loss = (sums[a] / counts[a]).item(), (ref_sums[a] / ref_counts[a]).item()
+        assert loss == pytest.approx(ref_loss, rel=1e-5), (
+            f"adapter {adapter.name}: forward-only eval loss differs at {case}")
         for name, value in expected["states"][a].items():
             torch.testing.assert_close(
                 result["states"][a][name], value, **TOL[torch.float32],

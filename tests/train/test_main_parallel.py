@@ -6,8 +6,10 @@ weights must match, gradient clipping included (its norm spans the replicas' sum
 gradients and the TP shards); PP = 2 plans for two stages (another stream), so it must export every
 layer of every adapter, trained. (Weight equality under PP is `tests/pipeline/test_runner.py`'s,
 on a shared plan.) At PP = 2, full activation recompute must export the weights of none.
+Evaluation and early stopping run at DP = 2 (equal to one process) and PP = 2.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -15,10 +17,12 @@ import sys
 import pytest
 import torch
 import yaml
+from eval_testing import eval_job
 from safetensors.torch import load_file
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.main import main
 
 # dtype -> tolerances; DP only splits fp32 sums over samples.
@@ -97,3 +101,62 @@ def test_torchrun_pp2_full_recompute_exports_the_weights_of_none(tmp_path):
         for key, value in none.items():
             torch.testing.assert_close(full[key], value, atol=0, rtol=0,
                                        msg=f"{name} {key}: full recompute != none at PP = 2")
+
+
+def _evals(out) -> dict[str, list[tuple[int, float]]]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if "eval_loss" in r:
+            evals.setdefault(r["adapter"], []).append((r["step"], r["eval_loss"]))
+    return evals
+
+
+@pytest.mark.slow
+def test_torchrun_dp2_and_pp2_evaluate_and_stop_early(tmp_path):
+    """Eval and early stopping: DP = 2 equals one process (same plan: same eval losses, same
+    stop, same exports); PP = 2 evaluates every step through the pipeline and exports the
+    best weights its stages saved."""
+    # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early
+    # (one layer; test_evaluate's job).
+    adapters = [{"task": "sort", "lr_schedule": "constant", "global_batch_size": 4,
+                 "dropout": 0.0},
+                {"task": "add", "name": "wild", "lr": 1.0, "lr_schedule": "constant",
+                 "global_batch_size": 4, "dropout": 0.0, "early_stopping_patience": 1}]
+    eval_job(tmp_path, adapters, 4, seed=4, eval_every=1)
+    raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
+    jobs = {}
+    for out, parallel in {"one": {}, "dp2": {}, "pp2": {"pp": 2}}.items():
+        raw["train"]["output_dir"] = str(tmp_path / out)
+        raw["parallel"] = parallel
+        raw["model"]["num_layers"] = parallel.get("pp", 1)  # one per stage
+        jobs[out] = tmp_path / f"{out}.yaml"
+        jobs[out].write_text(yaml.safe_dump(raw))
+    main(load_config(jobs["one"]))
+    _torchrun(str(jobs["dp2"]))
+    _torchrun(str(jobs["pp2"]))
+    one, dp2, pp2 = (_evals(tmp_path / out) for out in ("one", "dp2", "pp2"))
+    assert len(one["wild"]) < 4, f"wild must stop early in one process: {one['wild']}"
+    for name, expected in one.items():
+        assert [s for s, _ in dp2[name]] == [s for s, _ in expected], f"{name}: eval steps"
+        assert [v for _, v in dp2[name]] == pytest.approx([v for _, v in expected], rel=1e-5), (
+            f"{name}: DP = 2 eval losses != one process")
+        one_w, dp2_w = (_exported(tmp_path, out, name) for out in ("one", "dp2"))
+        for key, value in one_w.items():
+            torch.testing.assert_close(dp2_w[key], value, **TOL[torch.float32],
+                                       msg=f"{name} {key}: DP = 2 export != one process")
+    assert [s for s, _ in pp2["sort"]] == [1, 2, 3, 4], pp2["sort"]
+    steps = [s for s, _ in pp2["wild"]]
+    assert steps == list(range(1, len(steps) + 1)), f"wild at PP = 2: {pp2['wild']}"
+    best_step = min(pp2["wild"], key=lambda e: e[1])[0]
+    shards = [torch.load(tmp_path / "pp2" / "best" / f"wild_tp0_pp{p}.pt", weights_only=True)
+              for p in (0, 1)]
+    assert [s["step"] for s in shards] == [best_step] * 2, "each stage saves the best step"
+    best = {k: v for s in shards for k, v in s["state"].items()}
+    cfg = load_config(jobs["pp2"])
+    write_peft_folder(tmp_path / "ref", cfg.adapters[1], best, cfg.model)
+    expected = load_file(str(tmp_path / "ref" / "adapter_model.safetensors"))
+    exported = _exported(tmp_path, "pp2", "wild")
+    assert exported.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(exported[key], value), f"PP = 2 exported {key} is not the best"
