@@ -49,17 +49,26 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"megatron_lorafusion {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("validate", "check a job file and report every problem"),
-                       ("train", "train the job's adapters together")):
+    for name, text in (
+        ("validate", "check a job file and report every problem"),
+        ("train", "train the job's adapters together"),
+    ):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="YAML job file")
         cmd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
-        cmd.add_argument("--verbose", action="store_true",
-                         help="show third-party warnings and logs, on every rank")
+        cmd.add_argument(
+            "--verbose",
+            action="store_true",
+            help="show third-party warnings and logs, on every rank",
+        )
         if name == "validate":
-            cmd.add_argument("--print", action="store_true", dest="print_job",
-                             help="print the resolved job (every default, presets expanded, "
-                             "paths resolved) as YAML that train accepts unchanged")
+            cmd.add_argument(
+                "--print",
+                action="store_true",
+                dest="print_job",
+                help="print the resolved job (every default, presets expanded, "
+                "paths resolved) as YAML that train accepts unchanged",
+            )
     report = sub.add_parser("report", help="per-adapter summary and loss curves of a run")
     report.add_argument("run", help="run folder (train.output_dir, with metrics.jsonl)")
     report.add_argument("--png", help="curves PNG (default: RUN/curves.png)")
@@ -68,21 +77,33 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--tasks", nargs="+", default=["reverse", "sort", "add", "upper"])
     synth.add_argument("--num", type=int, default=2000, help="rows per task")
     synth.add_argument("--seed", type=int, default=0)
-    export = sub.add_parser("export", help="write a run's adapters as PEFT folders",
-                            description="Write each adapter of a run's newest complete "
-                            "checkpoint (or of one checkpoint) as a PEFT folder.")
+    export = sub.add_parser(
+        "export",
+        help="write a run's adapters as PEFT folders",
+        description="Write each adapter of a run's newest complete "
+        "checkpoint (or of one checkpoint) as a PEFT folder.",
+    )
     export.add_argument("source", help="run folder (train.output_dir) or checkpoint folder")
     export.add_argument("--out", required=True, help="folder for <adapter>/ (and -merged/)")
-    export.add_argument("--merge", action="store_true",
-                        help="also merge each adapter into the Hugging Face base weights")
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="also merge each adapter into the Hugging Face base weights",
+    )
     export.add_argument("--adapters", nargs="+", help="adapter names (default: all)")
-    export.add_argument("--checkpoint", help="one checkpoint folder of the run (ckpt_<n>, "
-                        "a name under SOURCE/checkpoints/ or a path) instead of its newest")
+    export.add_argument(
+        "--checkpoint",
+        help="one checkpoint folder of the run (ckpt_<n>, "
+        "a name under SOURCE/checkpoints/ or a path) instead of its newest",
+    )
     from megatron_lorafusion.planner.commands import add_plan_arguments, add_simulate_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="pack samples into a microbatch plan"))
-    add_simulate_arguments(sub.add_parser(
-        "simulate", help="simulate Megatron-style, mLoRA-style and our pipeline schedules"))
+    add_simulate_arguments(
+        sub.add_parser(
+            "simulate", help="simulate Megatron-style, mLoRA-style and our pipeline schedules"
+        )
+    )
     return parser
 
 
@@ -187,8 +208,9 @@ def _export(args: argparse.Namespace) -> int:
         source = Path(args.source)
         if args.checkpoint is not None:
             named = Path(args.checkpoint)
-            source = named if named.is_absolute() or named.exists() else (
-                source / "checkpoints" / named)
+            source = (
+                named if named.is_absolute() or named.exists() else (source / "checkpoints" / named)
+            )
         folders = export_checkpoint(source, args.out, merge=args.merge, names=args.adapters)
     except ValueError as err:  # ConfigError included: a job.json this version cannot read
         print(f"error: {err}", file=sys.stderr)
@@ -259,7 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:  # one line, not a traceback; 128 + SIGINT or SIGTERM
         terminated = isinstance(stop, _Terminated)
         where = f" at {stop.args[0]}" if stop.args else ""  # train.main names the step
-        print(f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
-              + ("; rerun the same command to resume from its last checkpoint"
-                 if args.command == "train" else ""), file=sys.stderr)
+        print(
+            f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
+            + (
+                "; rerun the same command to resume from its last checkpoint"
+                if args.command == "train"
+                else ""
+            ),
+            file=sys.stderr,
+        )
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)

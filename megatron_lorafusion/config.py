@@ -45,17 +45,45 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # A random base with std 0.02 caps the logits of a narrow model near uniform (the final
     # RMSNorm fixes |h|); std 0.15 lets the demo's adapters steer the output (losses fall
     # 40-75% in 150 steps instead of 5-15%).
-    "tiny": dict(num_layers=2, hidden_size=128, ffn_hidden_size=352, num_attention_heads=4,
-                 num_query_groups=2, vocab_size=260, max_position_embeddings=1024,
-                 init_method_std=0.15),
-    "small": dict(num_layers=4, hidden_size=256, ffn_hidden_size=704, num_attention_heads=8,
-                  num_query_groups=4, vocab_size=260, max_position_embeddings=2048),
-    "llama3.2-1b": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
-                        num_attention_heads=32, num_query_groups=8, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0),
-    "llama3.1-8b": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
-                        num_attention_heads=32, num_query_groups=8, vocab_size=128256,
-                        max_position_embeddings=131072, rope_theta=500000.0),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=128,
+        ffn_hidden_size=352,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=260,
+        max_position_embeddings=1024,
+        init_method_std=0.15,
+    ),
+    "small": dict(
+        num_layers=4,
+        hidden_size=256,
+        ffn_hidden_size=704,
+        num_attention_heads=8,
+        num_query_groups=4,
+        vocab_size=260,
+        max_position_embeddings=2048,
+    ),
+    "llama3.2-1b": dict(
+        num_layers=16,
+        hidden_size=2048,
+        ffn_hidden_size=8192,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
+    "llama3.1-8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        ffn_hidden_size=14336,
+        num_attention_heads=32,
+        num_query_groups=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -414,15 +442,19 @@ def _build(cls: type, raw: Any, where: str, problems: list[str]) -> Any:
         if name not in names:
             suffix = _unknown_key_hint(str(key), names + list(aliases), where)
             if where == "job":  # a top-level key: "job." is dropped from the message
-                problems.append(f"job file section {str(key)!r} must be one of {names}, "
-                                f"got an unknown section{suffix}")
+                problems.append(
+                    f"job file section {str(key)!r} must be one of {names}, "
+                    f"got an unknown section{suffix}"
+                )
             else:
                 problems.append(f"{where}.{key} is not a known key{suffix}")
             continue
         if name != key and name in raw:
-            problems.append(f"{where}.{key} and {name} set the same value ({key!r} is "
-                            f"PEFT's name for {name!r}): give one, got {key}={value!r}, "
-                            f"{name}={raw[name]!r}")
+            problems.append(
+                f"{where}.{key} and {name} set the same value ({key!r} is "
+                f"PEFT's name for {name!r}): give one, got {key}={value!r}, "
+                f"{name}={raw[name]!r}"
+            )
             continue
         if name == "target_modules" and value == ALL_LINEAR:  # PEFT's bare string
             value = [ALL_LINEAR]
@@ -442,8 +474,9 @@ def _apply_preset(raw: dict, problems: list[str]) -> dict:
     if not isinstance(preset, str) or preset not in MODEL_PRESETS:  # {} or [] are unhashable
         hint = difflib.get_close_matches(str(preset), MODEL_PRESETS, n=1)
         suffix = f"; did you mean {hint[0]!r}?" if hint else ""
-        problems.append(f"model.preset must be one of {sorted(MODEL_PRESETS)}, "
-                        f"got {preset!r}{suffix}")
+        problems.append(
+            f"model.preset must be one of {sorted(MODEL_PRESETS)}, got {preset!r}{suffix}"
+        )
         return raw
     return {**raw, "model": {**MODEL_PRESETS[preset], **model}}
 
@@ -459,8 +492,10 @@ def _apply_hf_model(raw: dict, problems: list[str]) -> dict:
     problems.extend(f"model.hf_path: {q}" for q in hf_problems)
     for key, value in fields.items():
         if key in model and model[key] != value:
-            problems.append(f"model.{key} must match the checkpoint's config.json ({value!r}) "
-                            f"or be left out, got {model[key]!r}")
+            problems.append(
+                f"model.{key} must match the checkpoint's config.json ({value!r}) "
+                f"or be left out, got {model[key]!r}"
+            )
     raw = {**raw, "model": {**model, **fields}}
     data = raw.get("data", {})
     if isinstance(data, dict) and "tokenizer" not in data:  # the model's own vocabulary
@@ -516,8 +551,11 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
             continue
         if repeated:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {first[key]})",
-                key_node.start_mark)
+                None,
+                None,
+                f"duplicate key {key!r} (first on line {first[key]})",
+                key_node.start_mark,
+            )
         first[key] = key_node.start_mark.line + 1
     return loader.construct_mapping(node, deep=deep)
 
@@ -547,8 +585,9 @@ def _read_job_yaml(path: Path) -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data[: err.start].count(b"\n") + 1
-        raise ConfigError([f"job file {str(path)!r}, line {line}: not UTF-8 text "
-                           f"(byte 0x{data[err.start]:02x})"]) from None
+        raise ConfigError(
+            [f"job file {str(path)!r}, line {line}: not UTF-8 text (byte 0x{data[err.start]:02x})"]
+        ) from None
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as err:
@@ -579,8 +618,9 @@ def _set_dotted(raw: dict, dotted: str, problems: list[str]) -> None:
     try:
         value = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as err:
-        problems.append(f"override {dotted!r}: the value is not valid YAML "
-                        f"({_yaml_problem(err, text)[1]})")
+        problems.append(
+            f"override {dotted!r}: the value is not valid YAML ({_yaml_problem(err, text)[1]})"
+        )
         return
     if isinstance(node, list) and last.isdigit() and int(last) < len(node):
         node[int(last)] = value
@@ -700,8 +740,10 @@ def lora_blocks(target_modules: Sequence[str]) -> dict[str, tuple[tuple[str, ...
             whole.add(entry)
         for projection in covered:
             if projection in owner:
-                raise ValueError(f"must name each projection once, got {projection!r} in both "
-                                 f"{owner[projection]!r} and {entry!r}")
+                raise ValueError(
+                    f"must name each projection once, got {projection!r} in both "
+                    f"{owner[projection]!r} and {entry!r}"
+                )
             owner[projection] = entry
     blocks = {}
     for linear, projections in PROJECTIONS.items():
@@ -714,8 +756,10 @@ def lora_blocks(target_modules: Sequence[str]) -> dict[str, tuple[tuple[str, ...
 
 def fused_ranks(adapter: AdapterConfig) -> dict[str, int]:
     """Rank of ``adapter`` on each Megatron linear it adapts: ``blocks × r`` (`lora_blocks`)."""
-    return {linear: len(blocks) * adapter.rank
-            for linear, blocks in lora_blocks(adapter.target_modules).items()}
+    return {
+        linear: len(blocks) * adapter.rank
+        for linear, blocks in lora_blocks(adapter.target_modules).items()
+    }
 
 
 def _target_problems(cfg: JobConfig) -> list[str]:
@@ -737,8 +781,10 @@ def _target_problems(cfg: JobConfig) -> list[str]:
         if linear is None or not 1 <= adapter.rank <= 256 or ranks[linear] <= MAX_FUSED_RANK:
             continue
         blocks = ranks[linear] // adapter.rank
-        problems.append(f"{where}.rank must be <= {MAX_FUSED_RANK // blocks} with target_modules "
-                        f"{adapter.target_modules}: {blocks} projections of {linear} each get "
-                        f"rank-r factors, stacked into one LoRA of rank {blocks}·r <= "
-                        f"{MAX_FUSED_RANK} in the fused kernels, got {adapter.rank}")
+        problems.append(
+            f"{where}.rank must be <= {MAX_FUSED_RANK // blocks} with target_modules "
+            f"{adapter.target_modules}: {blocks} projections of {linear} each get "
+            f"rank-r factors, stacked into one LoRA of rank {blocks}·r <= "
+            f"{MAX_FUSED_RANK} in the fused kernels, got {adapter.rank}"
+        )
     return problems

@@ -22,8 +22,13 @@ from megatron_lorafusion.config import (
     JobConfig,
 )
 
-__all__ = ["DATA_SUFFIXES", "PROMPT_TEMPLATES", "adapter_name_problem", "launch_problems",
-           "validate"]
+__all__ = [
+    "DATA_SUFFIXES",
+    "PROMPT_TEMPLATES",
+    "adapter_name_problem",
+    "launch_problems",
+    "validate",
+]
 
 # An adapter's name is a folder name under the run's and the export's folder: no separators,
 # no ".." or hidden names (temporary folders start with "."), bounded length.
@@ -146,15 +151,23 @@ def adapter_name_problem(name: object, where: str) -> str | None:
     """Why ``name`` is not a safe adapter (folder) name, or None when it is."""
     if isinstance(name, str) and _ADAPTER_NAME.fullmatch(name):
         return None
-    return (f"{where} must be 1 to 100 letters, digits, '-', '_' or '.', not starting with "
-            f"'.', got {name!r}")
+    return (
+        f"{where} must be 1 to 100 letters, digits, '-', '_' or '.', not starting with "
+        f"'.', got {name!r}"
+    )
 
 
 # Upper bounds far above any real job: they stop a typo (10**18) before it allocates or runs
 # for hours. Model sizes cover Llama-3.1-405B several times over.
-_MODEL_MAX = dict(num_layers=1024, hidden_size=1 << 17, ffn_hidden_size=1 << 19,
-                  num_attention_heads=1024, num_query_groups=1024, vocab_size=1 << 22,
-                  max_position_embeddings=1 << 24)
+_MODEL_MAX = dict(
+    num_layers=1024,
+    hidden_size=1 << 17,
+    ffn_hidden_size=1 << 19,
+    num_attention_heads=1024,
+    num_query_groups=1024,
+    vocab_size=1 << 22,
+    max_position_embeddings=1 << 24,
+)
 _SEED_MAX = 2**32 - 1  # numpy's and Philox's seed range
 _MAX_STEPS = 10**7  # optimizer steps, warm-up steps, save and log intervals
 _MAX_SAMPLES = 10**9  # samples trained per adapter (steps × global batch): the plan's size
@@ -183,8 +196,10 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
     for name, top in _MODEL_MAX.items():
         if not 0 < getattr(m, name) <= top:
             p.append(f"model.{name} must be in [1, {top}], got {getattr(m, name)}")
-    for name, value in (("model.init_method_std", m.init_method_std),
-                        ("model.rope_theta", m.rope_theta)):
+    for name, value in (
+        ("model.init_method_std", m.init_method_std),
+        ("model.rope_theta", m.rope_theta),
+    ):
         if value <= 0:
             p.append(f"{name} must be > 0, got {value}")
     if m.init_method_std > 1:
@@ -209,8 +224,10 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
         if a.warmup_steps > _MAX_STEPS:
             p.append(f"adapters.{i}.warmup_steps must be <= {_MAX_STEPS}, got {a.warmup_steps}")
         if t.steps is not None and t.steps * a.global_batch_size > _MAX_SAMPLES:
-            p.append(f"adapters.{i}.global_batch_size must keep train.steps × global_batch_size "
-                     f"<= {_MAX_SAMPLES} samples, got {t.steps} × {a.global_batch_size}")
+            p.append(
+                f"adapters.{i}.global_batch_size must keep train.steps × global_batch_size "
+                f"<= {_MAX_SAMPLES} samples, got {t.steps} × {a.global_batch_size}"
+            )
     if cfg.planner.token_capacity > 1 << 24:
         p.append(f"planner.token_capacity must be <= {1 << 24}, got {cfg.planner.token_capacity}")
     if cfg.planner.time_limit_s > 3600:
@@ -223,24 +240,33 @@ def validate(cfg: JobConfig) -> list[str]:
     p: list[str] = _validate_numbers(cfg)
     m = cfg.model
     if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        p.append(f"model.hidden_size must be divisible by model.num_attention_heads "
-                 f"({m.num_attention_heads}), got {m.hidden_size}")
+        p.append(
+            f"model.hidden_size must be divisible by model.num_attention_heads "
+            f"({m.num_attention_heads}), got {m.hidden_size}"
+        )
     if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
-        p.append(f"model.num_query_groups must divide model.num_attention_heads "
-                 f"({m.num_attention_heads}), got {m.num_query_groups}")
+        p.append(
+            f"model.num_query_groups must divide model.num_attention_heads "
+            f"({m.num_attention_heads}), got {m.num_query_groups}"
+        )
     if cfg.data.tokenizer == "byte" and m.vocab_size < 259:
         p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
     tokenizer = cfg.data.tokenizer
     if tokenizer != "byte" and (problem := _path_problem(tokenizer, "data.tokenizer")):
         p.append(problem)
     elif tokenizer != "byte" and not _is_dir(tokenizer):
-        p.append(f"data.tokenizer must be 'byte' or an existing tokenizer folder, "
-                 f"got {cfg.data.tokenizer!r}")
+        p.append(
+            f"data.tokenizer must be 'byte' or an existing tokenizer folder, "
+            f"got {cfg.data.tokenizer!r}"
+        )
     elif cfg.data.tokenizer == m.hf_path and not any(
-            (Path(m.hf_path) / f).is_file() for f in _TOKENIZER_FILES):
-        p.append(f"data.tokenizer must be a folder with {' or '.join(_TOKENIZER_FILES)} (it "
-                 f"defaults to model.hf_path), or 'byte' to train on byte ids, "
-                 f"got {cfg.data.tokenizer!r}")
+        (Path(m.hf_path) / f).is_file() for f in _TOKENIZER_FILES
+    ):
+        p.append(
+            f"data.tokenizer must be a folder with {' or '.join(_TOKENIZER_FILES)} (it "
+            f"defaults to model.hf_path), or 'byte' to train on byte ids, "
+            f"got {cfg.data.tokenizer!r}"
+        )
     if not cfg.adapters:
         p.append("adapters must list at least one adapter, got none")
     seen: set[str] = set()
@@ -251,42 +277,58 @@ def validate(cfg: JobConfig) -> list[str]:
     if cfg.data.max_seq_length <= 0:
         p.append(f"data.max_seq_length must be > 0, got {cfg.data.max_seq_length}")
     if cfg.data.max_seq_length > m.max_position_embeddings:
-        p.append(f"data.max_seq_length must be <= model.max_position_embeddings "
-                 f"({m.max_position_embeddings}), got {cfg.data.max_seq_length}")
+        p.append(
+            f"data.max_seq_length must be <= model.max_position_embeddings "
+            f"({m.max_position_embeddings}), got {cfg.data.max_seq_length}"
+        )
     pl = cfg.planner
     if pl.tile_height <= 0:
         p.append(f"planner.tile_height must be > 0, got {pl.tile_height}")
     elif cfg.data.max_seq_length > 0:
         longest = -(-cfg.data.max_seq_length // pl.tile_height) * pl.tile_height
         if pl.token_capacity < longest:
-            p.append(f"planner.token_capacity must hold one sample of data.max_seq_length "
-                     f"({cfg.data.max_seq_length} tokens, {longest} with tile padding), "
-                     f"got {pl.token_capacity}")
+            p.append(
+                f"planner.token_capacity must hold one sample of data.max_seq_length "
+                f"({cfg.data.max_seq_length} tokens, {longest} with tile padding), "
+                f"got {pl.token_capacity}"
+            )
     if pl.time_limit_s <= 0:
         p.append(f"planner.time_limit_s must be > 0, got {pl.time_limit_s}")
     for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) < 1:
             p.append(f"parallel.{name} must be >= 1, got {getattr(cfg.parallel, name)}")
     if cfg.parallel.defer_wgrad and cfg.parallel.pp == 1:
-        p.append("parallel.defer_wgrad needs parallel.pp > 1 (one stage has no bubbles to "
-                 "fill), got pp=1")
+        p.append(
+            "parallel.defer_wgrad needs parallel.pp > 1 (one stage has no bubbles to "
+            "fill), got pp=1"
+        )
     if cfg.parallel.defer_wgrad and cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel:
-        p.append(f"parallel.defer_wgrad does not combine with parallel.sequence_parallel at "
-                 f"tp={cfg.parallel.tp} (the deferred dA would need a TP all-reduce); set one "
-                 "of them false")
+        p.append(
+            f"parallel.defer_wgrad does not combine with parallel.sequence_parallel at "
+            f"tp={cfg.parallel.tp} (the deferred dA would need a TP all-reduce); set one "
+            "of them false"
+        )
     if cfg.parallel.tp >= 1 and m.vocab_size % cfg.parallel.tp:
-        p.append(f"model.vocab_size must be divisible by parallel.tp ({cfg.parallel.tp}), "
-                 f"got {m.vocab_size}")
+        p.append(
+            f"model.vocab_size must be divisible by parallel.tp ({cfg.parallel.tp}), "
+            f"got {m.vocab_size}"
+        )
     if m.rope_scaling_factor is not None and m.hf_path is None:
-        p.append(f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
-                 f"got {m.rope_scaling_factor}")
+        p.append(
+            f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
+            f"got {m.rope_scaling_factor}"
+        )
     if m.sliding_window is not None and cfg.data.max_seq_length > m.sliding_window:
-        p.append(f"data.max_seq_length must be <= model.sliding_window ({m.sliding_window}) "
-                 f"(longer samples would need windowed attention), got {cfg.data.max_seq_length}")
+        p.append(
+            f"data.max_seq_length must be <= model.sliding_window ({m.sliding_window}) "
+            f"(longer samples would need windowed attention), got {cfg.data.max_seq_length}"
+        )
     t = cfg.train
     if (t.steps is None) == (t.epochs is None):
-        p.append(f"train.steps or train.epochs must be set (exactly one), "
-                 f"got steps={t.steps}, epochs={t.epochs}")
+        p.append(
+            f"train.steps or train.epochs must be set (exactly one), "
+            f"got steps={t.steps}, epochs={t.epochs}"
+        )
     for name in ("steps", "epochs"):
         if getattr(t, name) is not None and getattr(t, name) <= 0:
             p.append(f"train.{name} must be > 0, got {getattr(t, name)}")
@@ -299,8 +341,10 @@ def validate(cfg: JobConfig) -> list[str]:
     if t.resume not in ("auto", "never") and (problem := _path_problem(t.resume, "train.resume")):
         p.append(problem)
     elif t.resume not in ("auto", "never") and not _is_dir(t.resume):
-        p.append(f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
-                 f"got {t.resume!r}")
+        p.append(
+            f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
+            f"got {t.resume!r}"
+        )
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
     elif (problem := _output_dir_problem(cfg)) is not None:
@@ -329,9 +373,11 @@ def launch_problems(cfg: JobConfig, environ: dict[str, str] | None = None) -> li
     tp, pp = cfg.parallel.tp, cfg.parallel.pp
     if world >= 1 and tp >= 1 and pp >= 1 and world % (tp * pp):
         run = "a one-process run" if world == 1 else f"WORLD_SIZE={world}"
-        return [f"parallel.tp × parallel.pp must divide the number of processes ({run}), got "
-                f"tp={tp}, pp={pp}; launch with torchrun --nproc-per-node <multiple of "
-                f"{tp * pp}> or set parallel.tp=1 parallel.pp=1"]
+        return [
+            f"parallel.tp × parallel.pp must divide the number of processes ({run}), got "
+            f"tp={tp}, pp={pp}; launch with torchrun --nproc-per-node <multiple of "
+            f"{tp * pp}> or set parallel.tp=1 parallel.pp=1"
+        ]
     return []
 
 
@@ -368,14 +414,19 @@ def _output_dir_problem(cfg: JobConfig) -> str | None:
     named = [a.dataset.path for a in cfg.adapters]
     named += [cfg.data.cache_dir, cfg.data.tokenizer, cfg.model.hf_path]
     inputs = [Path(q).resolve() for q in named if q and "\0" not in q]  # NUL: named elsewhere
-    foreign = [e.name for e in entries
-               if not any(i == e.resolve() or e.resolve() in i.parents for i in inputs)]
+    foreign = [
+        e.name
+        for e in entries
+        if not any(i == e.resolve() or e.resolve() in i.parents for i in inputs)
+    ]
     if not foreign:
         return None
-    return (f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
-            f"checkpoints/), got {str(out)!r}, which holds {foreign[:3]}"
-            f"{' and more' if len(foreign) > 3 else ''}; choose another folder (or set "
-            f"train.overwrite: true to write there anyway)")
+    return (
+        f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
+        f"checkpoints/), got {str(out)!r}, which holds {foreign[:3]}"
+        f"{' and more' if len(foreign) > 3 else ''}; choose another folder (or set "
+        f"train.overwrite: true to write there anyway)"
+    )
 
 
 def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]:
@@ -393,8 +444,10 @@ def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]
         p.append(f"{where}.dropout must be in [0, 1), got {a.dropout}")
     unknown = [t for t in a.target_modules if t not in TARGET_MODULES]
     if unknown or not a.target_modules:
-        p.append(f"{where}.target_modules must be a non-empty subset of {list(TARGET_MODULES)}, "
-                 f"got {a.target_modules}")
+        p.append(
+            f"{where}.target_modules must be a non-empty subset of {list(TARGET_MODULES)}, "
+            f"got {a.target_modules}"
+        )
     if a.lr <= 0:
         p.append(f"{where}.lr must be > 0, got {a.lr}")
     if a.warmup_steps < 0:
@@ -418,16 +471,20 @@ def _validate_eval(a: AdapterConfig, cfg: JobConfig, where: str) -> list[str]:
     if a.eval_dataset is not None:
         p.extend(_validate_dataset(a.eval_dataset, cfg.data, f"{where}.eval_dataset", a.name))
         if a.eval_fraction > 0:
-            p.append(f"{where}.eval_fraction must be 0 with eval_dataset (one eval source), "
-                     f"got {a.eval_fraction}")
+            p.append(
+                f"{where}.eval_fraction must be 0 with eval_dataset (one eval source), "
+                f"got {a.eval_fraction}"
+            )
     if a.early_stopping_patience < 0:
-        p.append(f"{where}.early_stopping_patience must be >= 0, got "
-                 f"{a.early_stopping_patience}")
+        p.append(f"{where}.early_stopping_patience must be >= 0, got {a.early_stopping_patience}")
     elif a.early_stopping_patience > 0 and (
-            cfg.train.eval_every <= 0 or (a.eval_dataset is None and a.eval_fraction == 0)):
-        p.append(f"{where}.early_stopping_patience needs evaluation (train.eval_every > 0 and "
-                 f"an eval_dataset or eval_fraction), got eval_every={cfg.train.eval_every}, "
-                 f"eval_fraction={a.eval_fraction}")
+        cfg.train.eval_every <= 0 or (a.eval_dataset is None and a.eval_fraction == 0)
+    ):
+        p.append(
+            f"{where}.early_stopping_patience needs evaluation (train.eval_every > 0 and "
+            f"an eval_dataset or eval_fraction), got eval_every={cfg.train.eval_every}, "
+            f"eval_fraction={a.eval_fraction}"
+        )
     return p
 
 
@@ -463,19 +520,27 @@ def _validate_dataset(d: DatasetConfig, data: DataConfig, where: str, name: str)
     elif (problem := _path_problem(d.path, f"{where}.path")) is not None:
         p.append(problem)
     elif local and not _exists(d.path):
-        p.append(f"{where}.path must be an existing file or folder, got {d.path!r} "
-                 f"(not found from {Path.cwd()}"
-                 + ("; data.offline forbids hub datasets)" if data.offline else ")"))
+        p.append(
+            f"{where}.path must be an existing file or folder, got {d.path!r} "
+            f"(not found from {Path.cwd()}"
+            + ("; data.offline forbids hub datasets)" if data.offline else ")")
+        )
     if local and _is_dir(d.path) and not any(f.is_file() for f in Path(d.path).rglob("*")):
-        p.append(f"{where}.path must be a data file or a folder of data files, got "
-                 f"{d.path!r} (an empty folder)")
+        p.append(
+            f"{where}.path must be a data file or a folder of data files, got "
+            f"{d.path!r} (an empty folder)"
+        )
     if d.template is not None and d.template not in PROMPT_TEMPLATES and "{" not in d.template:
-        p.append(f"{where}.template must be one of {list(PROMPT_TEMPLATES)} or a format string "
-                 f"with {{field}} placeholders, got {d.template!r}")
+        p.append(
+            f"{where}.template must be one of {list(PROMPT_TEMPLATES)} or a format string "
+            f"with {{field}} placeholders, got {d.template!r}"
+        )
     elif d.template is not None and d.template not in PROMPT_TEMPLATES:
         if (problem := _template_problem(d.template)) is not None:
-            p.append(f"{where}.template must be a format string with named {{field}} "
-                     f"placeholders ({{{{ and }}}} for braces), got {d.template!r} ({problem})")
+            p.append(
+                f"{where}.template must be a format string with named {{field}} "
+                f"placeholders ({{{{ and }}}} for braces), got {d.template!r} ({problem})"
+            )
     tokenizer_named = data.tokenizer == "byte" or _is_dir(data.tokenizer)  # else reported
     if d.messages_field is not None and tokenizer_named and not _has_chat_template(data.tokenizer):
         p.append(

@@ -75,8 +75,9 @@ def _packed_make_batch(datasets, device):
     """Our packing: the samples back to back, no padding."""
 
     def make_batch(mb, index):
-        return pack_microbatch(mb, datasets, [_Identity()] * len(datasets), ADAPTERS, device,
-                               dropout_seed=index)
+        return pack_microbatch(
+            mb, datasets, [_Identity()] * len(datasets), ADAPTERS, device, dropout_seed=index
+        )
 
     return make_batch
 
@@ -91,9 +92,11 @@ def _padded_make_batch(datasets, device):
             row = datasets[s.adapter][s.index]
             pad = (0,) * (longest - len(row.input_ids))
             rows[s.adapter][s.index] = TokenizedSample(
-                row.input_ids + pad, row.labels + pad, row.loss_mask + pad)
-        return pack_microbatch(mb, rows, [_Identity()] * len(datasets), ADAPTERS, device,
-                               dropout_seed=index)
+                row.input_ids + pad, row.labels + pad, row.loss_mask + pad
+            )
+        return pack_microbatch(
+            mb, rows, [_Identity()] * len(datasets), ADAPTERS, device, dropout_seed=index
+        )
 
     return make_batch
 
@@ -101,24 +104,35 @@ def _padded_make_batch(datasets, device):
 def _train(streams, make_batch, model, lora, adapters, problem, groups, hidden, device):
     """Run the streams (a drain after each) with fresh optimizers; (seconds, busy seconds)."""
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    optimizer = AdapterAdamW(lora, adapters,
-                             [problem.num_global_batches(a) for a in range(ADAPTERS)])
+    optimizer = AdapterAdamW(
+        lora, adapters, [problem.num_global_batches(a) for a in range(ADAPTERS)]
+    )
     runs = []
     for a, adapter in enumerate(adapters):
-        batch_tokens = [sum(s.tokens for s in problem.global_batch(a, j))
-                        for j in range(problem.num_global_batches(a))]
+        batch_tokens = [
+            sum(s.tokens for s in problem.global_batch(a, j))
+            for j in range(problem.num_global_batches(a))
+        ]
         runs.append(AdapterRun(adapter.name, batch_tokens))
     _sync(device)
     dist.barrier()
     start = time.perf_counter()
     busy = 0.0
     for stream in streams:
-        events = run_pipeline(stream, forward, make_batch, runs, optimizer, lora.grads, groups,
-                              global_batch_sizes=problem.global_batch_sizes,
-                              hidden_size=hidden,
-                              activation_dtype=torch.bfloat16 if device.type == "cuda"
-                              else torch.float32,
-                              device=device, record_events=True)
+        events = run_pipeline(
+            stream,
+            forward,
+            make_batch,
+            runs,
+            optimizer,
+            lora.grads,
+            groups,
+            global_batch_sizes=problem.global_batch_sizes,
+            hidden_size=hidden,
+            activation_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            device=device,
+            record_events=True,
+        )
         busy += sum(e.compute_s for e in events)
     _sync(device)
     dist.barrier()
@@ -146,25 +160,50 @@ def main() -> None:
     cuda = device.type == "cuda"
     init_model_parallel(1, args.pp, device, seed=0)
     rank = dist.get_rank()
-    model_cfg = ModelConfig(**{**MODEL_PRESETS[args.preset], "num_layers": args.layers,
-                               "max_position_embeddings": args.capacity})
-    adapters = [AdapterConfig(name=f"a{i}", rank=16, alpha=32, dropout=0.1,
-                              global_batch_size=args.global_batch_size,
-                              dataset=DatasetConfig(path="unused")) for i in range(ADAPTERS)]
+    model_cfg = ModelConfig(
+        **{
+            **MODEL_PRESETS[args.preset],
+            "num_layers": args.layers,
+            "max_position_embeddings": args.capacity,
+        }
+    )
+    adapters = [
+        AdapterConfig(
+            name=f"a{i}",
+            rank=16,
+            alpha=32,
+            dropout=0.1,
+            global_batch_size=args.global_batch_size,
+            dataset=DatasetConfig(path="unused"),
+        )
+        for i in range(ADAPTERS)
+    ]
     groups = make_pipeline_groups(*pipeline_and_data_ranks(), 600.0)
-    model = build_gpt_model(model_cfg, pre_process=groups.is_first,
-                            post_process=groups.is_last,
-                            params_dtype=torch.bfloat16 if cuda else torch.float32,
-                            device=device)
+    model = build_gpt_model(
+        model_cfg,
+        pre_process=groups.is_first,
+        post_process=groups.is_last,
+        params_dtype=torch.bfloat16 if cuda else torch.float32,
+        device=device,
+    )
     lora = apply_lora(model, adapters, seed=0)
     cost = CostModel.from_profile(args.cost_profile)
     rows = []
     try:
         for dist_name in args.lengths:
-            problem, _ = problem_from_args(argparse.Namespace(
-                lengths=dist_name, adapters=ADAPTERS, samples=args.samples, seed=0,
-                capacity=args.capacity, tile_height=64, long_samples="truncate",
-                global_batch_size=args.global_batch_size, stages=args.pp))
+            problem, _ = problem_from_args(
+                argparse.Namespace(
+                    lengths=dist_name,
+                    adapters=ADAPTERS,
+                    samples=args.samples,
+                    seed=0,
+                    capacity=args.capacity,
+                    tile_height=64,
+                    long_samples="truncate",
+                    global_batch_size=args.global_batch_size,
+                    stages=args.pp,
+                )
+            )
             datasets = _datasets(problem, model_cfg.vocab_size, seed=1)
             plan = plan_microbatches(problem, "greedy")
             k = default_samples_per_microbatch(problem)
@@ -177,38 +216,73 @@ def main() -> None:
             }
             useful = sum(map(sum, problem.lengths))
             if dist_name == args.lengths[0]:  # compile and autotune before anything is timed
-                _train([list(plan.microbatches)], packed, model, lora, adapters, problem,
-                       groups, model_cfg.hidden_size, device)
+                _train(
+                    [list(plan.microbatches)],
+                    packed,
+                    model,
+                    lora,
+                    adapters,
+                    problem,
+                    groups,
+                    model_cfg.hidden_size,
+                    device,
+                )
             for name, (streams, make_batch) in strategies.items():
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                seconds, busy = _train(streams, make_batch, model, lora, adapters, problem,
-                                       groups, model_cfg.hidden_size, device)
+                seconds, busy = _train(
+                    streams,
+                    make_batch,
+                    model,
+                    lora,
+                    adapters,
+                    problem,
+                    groups,
+                    model_cfg.hidden_size,
+                    device,
+                )
                 bubbles = [None] * dist.get_world_size()
                 dist.all_gather_object(bubbles, 1.0 - busy / seconds)
                 peaks = [None] * dist.get_world_size()
                 dist.all_gather_object(
-                    peaks, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0)
+                    peaks, torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+                )
                 sim = sims[name]
-                rows.append((dist_name, name, useful / seconds, bubbles, max(peaks),
-                             sim.sim.bubble_ratio, sim.sim.makespan_ms / 1e3, seconds,
-                             sim.microbatches))
+                rows.append(
+                    (
+                        dist_name,
+                        name,
+                        useful / seconds,
+                        bubbles,
+                        max(peaks),
+                        sim.sim.bubble_ratio,
+                        sim.sim.makespan_ms / 1e3,
+                        seconds,
+                        sim.microbatches,
+                    )
+                )
     finally:
         if rank == 0:
             gpu = torch.cuda.get_device_name() if cuda else "CPU"
-            print(f"# {gpu} x {dist.get_world_size()} | torch "
-                  f"{torch.__version__} | {args.preset} shape, {args.layers} layers, PP = "
-                  f"{args.pp}, {'bf16' if cuda else 'fp32'}, {ADAPTERS} adapters r=16 p=0.1, "
-                  f"{args.samples} samples per adapter, global batch "
-                  f"{args.global_batch_size}, capacity {args.capacity} | "
-                  f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}")
-            print("| lengths | strategy | microbatches | useful tokens/s | measured bubble per "
-                  "stage % | simulated bubble % | run s | simulated s | peak GiB |")
+            print(
+                f"# {gpu} x {dist.get_world_size()} | torch "
+                f"{torch.__version__} | {args.preset} shape, {args.layers} layers, PP = "
+                f"{args.pp}, {'bf16' if cuda else 'fp32'}, {ADAPTERS} adapters r=16 p=0.1, "
+                f"{args.samples} samples per adapter, global batch "
+                f"{args.global_batch_size}, capacity {args.capacity} | "
+                f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE')}"
+            )
+            print(
+                "| lengths | strategy | microbatches | useful tokens/s | measured bubble per "
+                "stage % | simulated bubble % | run s | simulated s | peak GiB |"
+            )
             print("|---|---|---|---|---|---|---|---|---|")
             for d, name, tps, bub, peak, sim_bub, sim_s, secs, mbs in rows:
                 per_stage = " / ".join(f"{100 * b:.1f}" for b in bub)
-                print(f"| {d} | {name} | {mbs} | {tps:,.0f} | {per_stage} | "
-                      f"{100 * sim_bub:.1f} | {secs:.2f} | {sim_s:.2f} | {peak:.1f} |")
+                print(
+                    f"| {d} | {name} | {mbs} | {tps:,.0f} | {per_stage} | "
+                    f"{100 * sim_bub:.1f} | {secs:.2f} | {sim_s:.2f} | {peak:.1f} |"
+                )
         destroy_model_parallel()
 
 

@@ -157,9 +157,11 @@ def _chunked(problem: PlanProblem, args: argparse.Namespace) -> Plan:
 
 
 def _pathological_table(args: argparse.Namespace) -> tuple[str, bool]:
-    head = ("| case | samples | microbatches (idle) | lower bound | kept | makespan s ours "
-            "| Megatron-style | mLoRA-style | ours / min(baselines) | chunks = whole plan "
-            "| plan s |")
+    head = (
+        "| case | samples | microbatches (idle) | lower bound | kept | makespan s ours "
+        "| Megatron-style | mLoRA-style | ours / min(baselines) | chunks = whole plan "
+        "| plan s |"
+    )
     lines = [head, "|---|" + "---:|" * (head.count("|") - 2)]
     ok = True
     for name, problem in _pathological_cases(args):
@@ -168,8 +170,9 @@ def _pathological_table(args: argparse.Namespace) -> tuple[str, bool]:
         plan_s = time.perf_counter() - t0
         check_plan(plan, problem)
         same = plan == plan_microbatches(problem, args.solver, args.time_limit)
-        res = {r.name: r.sim.makespan_ms / 1e3 for r in
-               compare_strategies(problem, plan, CostModel())}
+        res = {
+            r.name: r.sim.makespan_ms / 1e3 for r in compare_strategies(problem, plan, CostModel())
+        }
         best = min(res["megatron"], res["mlora"])
         ok &= res["ours"] <= best
         r = plan.report
@@ -184,10 +187,17 @@ def _pathological_table(args: argparse.Namespace) -> tuple[str, bool]:
 
 def _throughput(args: argparse.Namespace, total: int = 100_000) -> str:
     per = total // args.adapters
-    lengths = apply_length_policy(adapter_lengths("mix", args.adapters, per, args.seed),
-                                  args.capacity, args.tile_height).lengths
-    problem = PlanProblem(lengths, (args.global_batch_size,) * args.adapters, args.capacity,
-                          args.stages, args.tile_height, args.seed)
+    lengths = apply_length_policy(
+        adapter_lengths("mix", args.adapters, per, args.seed), args.capacity, args.tile_height
+    ).lengths
+    problem = PlanProblem(
+        lengths,
+        (args.global_batch_size,) * args.adapters,
+        args.capacity,
+        args.stages,
+        args.tile_height,
+        args.seed,
+    )
     cpu0, wall0 = time.process_time(), time.perf_counter()
     plan = plan_microbatches(problem, args.solver, args.time_limit)
     cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -198,14 +208,16 @@ def _throughput(args: argparse.Namespace, total: int = 100_000) -> str:
         first_s = time.perf_counter() - wall0 if first_s is None else first_s
         mbs += len(chunk.microbatches)
     chunk_cpu_s, chunk_wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
-    return (f"throughput: {n} samples (mix, {args.adapters} adapters) planned with "
-            f"{args.solver} in {wall_s:.2f} s wall / {cpu_s:.2f} s CPU: "
-            f"{n / max(cpu_s, wall_s):.0f} samples/s per core (target >= 5000), "
-            f"{len(plan.microbatches)} microbatches, kept {plan.report.chosen}; "
-            f"as chunks (iter_plan_chunks, 4 rounds a chunk, what training runs): "
-            f"{chunk_wall_s:.2f} s wall / {chunk_cpu_s:.2f} s CPU, "
-            f"{n / max(chunk_cpu_s, chunk_wall_s):.0f} samples/s per core, first chunk after "
-            f"{first_s:.2f} s, {mbs} microbatches")
+    return (
+        f"throughput: {n} samples (mix, {args.adapters} adapters) planned with "
+        f"{args.solver} in {wall_s:.2f} s wall / {cpu_s:.2f} s CPU: "
+        f"{n / max(cpu_s, wall_s):.0f} samples/s per core (target >= 5000), "
+        f"{len(plan.microbatches)} microbatches, kept {plan.report.chosen}; "
+        f"as chunks (iter_plan_chunks, 4 rounds a chunk, what training runs): "
+        f"{chunk_wall_s:.2f} s wall / {chunk_cpu_s:.2f} s CPU, "
+        f"{n / max(chunk_cpu_s, chunk_wall_s):.0f} samples/s per core, first chunk after "
+        f"{first_s:.2f} s, {mbs} microbatches"
+    )
 
 
 def main() -> int:
@@ -218,11 +230,16 @@ def main() -> int:
     parser.add_argument("--tile-height", type=int, default=64)
     parser.add_argument("--solver", choices=("greedy", "milp"), default=DEFAULT_SOLVER)
     parser.add_argument(
-        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
+        "--time-limit",
+        type=float,
+        default=DEFAULT_TIME_LIMIT_S,
         help="wall-clock safety limit per MILP solve, s",
     )
-    parser.add_argument("--no-extra", action="store_true",
-                        help="skip the pathological table and the throughput line")
+    parser.add_argument(
+        "--no-extra",
+        action="store_true",
+        help="skip the pathological table and the throughput line",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed planning runs (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="append rows to this CSV")

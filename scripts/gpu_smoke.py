@@ -25,8 +25,13 @@ TASKS = ("reverse", "sort", "add", "upper")
 
 def _job(workdir: Path, device: str, tag: str, extra: list[str]) -> dict[str, list[float]]:
     overrides = [f"adapters.{i}.dataset.path={workdir}/{t}.jsonl" for i, t in enumerate(TASKS)]
-    overrides += [f"train.device={device}", f"train.output_dir={workdir}/{tag}-{device}",
-                  "train.save_every=0", "logging.progress_bar=false", "planner.solver=greedy"]
+    overrides += [
+        f"train.device={device}",
+        f"train.output_dir={workdir}/{tag}-{device}",
+        "train.save_every=0",
+        "logging.progress_bar=false",
+        "planner.solver=greedy",
+    ]
     return train(load_config(REPO / "configs" / "demo.yaml", overrides + extra))
 
 
@@ -51,13 +56,19 @@ def main() -> None:
         print("|---|---|---|---|")
         for name in cpu:
             diff = max(abs(a - b) for a, b in zip(cpu[name], cuda[name], strict=True))
-            print(f"| {name} | {cpu[name][0]:.4f} -> {cpu[name][-1]:.4f} | "
-                  f"{cuda[name][0]:.4f} -> {cuda[name][-1]:.4f} | {diff:.2e} |")
+            print(
+                f"| {name} | {cpu[name][0]:.4f} -> {cpu[name][-1]:.4f} | "
+                f"{cuda[name][0]:.4f} -> {cuda[name][-1]:.4f} | {diff:.2e} |"
+            )
 
-        big = ["model.preset=llama3.2-1b", "model.init_method_std=0.02", "train.precision=bf16",
-               f"train.steps={args.big_steps}", "planner.token_capacity=16384",
-               "data.max_seq_length=96"] + [f"adapters.{i}.global_batch_size=256"
-                                            for i in range(len(TASKS))]
+        big = [
+            "model.preset=llama3.2-1b",
+            "model.init_method_std=0.02",
+            "train.precision=bf16",
+            f"train.steps={args.big_steps}",
+            "planner.token_capacity=16384",
+            "data.max_seq_length=96",
+        ] + [f"adapters.{i}.global_batch_size=256" for i in range(len(TASKS))]
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -67,8 +78,10 @@ def main() -> None:
         print("\n## llama3.2-1b shape (random bf16 base), 4 adapters, PP = 1\n")
         for name, curve in losses.items():
             print(f"- {name}: loss {curve[0]:.4f} -> {curve[-1]:.4f} over {len(curve)} steps")
-        print(f"- wall time {elapsed:.1f} s including build and planning; "
-              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        print(
+            f"- wall time {elapsed:.1f} s including build and planning; "
+            f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+        )
 
 
 if __name__ == "__main__":

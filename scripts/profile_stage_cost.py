@@ -53,12 +53,19 @@ def _time_microbatch(model, lora, tokens: int, length: int, device) -> tuple[flo
 def _time_model(layers: int, device: torch.device) -> dict[tuple[int, int], tuple[float, float]]:
     """(tokens, sample length) -> (forward ms, backward ms) of a ``layers``-layer model."""
     model_cfg = ModelConfig(**{**MODEL_PRESETS["llama3.1-8b"], "num_layers": layers})
-    adapters = [AdapterConfig(name=f"a{i}", rank=16, alpha=32, dropout=0.1,
-                              dataset=DatasetConfig(path="unused")) for i in range(4)]
+    adapters = [
+        AdapterConfig(
+            name=f"a{i}", rank=16, alpha=32, dropout=0.1, dataset=DatasetConfig(path="unused")
+        )
+        for i in range(4)
+    ]
     model = build_gpt_model(model_cfg, params_dtype=torch.bfloat16, device=device)
     lora = apply_lora(model, adapters, seed=0)
-    return {(tokens, length): _time_microbatch(model, lora, tokens, length, device)
-            for tokens in TOKENS for length in SAMPLE_LENGTHS}
+    return {
+        (tokens, length): _time_microbatch(model, lora, tokens, length, device)
+        for tokens in TOKENS
+        for length in SAMPLE_LENGTHS
+    }
 
 
 def main() -> None:
@@ -81,14 +88,22 @@ def main() -> None:
         bwd = (three[key][1] - one[key][1]) / 2
         tokens, length = key
         print(f"| {tokens} | {length} | {fwd:.3f} | {bwd:.3f} |")
-        points.append({"tokens": tokens, "squared_lengths": (tokens // length) * length**2,
-                       "forward_ms": fwd, "backward_ms": bwd})
+        points.append(
+            {
+                "tokens": tokens,
+                "squared_lengths": (tokens // length) * length**2,
+                "forward_ms": fwd,
+                "backward_ms": bwd,
+            }
+        )
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for stages in args.stages:
         layers = 32 // stages
-        scaled = [{**p, "forward_ms": p["forward_ms"] * layers,
-                   "backward_ms": p["backward_ms"] * layers} for p in points]
+        scaled = [
+            {**p, "forward_ms": p["forward_ms"] * layers, "backward_ms": p["backward_ms"] * layers}
+            for p in points
+        ]
         path = out / f"stage_cost_s{stages}.json"
         path.write_text(json.dumps({"points": scaled}, indent=1) + "\n")
         print(f"wrote {path} ({layers} layers per stage)")

@@ -7,18 +7,32 @@ from megatron_lorafusion.hf_config import hf_model_fields
 
 # Small but with every feature that matters: GQA (4 heads, 2 groups), 2 layers, a vocabulary
 # divisible by TP = 2. std 0.2 instead of 0.02 so logits are far from uniform.
-SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-             initializer_range=0.2, rms_norm_eps=1e-6)
+SIZES = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 5000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
-def save_tiny_hf_model(kind: str, folder, *, tie: bool = False, shard: bool = False, seed=0,
-                       llama3_rope: bool = False):
+def save_tiny_hf_model(
+    kind: str, folder, *, tie: bool = False, shard: bool = False, seed=0, llama3_rope: bool = False
+):
     """Save a random ``LlamaForCausalLM``/``Qwen2ForCausalLM``/``MistralForCausalLM``; returns it.
 
     ``shard`` splits the weights over several files with an index (max 40 kB each);
@@ -80,8 +94,9 @@ def save_tiny_tokenizer(folder):
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.add_special_tokens(specials)
     core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
-                                  unk_token="<unk>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(folder))
     return tok

@@ -12,8 +12,10 @@ from megatron_lorafusion.cli import main
 def _job(tmp_path, **adapter):
     data = tmp_path / "a.jsonl"
     data.write_text('{"prompt": "p", "response": "r"}\n')
-    job = {"adapters": [{"name": "a", "dataset": {"path": str(data)}, **adapter}],
-           "train": {"steps": 1, "output_dir": str(tmp_path / "out")}}
+    job = {
+        "adapters": [{"name": "a", "dataset": {"path": str(data)}, **adapter}],
+        "train": {"steps": 1, "output_dir": str(tmp_path / "out")},
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -71,7 +73,8 @@ def test_cli_train_into_a_foreign_folder_exits_2_and_keeps_its_files(tmp_path, c
     before = _files(tmp_path / "out")
     assert main(["train", str(path)]) == 2
     assert "train.output_dir must be a new or empty folder or a lorafusion run" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert _files(tmp_path / "out") == before, "the user's files must survive"
     with (tmp_path / "out" / "notes.txt").open("w") as f:
         f.write("mine")
@@ -83,8 +86,9 @@ def test_cli_train_into_a_foreign_folder_exits_2_and_keeps_its_files(tmp_path, c
 def test_cli_train_stops_on_a_non_finite_loss_and_exports_nothing(tmp_path, capsys):
     # A finite but absurd lr: Adam's first step moves every weight by ~1e30, the next
     # forward overflows: the run stops before stepping on the NaN, naming adapter and step.
-    status = main(["train", str(_job(tmp_path, lr=1e30)), "train.steps=3",
-                   "logging.progress_bar=false"])
+    status = main(
+        ["train", str(_job(tmp_path, lr=1e30)), "train.steps=3", "logging.progress_bar=false"]
+    )
     err = capsys.readouterr().err
     assert status == 2, err
     assert "error: adapter 'a': " in err, err
@@ -130,8 +134,9 @@ def test_cli_ctrl_c_during_train_is_one_line_exit_130(tmp_path, capsys, monkeypa
     monkeypatch.setattr(train_main, "main", interrupted)
     assert main(["train", str(_job(tmp_path))]) == 130
     err = capsys.readouterr().err
-    assert err == ("interrupted: train stopped; rerun the same command to resume from its last "
-                   "checkpoint\n")
+    assert err == (
+        "interrupted: train stopped; rerun the same command to resume from its last checkpoint\n"
+    )
 
 
 def test_cli_checkpoint_with_pickled_object_exits_2_in_one_line(tmp_path, capsys):
@@ -146,9 +151,11 @@ def test_cli_checkpoint_with_pickled_object_exits_2_in_one_line(tmp_path, capsys
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": _sha256(shard)}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))  # the hashes agree: only the
-    capsys.readouterr()                                        # contents give it away
-    for argv in (["train", str(tmp_path / "job.yaml")],
-                 ["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")]):
+    capsys.readouterr()  # contents give it away
+    for argv in (
+        ["train", str(tmp_path / "job.yaml")],
+        ["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")],
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "holds more than tensors and plain data" in err, err
@@ -172,12 +179,22 @@ def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_
     assert f"name it (--checkpoint {older.name}): '{older}'" in err, err
     assert not (tmp_path / "x").exists(), "nothing exported from an older checkpoint"
     assert main(["export", str(older), "--out", str(tmp_path / "x")]) == 0, "named: exported"
-    assert main(["export", str(tmp_path / "out"), "--checkpoint", older.name, "--out",
-                 str(tmp_path / "x")]) == 0, "picked by --checkpoint"
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "out"),
+                "--checkpoint",
+                older.name,
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 0
+    ), "picked by --checkpoint"
 
 
-def test_cli_train_on_cuda_without_a_gpu_exits_2_naming_train_device(tmp_path, capsys,
-                                                                      monkeypatch):
+def test_cli_train_on_cuda_without_a_gpu_exits_2_naming_train_device(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     path = _job(tmp_path)
     assert main(["train", str(path), "train.device=cuda"]) == 2
@@ -324,8 +341,7 @@ def test_cli_version_falls_back_to_the_package_version(capsys, monkeypatch):
     assert capsys.readouterr().out == f"megatron_lorafusion {megatron_lorafusion.__version__}\n"
 
 
-def test_cli_validate_print_round_trips_through_validate_and_train(tmp_path, capsys,
-                                                                  monkeypatch):
+def test_cli_validate_print_round_trips_through_validate_and_train(tmp_path, capsys, monkeypatch):
     """validate --print: every default, the preset's sizes, absolute dataset paths; the file
     it prints resolves (validate) and trains (job.json) to the same job as the original."""
     from dataclasses import asdict
@@ -334,9 +350,11 @@ def test_cli_validate_print_round_trips_through_validate_and_train(tmp_path, cap
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
-    job = {"model": {"preset": "tiny"},
-           "adapters": [{"name": "a", "dataset": {"path": "a.jsonl"}, "rank": 4}],
-           "train": {"steps": 1, "output_dir": "out"}}
+    job = {
+        "model": {"preset": "tiny"},
+        "adapters": [{"name": "a", "dataset": {"path": "a.jsonl"}, "rank": 4}],
+        "train": {"steps": 1, "output_dir": "out"},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     overrides = ["adapters.0.lr=2e-4", "logging.progress_bar=false"]
     assert main(["validate", "job.yaml", *overrides, "--print"]) == 0
@@ -356,8 +374,10 @@ def test_cli_validate_print_round_trips_through_validate_and_train(tmp_path, cap
     assert json.loads((tmp_path / "out" / "job.json").read_text()) == asdict(resolved)
 
 
-@pytest.mark.parametrize(("kind", "options"), [("mistral", {}), ("llama", {"llama3_rope": True}),
-                                               ("qwen2", {"tie": True})])
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [("mistral", {}), ("llama", {"llama3_rope": True}), ("qwen2", {"tie": True})],
+)
 def test_cli_validate_print_round_trips_an_hf_model_job(tmp_path, capsys, kind, options):
     """The sizes read from config.json (sliding window, RoPE scaling, tied embeddings) and
     the model folder as tokenizer are written out and agree with it when read back."""
@@ -371,8 +391,11 @@ def test_cli_validate_print_round_trips_an_hf_model_job(tmp_path, capsys, kind, 
     save_tiny_tokenizer(tmp_path / "model")
     path = _job(tmp_path)
     job = yaml.safe_load(path.read_text())
-    path.write_text(yaml.safe_dump({**job, "model": {"hf_path": str(tmp_path / "model")},
-                                    "data": {"max_seq_length": 64}}))
+    path.write_text(
+        yaml.safe_dump(
+            {**job, "model": {"hf_path": str(tmp_path / "model")}, "data": {"max_seq_length": 64}}
+        )
+    )
     assert main(["validate", str(path), "--print"]) == 0
     text = capsys.readouterr().out
     resolved = load_config(path)
@@ -392,15 +415,26 @@ def test_cli_validate_print_of_a_bad_job_exits_2_and_prints_no_yaml(tmp_path, ca
 def _two_adapter_job(tmp_path):
     """Adapter a: 3 rows, 3 per step; b: 4 rows, half held out for evaluation; one epoch."""
     for name, rows in (("a", 3), ("b", 4)):
-        (tmp_path / f"{name}.jsonl").write_text("".join(
-            json.dumps({"prompt": "p" * (5 * i + 1), "response": "r" * i}) + "\n"
-            for i in range(1, rows + 1)))
-    job = {"adapters": [
-        {"name": "a", "dataset": {"path": str(tmp_path / "a.jsonl")}, "global_batch_size": 3},
-        {"name": "b", "dataset": {"path": str(tmp_path / "b.jsonl")}, "global_batch_size": 2,
-         "eval_fraction": 0.5}],
-        "data": {"max_seq_length": 32}, "planner": {"token_capacity": 64},
-        "train": {"epochs": 1, "output_dir": str(tmp_path / "out")}}
+        (tmp_path / f"{name}.jsonl").write_text(
+            "".join(
+                json.dumps({"prompt": "p" * (5 * i + 1), "response": "r" * i}) + "\n"
+                for i in range(1, rows + 1)
+            )
+        )
+    job = {
+        "adapters": [
+            {"name": "a", "dataset": {"path": str(tmp_path / "a.jsonl")}, "global_batch_size": 3},
+            {
+                "name": "b",
+                "dataset": {"path": str(tmp_path / "b.jsonl")},
+                "global_batch_size": 2,
+                "eval_fraction": 0.5,
+            },
+        ],
+        "data": {"max_seq_length": 32},
+        "planner": {"token_capacity": 64},
+        "train": {"epochs": 1, "output_dir": str(tmp_path / "out")},
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
@@ -418,8 +452,9 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
 
     path = _two_adapter_job(tmp_path)
     out = tmp_path / "plan.json"
-    assert main(["plan", "--job", str(path), "planner.token_capacity=48", "--output",
-                 str(out)]) == 0
+    assert (
+        main(["plan", "--job", str(path), "planner.token_capacity=48", "--output", str(out)]) == 0
+    )
     text = capsys.readouterr().out
     assert f"samples: 5 in 2 adapters (job {path})" in text, text
     assert "adapters: a (3 samples, 3 per step), b (2 samples, 2 per step)" in text, text
@@ -427,8 +462,10 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
     assert plan.capacity == 48, "the override reaches the planner"
     cfg = load_config(path, ["planner.token_capacity=48"])
     rows = [load_adapter_dataset(a, cfg.data) for a in cfg.adapters]
-    planned = [sorted(s.tokens for mb in plan.microbatches for s in mb.samples if s.adapter == a)
-               for a in range(2)]
+    planned = [
+        sorted(s.tokens for mb in plan.microbatches for s in mb.samples if s.adapter == a)
+        for a in range(2)
+    ]
     assert planned[0] == sorted(len(r) for r in rows[0]), "every row of a, tokenised"
     assert len(planned[1]) == 2, "b's eval half is held out"
     assert set(planned[1]) <= {len(r) for r in rows[1]}
@@ -452,8 +489,10 @@ def test_cli_plan_job_with_a_bad_job_exits_2_like_validate(tmp_path, capsys, com
     assert main(["validate", str(path)]) == 2
     expected = capsys.readouterr().err
     out = tmp_path / "plan.json"
-    assert main([command, "--job", str(path), "--output" if command == "plan" else "--png",
-                 str(out)]) == 2
+    assert (
+        main([command, "--job", str(path), "--output" if command == "plan" else "--png", str(out)])
+        == 2
+    )
     assert capsys.readouterr().err == expected
     assert not out.exists()
     assert main([command, "--job", str(tmp_path / "missing.yaml")]) == 2
@@ -476,4 +515,5 @@ def test_cli_plan_refuses_flags_the_job_sets_and_overrides_without_a_job(tmp_pat
     assert "--stages does not apply with --job (the job sets it: parallel.pp)" in err
     assert main(["plan", "planner.token_capacity=512"]) == 2
     assert "dotted overrides ['planner.token_capacity=512'] need --job FILE" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )

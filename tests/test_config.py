@@ -65,12 +65,15 @@ def test_config_wrong_type_is_named(tmp_path):
     assert "adapters.0.rank must be of type int, got 'eight'" in _errors(tmp_path, job)
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("rank", 0, "adapters.0.rank must be in [1, 256], got 0"),
-    ("rank", -3, "adapters.0.rank must be in [1, 256], got -3"),
-    ("dropout", 1.0, "adapters.0.dropout must be in [0, 1), got 1.0"),
-    ("dropout", -0.1, "adapters.0.dropout must be in [0, 1), got -0.1"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("rank", 0, "adapters.0.rank must be in [1, 256], got 0"),
+        ("rank", -3, "adapters.0.rank must be in [1, 256], got -3"),
+        ("dropout", 1.0, "adapters.0.dropout must be in [0, 1), got 1.0"),
+        ("dropout", -0.1, "adapters.0.dropout must be in [0, 1), got -0.1"),
+    ],
+)
 def test_config_bad_adapter_value_is_named(tmp_path, key, value, message):
     job = _job(tmp_path)
     job["adapters"][0][key] = value
@@ -86,19 +89,23 @@ def test_config_duplicate_adapter_names_rejected(tmp_path):
 def test_config_missing_dataset_file_is_named(tmp_path):
     job = _job(tmp_path)
     job["adapters"][0]["dataset"]["path"] = "nowhere.jsonl"
-    assert ("adapters.0.dataset.path must be an existing file or folder, got 'nowhere.jsonl'"
-            in _errors(tmp_path, job))
+    assert (
+        "adapters.0.dataset.path must be an existing file or folder, got 'nowhere.jsonl'"
+        in _errors(tmp_path, job)
+    )
 
 
 def test_config_capacity_below_one_sample_rejected(tmp_path):
     job = _job(tmp_path, data={"max_seq_length": 300}, planner={"token_capacity": 256})
     assert "planner.token_capacity must hold one sample of data.max_seq_length" in _errors(
-        tmp_path, job)
+        tmp_path, job
+    )
 
 
 def test_config_capacity_counts_tile_padding(tmp_path):
-    job = _job(tmp_path, data={"max_seq_length": 200},
-               planner={"token_capacity": 200, "tile_height": 64})
+    job = _job(
+        tmp_path, data={"max_seq_length": 200}, planner={"token_capacity": 200, "tile_height": 64}
+    )
     assert "(200 tokens, 256 with tile padding), got 200" in _errors(tmp_path, job)
 
 
@@ -117,16 +124,26 @@ def test_config_float_without_dot_is_read_as_float(tmp_path):
 
 def test_config_bad_override_is_named(tmp_path):
     assert "override 'train.steps' must look like section.key=value" in _errors(
-        tmp_path, _job(tmp_path), ["train.steps"])
+        tmp_path, _job(tmp_path), ["train.steps"]
+    )
 
 
 def _hf_config_folder(folder):
     import json
 
-    hf = {"architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3, "hidden_size": 96,
-          "intermediate_size": 160, "num_attention_heads": 6, "num_key_value_heads": 2,
-          "vocab_size": 300, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
-          "rope_theta": 1e6, "tie_word_embeddings": True}
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "num_hidden_layers": 3,
+        "hidden_size": 96,
+        "intermediate_size": 160,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "tie_word_embeddings": True,
+    }
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(hf))
     return folder
@@ -140,8 +157,9 @@ def test_config_hf_path_sets_sizes_and_refuses_conflicts(tmp_path):
     assert cfg.model.add_qkv_bias, "Qwen2 has q/k/v biases"
     assert cfg.model.tie_word_embeddings
     job["model"]["hidden_size"] = 128
-    assert ("model.hidden_size must match the checkpoint's config.json (96) or be left out, "
-            "got 128") in _errors(tmp_path, job)
+    assert (
+        "model.hidden_size must match the checkpoint's config.json (96) or be left out, got 128"
+    ) in _errors(tmp_path, job)
 
 
 def test_config_hf_path_brings_its_own_tokenizer_and_byte_only_when_asked(tmp_path):
@@ -152,9 +170,11 @@ def test_config_hf_path_brings_its_own_tokenizer_and_byte_only_when_asked(tmp_pa
 
     folder = _hf_config_folder(tmp_path / "m")
     job = _job(tmp_path, model={"hf_path": str(folder)})
-    assert (f"data.tokenizer must be a folder with tokenizer.json or tokenizer_config.json "
-            f"(it defaults to model.hf_path), or 'byte' to train on byte ids, "
-            f"got {str(folder)!r}") in _errors(tmp_path, job), "no silent byte fallback"
+    assert (
+        f"data.tokenizer must be a folder with tokenizer.json or tokenizer_config.json "
+        f"(it defaults to model.hf_path), or 'byte' to train on byte ids, "
+        f"got {str(folder)!r}"
+    ) in _errors(tmp_path, job), "no silent byte fallback"
     save_tiny_tokenizer(folder)
     cfg = load_config(_write(tmp_path, job))
     assert cfg.data.tokenizer == str(folder), "unset tokenizer: the model's own folder"
@@ -177,12 +197,16 @@ def test_config_hf_path_refuses_unsupported_architecture(tmp_path):
 
 def test_config_data_options_are_checked(tmp_path):
     job = _job(tmp_path, data={"tokenizer": str(tmp_path / "nope"), "offline": True})
-    job["adapters"][0]["dataset"] = {"path": "owner/hub-set", "template": "vicuna",
-                                     "messages_field": "messages"}
+    job["adapters"][0]["dataset"] = {
+        "path": "owner/hub-set",
+        "template": "vicuna",
+        "messages_field": "messages",
+    }
     errors = _errors(tmp_path, job)
     assert "data.tokenizer must be 'byte' or an existing tokenizer folder" in errors
-    assert ("adapters.0.dataset.path must be an existing file or folder, got 'owner/hub-set'"
-            in errors)
+    assert (
+        "adapters.0.dataset.path must be an existing file or folder, got 'owner/hub-set'" in errors
+    )
     assert "data.offline forbids hub datasets" in errors
     assert "adapters.0.dataset.template must be one of ['alpaca'] or a format string" in errors
     assert "adapters.0.dataset.template must be unset with messages_field" in errors
@@ -196,8 +220,10 @@ def test_config_sequence_parallel_defaults_on_and_must_be_bool(tmp_path):
     job = _job(tmp_path, parallel={"tp": 2, "sequence_parallel": "yes"})
     assert "parallel.sequence_parallel must be of type bool, got 'yes'" in _errors(tmp_path, job)
     job = _job(tmp_path, parallel={"sequence_paralel": True})
-    assert ("parallel.sequence_paralel is not a known key; did you mean 'sequence_parallel'?"
-            in _errors(tmp_path, job))
+    assert (
+        "parallel.sequence_paralel is not a known key; did you mean 'sequence_parallel'?"
+        in _errors(tmp_path, job)
+    )
 
 
 def test_config_defer_wgrad_needs_several_stages(tmp_path):
@@ -207,13 +233,17 @@ def test_config_defer_wgrad_needs_several_stages(tmp_path):
     assert load_config(_write(tmp_path, job)).parallel.defer_wgrad
 
 
-@pytest.mark.parametrize("name", ["../../escape", "..", ".", "/", "a/b", "/tmp/x", "a\x00b",
-                                  "x" * 101, ".hidden", "", "a b"])
+@pytest.mark.parametrize(
+    "name",
+    ["../../escape", "..", ".", "/", "a/b", "/tmp/x", "a\x00b", "x" * 101, ".hidden", "", "a b"],
+)
 def test_config_unsafe_adapter_name_rejected(tmp_path, name):
     job = _job(tmp_path)
     job["adapters"][0]["name"] = name
-    assert (f"adapters.0.name must be 1 to 100 letters, digits, '-', '_' or '.', not starting "
-            f"with '.', got {name!r}") in _errors(tmp_path, job)
+    assert (
+        f"adapters.0.name must be 1 to 100 letters, digits, '-', '_' or '.', not starting "
+        f"with '.', got {name!r}"
+    ) in _errors(tmp_path, job)
 
 
 def test_config_safe_adapter_names_accepted(tmp_path):
@@ -221,27 +251,37 @@ def test_config_safe_adapter_names_accepted(tmp_path):
     job["adapters"][0]["name"] = "my-adapter_1.v2"
     job["adapters"].append({**job["adapters"][0], "name": "x" * 100})
     assert [a.name for a in load_config(_write(tmp_path, job)).adapters] == [
-        "my-adapter_1.v2", "x" * 100]
+        "my-adapter_1.v2",
+        "x" * 100,
+    ]
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("adapters.0.alpha=.nan", "adapters.0.alpha must be a finite number, got nan"),
-    ("adapters.0.lr=.inf", "adapters.0.lr must be a finite number, got inf"),
-    ("adapters.0.weight_decay=.inf", "adapters.0.weight_decay must be a finite number, got inf"),
-    ("model.rope_theta=.nan", "model.rope_theta must be a finite number, got nan"),
-    ("model.rope_theta=0", "model.rope_theta must be > 0, got 0.0"),
-    ("model.norm_epsilon=-1", "model.norm_epsilon must be in (0, 1), got -1.0"),
-    ("model.init_method_std=1e300", "model.init_method_std must be <= 1, got 1e+300"),
-    ("planner.time_limit_s=.inf", "planner.time_limit_s must be a finite number, got inf"),
-    (f"train.seed={2**70}", f"train.seed must be in [0, 4294967295], got {2**70}"),
-    ("model.init_seed=-1", "model.init_seed must be in [0, 4294967295], got -1"),
-    (f"model.hidden_size={10**18}", f"model.hidden_size must be in [1, 131072], got {10**18}"),
-    (f"model.vocab_size={10**9}", f"model.vocab_size must be in [1, 4194304], got {10**9}"),
-    (f"train.steps={10**9}", f"train.steps must be <= 10000000, got {10**9}"),
-    (f"adapters.0.global_batch_size={10**9}",
-     "adapters.0.global_batch_size must keep train.steps × global_batch_size <= 1000000000"),
-    (f"planner.token_capacity={10**18}", "planner.token_capacity must be <= 16777216"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("adapters.0.alpha=.nan", "adapters.0.alpha must be a finite number, got nan"),
+        ("adapters.0.lr=.inf", "adapters.0.lr must be a finite number, got inf"),
+        (
+            "adapters.0.weight_decay=.inf",
+            "adapters.0.weight_decay must be a finite number, got inf",
+        ),
+        ("model.rope_theta=.nan", "model.rope_theta must be a finite number, got nan"),
+        ("model.rope_theta=0", "model.rope_theta must be > 0, got 0.0"),
+        ("model.norm_epsilon=-1", "model.norm_epsilon must be in (0, 1), got -1.0"),
+        ("model.init_method_std=1e300", "model.init_method_std must be <= 1, got 1e+300"),
+        ("planner.time_limit_s=.inf", "planner.time_limit_s must be a finite number, got inf"),
+        (f"train.seed={2**70}", f"train.seed must be in [0, 4294967295], got {2**70}"),
+        ("model.init_seed=-1", "model.init_seed must be in [0, 4294967295], got -1"),
+        (f"model.hidden_size={10**18}", f"model.hidden_size must be in [1, 131072], got {10**18}"),
+        (f"model.vocab_size={10**9}", f"model.vocab_size must be in [1, 4194304], got {10**9}"),
+        (f"train.steps={10**9}", f"train.steps must be <= 10000000, got {10**9}"),
+        (
+            f"adapters.0.global_batch_size={10**9}",
+            "adapters.0.global_batch_size must keep train.steps × global_batch_size <= 1000000000",
+        ),
+        (f"planner.token_capacity={10**18}", "planner.token_capacity must be <= 16777216"),
+    ],
+)
 def test_config_non_finite_or_out_of_range_number_rejected(tmp_path, override, message):
     assert message in _errors(tmp_path, _job(tmp_path), [override])
 
@@ -250,14 +290,14 @@ def test_config_output_dir_must_be_new_empty_or_a_run(tmp_path):
     job = _job(tmp_path)
     out = tmp_path / "out"
     out.write_text("not a folder")
-    assert f"train.output_dir must be a folder, got {str(out)!r} (a file)" in _errors(
-        tmp_path, job)
+    assert f"train.output_dir must be a folder, got {str(out)!r} (a file)" in _errors(tmp_path, job)
     out.unlink()
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    assert (f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
-            f"checkpoints/), got {str(out)!r}, which holds ['thesis.tex']") in _errors(
-        tmp_path, job)
+    assert (
+        f"train.output_dir must be a new or empty folder or a lorafusion run (job.json, "
+        f"checkpoints/), got {str(out)!r}, which holds ['thesis.tex']"
+    ) in _errors(tmp_path, job)
     (out / "job.json").write_text('{"adapters": [], "train": {}}')
     assert load_config(_write(tmp_path, job)).train.output_dir == str(out), "a run of ours"
 
@@ -279,7 +319,8 @@ def test_config_duplicate_yaml_key_names_key_and_both_lines(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.problems == [
-        f"job file {str(path)!r}, line {line}: duplicate key 'steps' (first on line {line - 1})"]
+        f"job file {str(path)!r}, line {line}: duplicate key 'steps' (first on line {line - 1})"
+    ]
     path.write_text(text + "train: {steps: 3}\n")
     with pytest.raises(ConfigError, match=r"duplicate key 'train' \(first on line \d+\)"):
         load_config(path)
@@ -311,10 +352,13 @@ def test_config_relative_paths_resolve_to_absolute_ones(tmp_path, monkeypatch):
 
     save_tiny_tokenizer(_hf_config_folder(tmp_path / "m"))
     (tmp_path / "a.jsonl").write_text('{"prompt": "p", "response": "r"}\n')
-    job = {"model": {"hf_path": "m"},
-           "adapters": [{"name": "a", "dataset": {"path": "a.jsonl"},
-                         "eval_dataset": {"path": "a.jsonl"}}],
-           "train": {"steps": 2, "output_dir": str(tmp_path / "out")}}
+    job = {
+        "model": {"hf_path": "m"},
+        "adapters": [
+            {"name": "a", "dataset": {"path": "a.jsonl"}, "eval_dataset": {"path": "a.jsonl"}}
+        ],
+        "train": {"steps": 2, "output_dir": str(tmp_path / "out")},
+    }
     path = _write(tmp_path, job)
     monkeypatch.chdir(tmp_path)
     cfg = load_config(path)
@@ -328,7 +372,8 @@ def test_config_relative_paths_resolve_to_absolute_ones(tmp_path, monkeypatch):
     job["model"]["hf_path"] = str(tmp_path / "m")
     monkeypatch.chdir(tmp_path)
     assert load_config(_write(tmp_path, job)).adapters[0].dataset.path == "owner/hub-set", (
-        "a hub name is not a path")
+        "a hub name is not a path"
+    )
 
 
 def test_config_model_problem_does_not_hide_other_problems(tmp_path):
@@ -357,17 +402,21 @@ def test_config_dataset_folder_must_hold_files(tmp_path):
     load_config(_write(tmp_path, job))
     (tmp_path / "empty").mkdir()
     job["adapters"][0]["dataset"]["path"] = str(tmp_path / "empty")
-    assert (f"adapters.0.dataset.path must be a data file or a folder of data files, got "
-            f"'{tmp_path / 'empty'}' (an empty folder)") in _errors(tmp_path, job)
+    assert (
+        f"adapters.0.dataset.path must be a data file or a folder of data files, got "
+        f"'{tmp_path / 'empty'}' (an empty folder)"
+    ) in _errors(tmp_path, job)
 
 
-@pytest.mark.parametrize("template", ["{", "}", "{0}", "{}", "{prompt!x}", "{prompt:d}",
-                                      "{prompt.upper.x}"])
+@pytest.mark.parametrize(
+    "template", ["{", "}", "{0}", "{}", "{prompt!x}", "{prompt:d}", "{prompt.upper.x}"]
+)
 def test_config_broken_template_is_named(tmp_path, template):
     job = _job(tmp_path)
     job["adapters"][0]["dataset"]["template"] = template + " {response}"
     assert "adapters.0.dataset.template must be a format string with named {field}" in _errors(
-        tmp_path, job)
+        tmp_path, job
+    )
 
 
 def test_config_good_template_with_escaped_braces_loads(tmp_path):
@@ -392,8 +441,9 @@ def test_config_recompute_defaults_to_selective_and_is_checked(tmp_path):
     assert full.train.recompute == "full"
     job = _job(tmp_path)
     job["train"]["recompute"] = "partial"
-    assert ("train.recompute must be one of 'none', 'selective', 'full', got 'partial'"
-            in _errors(tmp_path, job))
+    assert "train.recompute must be one of 'none', 'selective', 'full', got 'partial'" in _errors(
+        tmp_path, job
+    )
 
 
 def test_config_peft_names_set_our_keys_and_the_resolved_job_holds_ours(tmp_path):
@@ -401,8 +451,9 @@ def test_config_peft_names_set_our_keys_and_the_resolved_job_holds_ours(tmp_path
     import dataclasses
 
     job = _job(tmp_path)
-    job["adapters"][0].update(r=16, lora_alpha=32, lora_dropout=0.05,
-                              target_modules=["q_proj", "v_proj"])
+    job["adapters"][0].update(
+        r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj", "v_proj"]
+    )
     cfg = load_config(_write(tmp_path, job))
     adapter = cfg.adapters[0]
     assert (adapter.rank, adapter.alpha, adapter.dropout) == (16, 32.0, 0.05)
@@ -416,18 +467,26 @@ def test_config_peft_names_set_our_keys_and_the_resolved_job_holds_ours(tmp_path
 def test_config_peft_name_and_ours_together_is_named(tmp_path):
     job = _job(tmp_path)
     job["adapters"][0].update(r=4, rank=8, lora_alpha=8)
-    assert ("adapters.0.r and rank set the same value ('r' is PEFT's name for "
-            "'rank'): give one, got r=4, rank=8") in _errors(tmp_path, job)
+    assert (
+        "adapters.0.r and rank set the same value ('r' is PEFT's name for "
+        "'rank'): give one, got r=4, rank=8"
+    ) in _errors(tmp_path, job)
 
 
-@pytest.mark.parametrize(("key", "hint"), [
-    ("q_proj", "'q_proj' is a target module (inside the fused linear_qkv): list it in "
-               "adapters.0.target_modules"),
-    ("linear_fc1", "'linear_fc1' is a target module: list it in adapters.0.target_modules"),
-    ("use_dora", "DoRA is not supported yet (issue 19)"),
-    ("lora_r", "write 'rank' (or PEFT's 'r')"),
-    ("lora_alph", "did you mean 'lora_alpha'?"),
-])
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        (
+            "q_proj",
+            "'q_proj' is a target module (inside the fused linear_qkv): list it in "
+            "adapters.0.target_modules",
+        ),
+        ("linear_fc1", "'linear_fc1' is a target module: list it in adapters.0.target_modules"),
+        ("use_dora", "DoRA is not supported yet (issue 19)"),
+        ("lora_r", "write 'rank' (or PEFT's 'r')"),
+        ("lora_alph", "did you mean 'lora_alpha'?"),
+    ],
+)
 def test_config_unknown_adapter_key_gets_a_peft_aware_hint(tmp_path, key, hint):
     job = _job(tmp_path)
     job["adapters"][0][key] = 1
@@ -435,26 +494,56 @@ def test_config_unknown_adapter_key_gets_a_peft_aware_hint(tmp_path, key, hint):
 
 
 def test_config_target_modules_outside_an_adapter_are_pointed_there(tmp_path):
-    job = _job(tmp_path, train={"steps": 2, "output_dir": str(tmp_path / "out"),
-                                "target_modules": ["q_proj"], "down_proj": 1})
+    job = _job(
+        tmp_path,
+        train={
+            "steps": 2,
+            "output_dir": str(tmp_path / "out"),
+            "target_modules": ["q_proj"],
+            "down_proj": 1,
+        },
+    )
     errors = _errors(tmp_path, job)
-    assert ("train.target_modules is not a known key; target_modules belongs to each adapter: "
-            "adapters.<i>.target_modules") in errors
-    assert ("train.down_proj is not a known key; 'down_proj' is a target module (inside the "
-            "fused linear_fc2): list it in adapters.<i>.target_modules") in errors
+    assert (
+        "train.target_modules is not a known key; target_modules belongs to each adapter: "
+        "adapters.<i>.target_modules"
+    ) in errors
+    assert (
+        "train.down_proj is not a known key; 'down_proj' is a target module (inside the "
+        "fused linear_fc2): list it in adapters.<i>.target_modules"
+    ) in errors
 
 
-@pytest.mark.parametrize(("targets", "rank", "message"), [
-    (["linear_qkv", "q_proj"], 8, "adapters.0.target_modules must name each projection once, "
-                                  "got 'q_proj' in both 'linear_qkv' and 'q_proj'"),
-    (["all-linear", "o_proj"], 8, "adapters.0.target_modules must name each projection once, "
-                                  "got 'o_proj' in both 'all-linear' and 'o_proj'"),
-    (["q_proj", "qkv"], 8, "adapters.0.target_modules must be a non-empty subset of "
-                           "['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2', 'q_proj'"),
-    (["all-linear"], 100, "adapters.0.rank must be <= 85 with target_modules ['all-linear']: "
-                          "3 projections of linear_qkv each get rank-r factors"),
-    (["gate_proj", "up_proj"], 129, "adapters.0.rank must be <= 128 with target_modules"),
-])
+@pytest.mark.parametrize(
+    ("targets", "rank", "message"),
+    [
+        (
+            ["linear_qkv", "q_proj"],
+            8,
+            "adapters.0.target_modules must name each projection once, "
+            "got 'q_proj' in both 'linear_qkv' and 'q_proj'",
+        ),
+        (
+            ["all-linear", "o_proj"],
+            8,
+            "adapters.0.target_modules must name each projection once, "
+            "got 'o_proj' in both 'all-linear' and 'o_proj'",
+        ),
+        (
+            ["q_proj", "qkv"],
+            8,
+            "adapters.0.target_modules must be a non-empty subset of "
+            "['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2', 'q_proj'",
+        ),
+        (
+            ["all-linear"],
+            100,
+            "adapters.0.rank must be <= 85 with target_modules ['all-linear']: "
+            "3 projections of linear_qkv each get rank-r factors",
+        ),
+        (["gate_proj", "up_proj"], 129, "adapters.0.rank must be <= 128 with target_modules"),
+    ],
+)
 def test_config_bad_targets_are_named(tmp_path, targets, rank, message):
     job = _job(tmp_path)
     job["adapters"][0].update(target_modules=targets, rank=rank)

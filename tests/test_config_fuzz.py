@@ -15,9 +15,33 @@ from megatron_lorafusion.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 SEED, CASES = 17, 200
-BAD_VALUES = ["x", None, [], {}, True, -1, 0, 10**18, 2**70, float("nan"), float("inf"),
-              -float("inf"), 1e300, -1e-300, "../../escape", "", "a\0b", "{", "{0}", "é" * 300,
-              [1, "a"], {"k": 1}, "cuda", "auto", 3.5]
+BAD_VALUES = [
+    "x",
+    None,
+    [],
+    {},
+    True,
+    -1,
+    0,
+    10**18,
+    2**70,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    1e300,
+    -1e-300,
+    "../../escape",
+    "",
+    "a\0b",
+    "{",
+    "{0}",
+    "é" * 300,
+    [1, "a"],
+    {"k": 1},
+    "cuda",
+    "auto",
+    3.5,
+]
 # Values of the key's own type that validate may well accept, each small enough for a one-step
 # train in about a second: they are what reaches the model, data and planner code.
 EDGE_VALUES = {
@@ -48,8 +72,11 @@ BAD_KEYS = ["rnak", "lr_", "", "0", "x.y", "model"]
 def _leaves(node, at=()):
     """Every (path, value) of a YAML tree, sections and lists included."""
     yield at, node
-    items = node.items() if isinstance(node, dict) else (
-        enumerate(node) if isinstance(node, list) else ())
+    items = (
+        node.items()
+        if isinstance(node, dict)
+        else (enumerate(node) if isinstance(node, list) else ())
+    )
     for key, value in items:
         yield from _leaves(value, (*at, key))
 

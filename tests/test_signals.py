@@ -17,23 +17,39 @@ from megatron_lorafusion.train import checkpoint_problems
 def _job(tmp_path, pp=1):
     data = tmp_path / "add.jsonl"
     write_task("add", data, 200)
-    job = {"model": {"preset": "tiny"},
-           "adapters": [{"name": "add", "dataset": {"path": str(data)}, "global_batch_size": 4}],
-           "planner": {"solver": "greedy", "token_capacity": 256},
-           "parallel": {"tp": 1, "pp": pp},
-           "train": {"steps": 400, "save_every": 1, "output_dir": str(tmp_path / "run")},
-           "logging": {"progress_bar": False}}
+    job = {
+        "model": {"preset": "tiny"},
+        "adapters": [{"name": "add", "dataset": {"path": str(data)}, "global_batch_size": 4}],
+        "planner": {"solver": "greedy", "token_capacity": 256},
+        "parallel": {"tp": 1, "pp": pp},
+        "train": {"steps": 400, "save_every": 1, "output_dir": str(tmp_path / "run")},
+        "logging": {"progress_bar": False},
+    }
     path = tmp_path / "job.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
 
 
 def _train(job, *overrides, nproc=1):
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable])
+    launcher = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+        ]
+        if nproc > 1
+        else [sys.executable]
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([*launcher, "-m", "megatron_lorafusion", "train", str(job),
-                             *overrides], stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [*launcher, "-m", "megatron_lorafusion", "train", str(job), *overrides],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _until_first_checkpoint(run) -> list[str]:
@@ -85,13 +101,15 @@ def test_sigterm_ends_training_cleanly_and_a_rerun_resumes(tmp_path):
     last = rest.strip().splitlines()[-1]
     assert last.startswith("terminated at step "), last
     assert last.endswith(
-        ": train stopped; rerun the same command to resume from its last checkpoint"), last
+        ": train stopped; rerun the same command to resume from its last checkpoint"
+    ), last
     assert "Traceback" not in rest, rest
     for fd in pidfds:  # every child process (the planner worker) has exited too
         assert select.select([fd], [], [], 10.0)[0], "a child outlived the terminated run"
         os.close(fd)
-    complete = [c for c in (tmp_path / "run" / "checkpoints").glob("ckpt_*")
-                if not c.name.endswith(".tmp")]  # a save cut short stays a .tmp, never used
+    complete = [
+        c for c in (tmp_path / "run" / "checkpoints").glob("ckpt_*") if not c.name.endswith(".tmp")
+    ]  # a save cut short stays a .tmp, never used
     assert complete, "no checkpoint left"
     assert not [p for c in complete for p in checkpoint_problems(c)], "a damaged checkpoint"
     again = _train(job, "train.steps=400")

@@ -81,11 +81,20 @@ def pack_microbatch(
         adapters.append(adapters[-1])
         lengths.append(pad)
     layout = AdapterLayout.from_samples(
-        adapters, lengths, num_adapters, device=device, dropout_seed=dropout_seed,
+        adapters,
+        lengths,
+        num_adapters,
+        device=device,
+        dropout_seed=dropout_seed,
     )
 
     def as_row(values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return copy_to_device(torch.tensor(values, dtype=dtype), device).unsqueeze(0)  # (1, T)
 
-    return PackedBatch(as_row(ids, torch.int64), as_row(positions, torch.int64),
-                       as_row(labels, torch.int64), as_row(mask, torch.float32), layout)
+    return PackedBatch(
+        as_row(ids, torch.int64),
+        as_row(positions, torch.int64),
+        as_row(labels, torch.int64),
+        as_row(mask, torch.float32),
+        layout,
+    )

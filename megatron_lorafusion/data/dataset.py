@@ -28,8 +28,13 @@ from megatron_lorafusion.data.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROMPT_TEMPLATES", "DataError", "TokenizedSample", "load_adapter_dataset",
-           "training_order"]
+__all__ = [
+    "PROMPT_TEMPLATES",
+    "DataError",
+    "TokenizedSample",
+    "load_adapter_dataset",
+    "training_order",
+]
 
 # Registered prompt templates: name -> (template with input, template without input).
 PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
@@ -93,8 +98,11 @@ def _chat(row: dict, d: DatasetConfig) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise _BadRow(f"field {d.messages_field!r} must be a non-empty list of messages")
     for m in messages:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
             raise _BadRow(f"each message must have string 'role' and 'content', got {m!r}")
     if not any(m["role"] == "assistant" for m in messages):
         raise _BadRow("the chat has no assistant turn to train on")
@@ -130,8 +138,10 @@ def _cache_path(adapter: AdapterConfig, data: DataConfig, tokenizer: Tokenizer) 
 
 
 def _save_cache(path: Path, samples: list[TokenizedSample]) -> None:
-    flat = {name: torch.tensor([t for s in samples for t in getattr(s, name)], dtype=torch.int64)
-            for name in ("input_ids", "labels", "loss_mask")}
+    flat = {
+        name: torch.tensor([t for s in samples for t in getattr(s, name)], dtype=torch.int64)
+        for name in ("input_ids", "labels", "loss_mask")
+    }
     flat["lengths"] = torch.tensor([len(s) for s in samples], dtype=torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -148,7 +158,7 @@ def _load_cache(path: Path) -> list[TokenizedSample] | None:
     columns = {name: flat[name].tolist() for name in ("input_ids", "labels", "loss_mask")}
     samples, start = [], 0
     for length in flat["lengths"].tolist():
-        part = [tuple(columns[n][start:start + length]) for n in columns]
+        part = [tuple(columns[n][start : start + length]) for n in columns]
         samples.append(TokenizedSample(*part))
         start += length
     return samples
@@ -165,8 +175,9 @@ def _truncate(ids: list[int], trained: list[int], keep: int) -> tuple[list[int],
     return ids[drop:][:keep], trained[drop:][:keep]
 
 
-def _sample(ids: list[int], trained: list[int], data: DataConfig, where: str,
-            name: str) -> tuple[TokenizedSample, bool]:
+def _sample(
+    ids: list[int], trained: list[int], data: DataConfig, where: str, name: str
+) -> tuple[TokenizedSample, bool]:
     """Shift ids into (input, label), apply the truncation policy; returns (sample, was cut)."""
     cut = len(ids) - 1 > data.max_seq_length
     if cut:
@@ -201,8 +212,9 @@ def load_adapter_dataset(
     if cache is not None and cache.is_file():
         samples = _load_cache(cache)
         if samples is not None:
-            logger.info("adapter %r: %d tokenised samples from cache %s", adapter.name,
-                        len(samples), cache)
+            logger.info(
+                "adapter %r: %d tokenised samples from cache %s", adapter.name, len(samples), cache
+            )
             return samples
     raw = read_rows(adapter.dataset, data)
     samples: list[TokenizedSample] = []
@@ -212,29 +224,44 @@ def load_adapter_dataset(
             ids, trained = _row_tokens(row, adapter.dataset, tokenizer)
         except _BadRow as err:
             if data.bad_rows == "error":
-                raise DataError(f"{where}: adapter {adapter.name!r}: {err} (set "
-                                f"data.bad_rows: skip to skip such rows)") from None
+                raise DataError(
+                    f"{where}: adapter {adapter.name!r}: {err} (set "
+                    f"data.bad_rows: skip to skip such rows)"
+                ) from None
             skipped += 1
             continue
         sample, cut = _sample(ids, trained, data, where, adapter.name)
         if not any(sample.loss_mask):  # it would train nothing and make a zero loss
             if data.bad_rows == "error":
-                raise DataError(f"{where}: adapter {adapter.name!r}: the sample has no trained "
-                                f"token within data.max_seq_length={data.max_seq_length} "
-                                f"(raise it, or set data.bad_rows: skip to skip such rows)")
+                raise DataError(
+                    f"{where}: adapter {adapter.name!r}: the sample has no trained "
+                    f"token within data.max_seq_length={data.max_seq_length} "
+                    f"(raise it, or set data.bad_rows: skip to skip such rows)"
+                )
             skipped += 1
             continue
         samples.append(sample)
         truncated += cut
     if not samples:
-        raise DataError(f"adapter {adapter.name!r}: dataset {adapter.dataset.path!r} has no "
-                        f"usable rows ({skipped} skipped)")
+        raise DataError(
+            f"adapter {adapter.name!r}: dataset {adapter.dataset.path!r} has no "
+            f"usable rows ({skipped} skipped)"
+        )
     if skipped:
-        logger.warning("adapter %r: skipped %d malformed rows of %s", adapter.name, skipped,
-                       adapter.dataset.path)
+        logger.warning(
+            "adapter %r: skipped %d malformed rows of %s",
+            adapter.name,
+            skipped,
+            adapter.dataset.path,
+        )
     if truncated:
-        logger.warning("adapter %r: truncated %d of %d samples to %d tokens",
-                       adapter.name, truncated, len(samples), data.max_seq_length)
+        logger.warning(
+            "adapter %r: truncated %d of %d samples to %d tokens",
+            adapter.name,
+            truncated,
+            len(samples),
+            data.max_seq_length,
+        )
     if cache is not None:
         _save_cache(cache, samples)
     return samples

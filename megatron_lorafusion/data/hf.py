@@ -52,8 +52,10 @@ def dataset_identity(d: DatasetConfig) -> str:
     path = Path(d.path)
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     if path.exists():
-        return "|".join(f"file:{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
-                        for p in files) + f"|split:{d.split}"
+        return (
+            "|".join(f"file:{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+            + f"|split:{d.split}"
+        )
     return f"hub:{d.path}:{d.split}"
 
 
@@ -125,7 +127,8 @@ def _numbers_as_text(table, d: DatasetConfig):
     for name in sorted(_text_fields(d) & set(table.column_names)):
         feature = table.features[name]
         if isinstance(feature, datasets.Value) and feature.dtype.startswith(
-                ("int", "uint", "float", "decimal")):
+            ("int", "uint", "float", "decimal")
+        ):
             table = table.cast_column(name, datasets.Value("string"))
     return table
 
@@ -144,11 +147,15 @@ def read_rows(d: DatasetConfig, data: DataConfig) -> RawRows:
     path = Path(d.path)
     builder = _builder(d)
     if not path.exists() and (builder or data.offline):
-        raise DataError(f"dataset file {d.path!r} not found"
-                        + (" (data.offline forbids hub datasets)" if data.offline else ""))
+        raise DataError(
+            f"dataset file {d.path!r} not found"
+            + (" (data.offline forbids hub datasets)" if data.offline else "")
+        )
     if path.is_file() and not builder:
-        raise DataError(f"dataset file {d.path!r} has an unknown suffix; set its dataset.format "
-                        f"(json, parquet or csv)")
+        raise DataError(
+            f"dataset file {d.path!r} has an unknown suffix; set its dataset.format "
+            f"(json, parquet or csv)"
+        )
     if path.is_file() and path.suffix == ".jsonl" and builder == "json":
         return _read_jsonl(path, data)
     import datasets
@@ -156,9 +163,13 @@ def read_rows(d: DatasetConfig, data: DataConfig) -> RawRows:
     cache = None if data.cache_dir is None else str(Path(data.cache_dir) / "datasets")
     try:
         if path.is_file():
-            table = datasets.load_dataset(builder, data_files=str(path), split="train",
-                                          cache_dir=cache,
-                                          **(_csv_as_text(path) if builder == "csv" else {}))
+            table = datasets.load_dataset(
+                builder,
+                data_files=str(path),
+                split="train",
+                cache_dir=cache,
+                **(_csv_as_text(path) if builder == "csv" else {}),
+            )
             table = _numbers_as_text(table, d)
             label = str(path)
         else:

@@ -29,7 +29,7 @@ def _sort(rng: random.Random) -> tuple[str, str]:
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
-    a, b = rng.randint(0, 10**rng.randint(1, 6)), rng.randint(0, 10**rng.randint(1, 6))
+    a, b = rng.randint(0, 10 ** rng.randint(1, 6)), rng.randint(0, 10 ** rng.randint(1, 6))
     return f"add: {a}+{b}\n", str(a + b)
 
 

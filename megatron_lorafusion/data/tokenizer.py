@@ -69,8 +69,9 @@ class HFTokenizer:
         try:
             self._tok = AutoTokenizer.from_pretrained(str(self.folder), local_files_only=True)
         except (OSError, ValueError) as err:
-            raise DataError(f"data.tokenizer {str(self.folder)!r} holds no loadable "
-                             f"tokenizer: {err}") from err
+            raise DataError(
+                f"data.tokenizer {str(self.folder)!r} holds no loadable tokenizer: {err}"
+            ) from err
         if self._tok.eos_token_id is None:
             raise DataError(f"data.tokenizer {str(self.folder)!r} has no EOS token")
         self.bos_id: int | None = self._tok.bos_token_id
@@ -86,8 +87,9 @@ class HFTokenizer:
         return self._tok.decode(ids)
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+        return self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def chat(self, messages: list[dict]) -> tuple[list[int], list[int]]:
         """Token ids of a rendered chat and, per id, 1 inside an assistant turn.
@@ -112,9 +114,11 @@ class HFTokenizer:
             start = self._render(messages[:i], True)
             end = self._render(messages[: i + 1], False)
             if not (full.startswith(end) and end.startswith(start) and len(start) >= done):
-                raise DataError("the chat template does not render a conversation as an "
-                                 "extension of its prefixes; assistant turns cannot be masked")
-            for text, flag in ((full[done:len(start)], 0), (full[len(start):len(end)], 1)):
+                raise DataError(
+                    "the chat template does not render a conversation as an "
+                    "extension of its prefixes; assistant turns cannot be masked"
+                )
+            for text, flag in ((full[done : len(start)], 0), (full[len(start) : len(end)], 1)):
                 piece = self.encode(text)
                 ids += piece
                 trained += [flag] * len(piece)
@@ -126,8 +130,9 @@ class HFTokenizer:
         """SHA-256 of the tokenizer's files (part of the tokenised-dataset cache key)."""
         digest = hashlib.sha256()
         for path in sorted(self.folder.iterdir()):
-            if path.is_file() and path.name.startswith(("tokenizer", "special_tokens", "chat_",
-                                                        "vocab", "merges")):
+            if path.is_file() and path.name.startswith(
+                ("tokenizer", "special_tokens", "chat_", "vocab", "merges")
+            ):
                 digest.update(path.name.encode() + path.read_bytes())
         return digest.hexdigest()
 
@@ -147,6 +152,8 @@ def load_tokenizer(name: str, vocab_size: int) -> Tokenizer:
     """
     tokenizer = ByteTokenizer() if name == "byte" else HFTokenizer(name)
     if tokenizer.vocab_size > vocab_size:
-        raise DataError(f"data.tokenizer {name!r} has {tokenizer.vocab_size} ids, more than "
-                         f"model.vocab_size={vocab_size}")
+        raise DataError(
+            f"data.tokenizer {name!r} has {tokenizer.vocab_size} ids, more than "
+            f"model.vocab_size={vocab_size}"
+        )
     return tokenizer

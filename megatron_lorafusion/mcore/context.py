@@ -95,11 +95,14 @@ class LoRAContext:
         weights = torch.zeros(self.num_adapters, width, device=device)
         self.grads = torch.zeros_like(weights)
         for _, factor, wrapper, col, rows, cols in slots:
-            view = weights[:, col:col + rows * cols].view(-1, rows, cols)  # (A, rows, cols)
+            view = weights[:, col : col + rows * cols].view(-1, rows, cols)  # (A, rows, cols)
             view.copy_(getattr(wrapper, factor))
             setattr(wrapper, factor, view)
-            setattr(wrapper, f"{factor}_grad", self.grads[:, col:col + rows * cols].view(
-                -1, rows, cols))
+            setattr(
+                wrapper,
+                f"{factor}_grad",
+                self.grads[:, col : col + rows * cols].view(-1, rows, cols),
+            )
         # The autograd leaf of every `ops.packed_factor`: the same storage under another tensor, so
         # the views above (read by the wrappers, written by the optimizer) stay plain tensors.
         self.weights = weights.detach().requires_grad_()
@@ -125,14 +128,15 @@ class LoRAContext:
         """
         self._check_id(adapter_id)
         if table.shape != self.weights.shape:
-            raise ValueError(f"table must have shape {tuple(self.weights.shape)}, got "
-                             f"{tuple(table.shape)}")
+            raise ValueError(
+                f"table must have shape {tuple(self.weights.shape)}, got {tuple(table.shape)}"
+            )
         views, table = {}, table.detach()
         for name, factor, wrapper, col, rows, cols in self._slots:
             rank = wrapper.ranks[adapter_id]
             if rank == 0:
                 continue
-            slot = table[adapter_id, col:col + rows * cols].view(rows, cols)
+            slot = table[adapter_id, col : col + rows * cols].view(rows, cols)
             views[name] = slot[:rank] if factor == "lora_A" else slot[:, :rank]
         return views
 
@@ -174,8 +178,11 @@ class LoRAContext:
             ValueError: naming every missing or unexpected key and every shape mismatch;
                 nothing is copied when any problem is found.
         """
-        load_views(self.adapter_tensors(adapter_id), state_dict,
-                   f"adapter {adapter_id} ({self.adapters[adapter_id].name!r})")
+        load_views(
+            self.adapter_tensors(adapter_id),
+            state_dict,
+            f"adapter {adapter_id} ({self.adapters[adapter_id].name!r})",
+        )
 
     def merged_weights(self, adapter_id: int) -> dict[str, torch.Tensor]:
         """``W + s·B·A`` of each adapted linear (``<linear>.weight``), TP-local shards."""
@@ -183,8 +190,9 @@ class LoRAContext:
         return {f"{n}.weight": w.merged_weight(adapter_id) for n, w in self.wrappers.items()}
 
 
-def load_views(views: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor],
-               what: str) -> None:
+def load_views(
+    views: Mapping[str, torch.Tensor], state_dict: Mapping[str, torch.Tensor], what: str
+) -> None:
     """Copy ``state_dict`` into same-named ``views`` (strict: same keys, same shapes).
 
     Raises:
@@ -226,7 +234,8 @@ def _adapter_blocks(adapters: Sequence[AdapterConfig]) -> list[dict[str, tuple]]
             if rank > MAX_FUSED_RANK:
                 raise NotImplementedError(
                     f"adapters[{i}] has rank {adapter.rank} × {rank // adapter.rank} projections "
-                    f"= {rank} on {linear}, above the kernels' {MAX_FUSED_RANK}")
+                    f"= {rank} on {linear}, above the kernels' {MAX_FUSED_RANK}"
+                )
     return blocks
 
 
@@ -251,14 +260,18 @@ def _projection_rows(target: str, config: TransformerConfig, out_local: int) -> 
         per_group = config.num_attention_heads // groups
         group = torch.tensor([0] * per_group * head_dim + [1] * head_dim + [2] * head_dim)
         if out_local % len(group):
-            raise ValueError(f"linear_qkv has {out_local} output rows on this rank, not whole "
-                             f"query groups of {len(group)}")
+            raise ValueError(
+                f"linear_qkv has {out_local} output rows on this rank, not whole "
+                f"query groups of {len(group)}"
+            )
         return group.repeat(out_local // len(group))
     if target == "linear_fc1":
         if not config.gated_linear_unit or out_local % 2:
-            raise ValueError(f"linear_fc1 must be gated ([gate | up] rows) for gate_proj / "
-                             f"up_proj targets, got {out_local} rows, gated_linear_unit="
-                             f"{config.gated_linear_unit}")
+            raise ValueError(
+                f"linear_fc1 must be gated ([gate | up] rows) for gate_proj / "
+                f"up_proj targets, got {out_local} rows, gated_linear_unit="
+                f"{config.gated_linear_unit}"
+            )
         return torch.arange(2).repeat_interleave(out_local // 2)
     return torch.zeros(out_local, dtype=torch.int64)
 
@@ -328,8 +341,9 @@ def apply_lora(
     for layer in decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
         if isinstance(layer, RecomputedLayer):
-            raise RuntimeError(f"decoder.layers.{index} is a RecomputedLayer: apply LoRA before "
-                               "apply_recompute")
+            raise RuntimeError(
+                f"decoder.layers.{index} is a RecomputedLayer: apply LoRA before apply_recompute"
+            )
         for target_index, (target, (parent_name, wrapper_cls)) in enumerate(_TARGETS.items()):
             targeted = [a for a in range(len(adapters)) if target in blocks[a]]
             if not targeted:
@@ -340,8 +354,9 @@ def apply_lora(
                 raise RuntimeError(f"decoder.layers.{index}: LoRA is already applied")
             extra = {}
             if wrapper_cls is LoRAColumnParallelLinear:
-                extra["row_blocks"] = _row_blocks(target, base,
-                                                  {a: blocks[a][target] for a in targeted})
+                extra["row_blocks"] = _row_blocks(
+                    target, base, {a: blocks[a][target] for a in targeted}
+                )
             wrapper = wrapper_cls(
                 base,
                 adapters,

@@ -43,8 +43,9 @@ IGNORE_INDEX = -100
 _REBUILD = "_lorafusion_rebuild"  # tensor attribute: (fn, source, the output's version)
 
 
-def _mark_rebuildable(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor],
-                      source: torch.Tensor) -> torch.Tensor:
+def _mark_rebuildable(
+    out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], source: torch.Tensor
+) -> torch.Tensor:
     """Record on ``out`` that ``fn(source)`` recomputes it bit for bit; returns ``out``.
 
     Only where the producer's own backward saves ``source`` (grad mode on, ``source``
@@ -55,8 +56,9 @@ def _mark_rebuildable(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tens
     return out
 
 
-def input_rebuild(x: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor],
-                                            torch.Tensor] | None:
+def input_rebuild(
+    x: torch.Tensor,
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] | None:
     """``(fn, source)`` with ``fn(source)`` equal to ``x`` bit for bit, or None.
 
     Set when `FrozenRMSNorm` (``source``: its input) or `FusedSwiGLU` (``source``: fc1's

@@ -97,8 +97,9 @@ class HFCheckpoint:
         return self._slice(name)[:, start:stop]
 
 
-def _qkv_shard(ckpt: HFCheckpoint, prefix: str, suffix: str, m: ModelConfig, local_rows: int,
-               tp_rank: int) -> torch.Tensor:
+def _qkv_shard(
+    ckpt: HFCheckpoint, prefix: str, suffix: str, m: ModelConfig, local_rows: int, tp_rank: int
+) -> torch.Tensor:
     """This rank's query groups of ``linear_qkv``: per group ``[q heads | k | v]`` rows."""
     head_dim = m.hidden_size // m.num_attention_heads
     per_group = m.num_attention_heads // m.num_query_groups
@@ -106,16 +107,18 @@ def _qkv_shard(ckpt: HFCheckpoint, prefix: str, suffix: str, m: ModelConfig, loc
     groups_here = local_rows // group_rows
     pieces = []
     for g in range(tp_rank * groups_here, (tp_rank + 1) * groups_here):
-        q = ckpt.rows(f"{prefix}.q_proj.{suffix}", g * per_group * head_dim,
-                      (g + 1) * per_group * head_dim)
+        q = ckpt.rows(
+            f"{prefix}.q_proj.{suffix}", g * per_group * head_dim, (g + 1) * per_group * head_dim
+        )
         k = ckpt.rows(f"{prefix}.k_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
         v = ckpt.rows(f"{prefix}.v_proj.{suffix}", g * head_dim, (g + 1) * head_dim)
         pieces += [q, k, v]
     return torch.cat(pieces, dim=0)
 
 
-def _source(name: str, param: torch.Tensor, ckpt: HFCheckpoint, m: ModelConfig,
-            tp_rank: int) -> torch.Tensor:
+def _source(
+    name: str, param: torch.Tensor, ckpt: HFCheckpoint, m: ModelConfig, tp_rank: int
+) -> torch.Tensor:
     """The Hugging Face values of Megatron parameter ``name`` (global layer index) on this rank.
 
     Sharding follows Megatron: column-parallel rows and vocab rows are split in contiguous
@@ -137,8 +140,12 @@ def _source(name: str, param: torch.Tensor, ckpt: HFCheckpoint, m: ModelConfig,
         return _qkv_shard(ckpt, f"{prefix}.self_attn", rest.rsplit(".", 1)[1], m, rows, tp_rank)
     if rest == "mlp.linear_fc1.weight":  # (2·F/tp, H): [gate rows | up rows] of this rank
         half = rows // 2
-        return torch.cat([ckpt.rows(f"{prefix}.mlp.{p}.weight", tp_rank * half,
-                                    (tp_rank + 1) * half) for p in ("gate_proj", "up_proj")])
+        return torch.cat(
+            [
+                ckpt.rows(f"{prefix}.mlp.{p}.weight", tp_rank * half, (tp_rank + 1) * half)
+                for p in ("gate_proj", "up_proj")
+            ]
+        )
     if rest not in _PER_LAYER:
         raise KeyError(f"no Hugging Face tensor maps to Megatron parameter {name!r}")
     source = f"{prefix}.{_PER_LAYER[rest]}"
@@ -227,8 +234,9 @@ def build_hf_gpt_model(
         raise NotImplementedError("cannot import the checkpoint:\n  - " + "\n  - ".join(problems))
     wrong = {k: (getattr(model_cfg, k), v) for k, v in fields.items() if getattr(model_cfg, k) != v}
     if wrong:
-        raise ValueError(f"model config disagrees with {model_cfg.hf_path}/config.json "
-                         f"(ours, theirs): {wrong}")
+        raise ValueError(
+            f"model config disagrees with {model_cfg.hf_path}/config.json (ours, theirs): {wrong}"
+        )
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     config = _transformer_config(
         model_cfg,
@@ -252,15 +260,18 @@ def build_hf_gpt_model(
             rotary_base=model_cfg.rope_theta,
             pg_collection=pg_collection,
         )
-        set_rotary_embedding(model, _PortableRotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=1.0,
-            rotary_base=model_cfg.rope_theta,
-            rope_scaling=model_cfg.rope_scaling_factor is not None,
-            rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
-            use_cpu_initialization=True,
-            cp_group=pg_collection.cp,
-        ))
+        set_rotary_embedding(
+            model,
+            _PortableRotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=1.0,
+                rotary_base=model_cfg.rope_theta,
+                rope_scaling=model_cfg.rope_scaling_factor is not None,
+                rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
+                use_cpu_initialization=True,
+                cp_group=pg_collection.cp,
+            ),
+        )
     load_hf_weights(model, model_cfg, pg_collection.tp.rank())
     model.requires_grad_(False)
     return model.to(device)

@@ -81,8 +81,9 @@ RowBlocks = dict[int, tuple[int, torch.Tensor]]
 blocks and ``block`` (N_local,) int64, the block of each local output row (-1: none)."""
 
 
-def _off_block_mask(row_blocks: RowBlocks, ranks: Sequence[int], num_adapters: int,
-                    out_local: int, max_rank: int) -> torch.Tensor | None:
+def _off_block_mask(
+    row_blocks: RowBlocks, ranks: Sequence[int], num_adapters: int, out_local: int, max_rank: int
+) -> torch.Tensor | None:
     """(A, N_local, R) bool, True where a per-projection adapter's ``B`` must stay zero.
 
     Adapter ``a`` with ``k`` blocks of rank ``r`` owns rank columns ``j·r..(j+1)·r`` for its
@@ -160,8 +161,10 @@ def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tens
     lands in the table is exactly zero (one masked fill of B, A × N_local × R elements).
     """
     if wrapper.lora_A_grad is None:
-        raise RuntimeError(f"{type(wrapper).__name__}: its factors are not packed; build "
-                           "wrappers through apply_lora")
+        raise RuntimeError(
+            f"{type(wrapper).__name__}: its factors are not packed; build "
+            "wrappers through apply_lora"
+        )
     table = wrapper.context.weights
     lora_b = packed_factor(table, wrapper.lora_B, wrapper.lora_B_grad, dtype)
     if wrapper.lora_B_off is not None:
@@ -191,8 +194,7 @@ def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:
         scope = f"{tokens // wrapper.tp_size} rows × tp {wrapper.tp_size} (sequence parallel)"
         detail = scope if wrapper.sequence_parallel and wrapper.is_column else f"{tokens} (s·b)"
         raise ValueError(
-            f"{name}: the AdapterLayout covers {layout.num_tokens} tokens, the input has "
-            f"{detail}"
+            f"{name}: the AdapterLayout covers {layout.num_tokens} tokens, the input has {detail}"
         )
     return layout
 
@@ -231,8 +233,9 @@ def _input_rebuild(wrapper: nn.Module, input_: torch.Tensor, defer: bool) -> Inp
     input a fused-base norm or SwiGLU produced (`fused_base.input_rebuild`). Not when dA is
     deferred (``defer``): the deferred pass holds X until it runs.
     """
-    if defer or not (wrapper.context.rebuild_inputs and wrapper.training
-                     and torch.is_grad_enabled()):
+    if defer or not (
+        wrapper.context.rebuild_inputs and wrapper.training and torch.is_grad_enabled()
+    ):
         return None
     recipe = input_rebuild(input_)
     if recipe is None:
@@ -241,19 +244,36 @@ def _input_rebuild(wrapper: nn.Module, input_: torch.Tensor, defer: bool) -> Inp
     return InputRebuild(functools.partial(_rebuilt_rows, fn), (source,))
 
 
-def _down(wrapper, x, lora_a, layout: AdapterLayout, rebuild: InputRebuild | None,
-          col_offset: int = 0, full_width: int | None = None) -> torch.Tensor:
+def _down(
+    wrapper,
+    x,
+    lora_a,
+    layout: AdapterLayout,
+    rebuild: InputRebuild | None,
+    col_offset: int = 0,
+    full_width: int | None = None,
+) -> torch.Tensor:
     """``S = drop(X)·Aᵀ`` (T, R): `lora_down` rebuilding X in backward, else `down_projection`."""
     if rebuild is None:
-        return down_projection(wrapper, x, lora_a, layout, col_offset=col_offset,
-                               full_width=full_width)
-    return lora_down(x, lora_a, wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
-                     training=wrapper.training, col_offset=col_offset, full_width=full_width,
-                     rebuild=rebuild)
+        return down_projection(
+            wrapper, x, lora_a, layout, col_offset=col_offset, full_width=full_width
+        )
+    return lora_down(
+        x,
+        lora_a,
+        wrapper.dropouts,
+        layout,
+        layer_seed=wrapper.layer_seed,
+        training=wrapper.training,
+        col_offset=col_offset,
+        full_width=full_width,
+        rebuild=rebuild,
+    )
 
 
-def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
-                  rebuild: InputRebuild | None) -> torch.Tensor:
+def _column_delta(
+    wrapper, x, lora_a, lora_b, layout: AdapterLayout, rebuild: InputRebuild | None
+) -> torch.Tensor:
     """LoRA delta of a column-parallel linear: (T, N / tp) from this rank's input rows.
 
     Without SP, ``x`` is (T, H) on every rank: ``S`` is computed whole, and its gradient is
@@ -271,15 +291,17 @@ def _column_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
         lora_a = copy_to_tensor_model_parallel_region(lora_a, group=group)
     s = _down(wrapper, x, lora_a, down_layout, rebuild)  # (T or T / tp, R)
     if wrapper.sequence_parallel:
-        s = gather_from_sequence_parallel_region(s, tensor_parallel_output_grad=True,
-                                                 group=group)  # (T, R)
+        s = gather_from_sequence_parallel_region(
+            s, tensor_parallel_output_grad=True, group=group
+        )  # (T, R)
     elif wrapper.tp_size > 1:
         s = copy_to_tensor_model_parallel_region(s, group=group)
     return lora_up(s, lora_b, wrapper.scalings, layout)  # (T, N / tp)
 
 
-def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
-               rebuild: InputRebuild | None) -> torch.Tensor:
+def _row_delta(
+    wrapper, x, lora_a, lora_b, layout: AdapterLayout, rebuild: InputRebuild | None
+) -> torch.Tensor:
     """LoRA delta of a row-parallel linear from (T, H / tp): (T, N), or (T / tp, N) with SP.
 
     The partial ``S = drop(X)·A_localᵀ`` (T, R) uses this rank's columns of the full-width
@@ -291,8 +313,15 @@ def _row_delta(wrapper, x, lora_a, lora_b, layout: AdapterLayout,
     None) rebuilds ``x`` in backward.
     """
     group = wrapper.tp_group
-    s = _down(wrapper, x, lora_a, layout, rebuild, col_offset=wrapper.in_shard.start,
-              full_width=wrapper.in_features)  # (T, R), partial over H
+    s = _down(
+        wrapper,
+        x,
+        lora_a,
+        layout,
+        rebuild,
+        col_offset=wrapper.in_shard.start,
+        full_width=wrapper.in_features,
+    )  # (T, R), partial over H
     if not wrapper.sequence_parallel:
         if wrapper.tp_size > 1:
             s = reduce_from_tensor_model_parallel_region(s, group=group)
@@ -356,8 +385,15 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
 class _LoRAWrapper(nn.Module):
     """What both wrappers share: the base, its TP / SP mode, its weight and merged weights."""
 
-    def __init__(self, base: nn.Module, context: LayoutSource, layer_seed: int,
-                 tp_group: torch.distributed.ProcessGroup | None, *, is_column: bool):
+    def __init__(
+        self,
+        base: nn.Module,
+        context: LayoutSource,
+        layer_seed: int,
+        tp_group: torch.distributed.ProcessGroup | None,
+        *,
+        is_column: bool,
+    ):
         super().__init__()
         name = type(self).__name__
         if getattr(base, "is_expert", False):

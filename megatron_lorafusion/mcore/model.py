@@ -227,8 +227,9 @@ def _gpt_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
     `FrozenRMSNorm`).
     """
     layer = get_gpt_lora_layer_spec()
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config),
-                                      layer_norm=FrozenRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=FrozenRMSNorm
+    )
 
 
 def build_gpt_model(
@@ -270,9 +271,14 @@ def build_gpt_model(
     if model_cfg.hf_path is not None:  # the checkpoint's weights, not random ones
         from megatron_lorafusion.mcore.hf_import import build_hf_gpt_model
 
-        return build_hf_gpt_model(model_cfg, pre_process=pre_process, post_process=post_process,
-                                  params_dtype=params_dtype, device=device,
-                                  sequence_parallel=sequence_parallel)
+        return build_hf_gpt_model(
+            model_cfg,
+            pre_process=pre_process,
+            post_process=post_process,
+            params_dtype=params_dtype,
+            device=device,
+            sequence_parallel=sequence_parallel,
+        )
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_model needs Megatron's parallel state: call "
@@ -300,13 +306,16 @@ def build_gpt_model(
             rotary_base=int(model_cfg.rope_theta),
             pg_collection=pg_collection,
         )
-        set_rotary_embedding(model, _PortableRotaryEmbedding(
-            kv_channels=config.kv_channels,
-            rotary_percent=1.0,
-            rotary_base=int(model_cfg.rope_theta),
-            use_cpu_initialization=True,
-            cp_group=pg_collection.cp,
-        ))
+        set_rotary_embedding(
+            model,
+            _PortableRotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=1.0,
+                rotary_base=int(model_cfg.rope_theta),
+                use_cpu_initialization=True,
+                cp_group=pg_collection.cp,
+            ),
+        )
     _init_base_weights(model, model_cfg, pg_collection.tp.rank(), pg_collection.tp.size())
     model.requires_grad_(False)
     return model.to(device)

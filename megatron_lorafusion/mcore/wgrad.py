@@ -134,8 +134,14 @@ def accumulate_lora_a_grads(
         grad[adapter] += (grad_s[start:end].t() @ x_seg).to(grad.dtype)  # (R, H_local)
 
 
-def down_projection(wrapper, x: torch.Tensor, lora_a: torch.Tensor, layout: AdapterLayout,
-                    col_offset: int = 0, full_width: int | None = None) -> torch.Tensor:
+def down_projection(
+    wrapper,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    layout: AdapterLayout,
+    col_offset: int = 0,
+    full_width: int | None = None,
+) -> torch.Tensor:
     """``S = drop(X)·Aᵀ`` (T, R) by `lora_down`, or with A's gradient deferred.
 
     With a `WgradQueue` on the context (training), ``A`` enters detached, so this backward
@@ -145,34 +151,66 @@ def down_projection(wrapper, x: torch.Tensor, lora_a: torch.Tensor, layout: Adap
     """
     queue = wrapper.context.wgrad_queue
     if queue is None or not wrapper.training or not torch.is_grad_enabled():
-        return lora_down(x, lora_a, wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
-                         training=wrapper.training, col_offset=col_offset,
-                         full_width=full_width)
+        return lora_down(
+            x,
+            lora_a,
+            wrapper.dropouts,
+            layout,
+            layer_seed=wrapper.layer_seed,
+            training=wrapper.training,
+            col_offset=col_offset,
+            full_width=full_width,
+        )
     if wrapper.sequence_parallel and wrapper.is_column:
         raise NotImplementedError(
             f"{type(wrapper).__name__}: deferred LoRA weight gradients do not combine with "
             "sequence parallelism (each rank's dA covers its rows only and would need a TP "
             "all-reduce inside the deferred pass); set parallel.sequence_parallel=false"
         )
-    s = lora_down(x, lora_a.detach(), wrapper.dropouts, layout, layer_seed=wrapper.layer_seed,
-                  training=True, col_offset=col_offset, full_width=full_width)
+    s = lora_down(
+        x,
+        lora_a.detach(),
+        wrapper.dropouts,
+        layout,
+        layer_seed=wrapper.layer_seed,
+        training=True,
+        col_offset=col_offset,
+        full_width=full_width,
+    )
     if not s.requires_grad:  # X needs no gradient (first layer): make S a leaf to get dS
         s = s.detach().requires_grad_()
     width = full_width or x.shape[1]
-    s.register_hook(functools.partial(_defer_lora_a_grads, wrapper, queue, x.detach(), layout,
-                                      slice(col_offset, col_offset + x.shape[1]), width))
+    s.register_hook(
+        functools.partial(
+            _defer_lora_a_grads,
+            wrapper,
+            queue,
+            x.detach(),
+            layout,
+            slice(col_offset, col_offset + x.shape[1]),
+            width,
+        )
+    )
     return s
 
 
-def _defer_lora_a_grads(wrapper, queue: WgradQueue, x: torch.Tensor, layout: AdapterLayout,
-                        columns: slice, width: int, grad_s: torch.Tensor) -> None:
+def _defer_lora_a_grads(
+    wrapper,
+    queue: WgradQueue,
+    x: torch.Tensor,
+    layout: AdapterLayout,
+    columns: slice,
+    width: int,
+    grad_s: torch.Tensor,
+) -> None:
     """Backward hook on ``S``: queue ``dA`` instead of computing it now."""
 
     def lora_a_grads() -> None:
         draw = fused_dropout_keep_mask if x.is_cuda else dropout_keep_mask  # lora_down's mask
         keep = draw(layout, wrapper.dropouts, width, wrapper.layer_seed, x.device)
         keep = None if keep is None else keep[:, columns]
-        accumulate_lora_a_grads(wrapper.lora_A_grad, x, grad_s.detach(), keep,
-                                wrapper.dropouts, layout.segments())
+        accumulate_lora_a_grads(
+            wrapper.lora_A_grad, x, grad_s.detach(), keep, wrapper.dropouts, layout.segments()
+        )
 
     queue.push(lora_a_grads)

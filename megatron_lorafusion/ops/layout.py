@@ -129,8 +129,11 @@ class AdapterLayout:
     def segments(self) -> list[tuple[int, int, int]]:
         """``(adapter, start, end)`` for each adapter with at least one token."""
         offsets = self.seg_offsets.tolist()
-        return [(a, offsets[a], offsets[a + 1]) for a in range(self.num_adapters)
-                if offsets[a + 1] > offsets[a]]
+        return [
+            (a, offsets[a], offsets[a + 1])
+            for a in range(self.num_adapters)
+            if offsets[a + 1] > offsets[a]
+        ]
 
     def row_adapter(self, device: torch.device | str) -> torch.Tensor:
         """(T,) int64 adapter id of each token row, cached per device."""

@@ -22,8 +22,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_off"])
     def _keep_mask_kernel(
-        out_ptr, tiles_ptr, p_ptr, seed, D, row_off,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        out_ptr,
+        tiles_ptr,
+        p_ptr,
+        seed,
+        D,
+        row_off,
+        BLOCK_T: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         pid_t = tl.program_id(0)
         adapter = tl.load(tiles_ptr + pid_t * 3)
@@ -83,6 +89,7 @@ def fused_dropout_keep_mask(
     p = torch.tensor(list(dropouts), dtype=torch.float32, device=device)
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     grid = (tiles.shape[0], _utils.cdiv(hidden, _BLOCK_D))
-    _keep_mask_kernel[grid](out, tiles, p, seed, hidden, layout.row_offset,
-                            BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D)
+    _keep_mask_kernel[grid](
+        out, tiles, p, seed, hidden, layout.row_offset, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D
+    )
     return out.bool()

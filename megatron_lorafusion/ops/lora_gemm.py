@@ -42,8 +42,20 @@ if triton is not None:
         return first + (t % per_group) % size, (t % per_group) // size
 
     @triton.jit
-    def _add_lora_term(acc, s, m, p, seed, rows, col0, row_offset, col_offset, mask_d,
-                       HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    def _add_lora_term(
+        acc,
+        s,
+        m,
+        p,
+        seed,
+        rows,
+        col0,
+        row_offset,
+        col_offset,
+        mask_d,
+        HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
         """``acc + drop(s·m)`` for one fp32 output tile ``acc``, the LoRA term of the epilogue.
 
         ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``m`` (BLOCK_R, BLOCK_N) columns of the
@@ -54,8 +66,9 @@ if triton is not None:
         if HAS_DROPOUT:
             lora = tl.dot(s, m, input_precision=DOT_PRECISION)
             if p > 0:
-                keep = keep_mask_tile(seed, row_offset + rows, col_offset + col0, mask_d, p,
-                                      acc.shape[1])
+                keep = keep_mask_tile(
+                    seed, row_offset + rows, col_offset + col0, mask_d, p, acc.shape[1]
+                )
                 lora = tl.where(keep, lora * (1.0 / (1.0 - p)), 0.0)
             acc += lora
         else:
@@ -64,12 +77,38 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_offset", "col_offset"])
     def _lora_gemm_kernel(
-        z_ptr, w_ptr, s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, p_ptr, seed, row_offset,
-        col_offset, mask_d, n_tiles, D, K, R,
-        stride_zt, stride_wk, stride_wd, stride_st, stride_ma, stride_mr, stride_md, stride_ot,
-        HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, EVEN_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        z_ptr,
+        w_ptr,
+        s_ptr,
+        m_ptr,
+        bias_ptr,
+        out_ptr,
+        tiles_ptr,
+        p_ptr,
+        seed,
+        row_offset,
+        col_offset,
+        mask_d,
+        n_tiles,
+        D,
+        K,
+        R,
+        stride_zt,
+        stride_wk,
+        stride_wd,
+        stride_st,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_ot,
+        HAS_BIAS: tl.constexpr,
+        HAS_DROPOUT: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
         tile, pid_n = _tile_coords(tl.program_id(0), n_tiles, tl.cdiv(D, BLOCK_N), GROUP_M)
@@ -98,16 +137,36 @@ if triton is not None:
         # Epilogue: the adapter's LoRA term, dropout regenerated from the seed, bias.
         ranks = tl.arange(0, BLOCK_R)
         rank_ok = ranks < R
-        s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-                    mask=row_ok[:, None] & rank_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_R)
-        m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
-                    + cols[None, :] * stride_md,
-                    mask=rank_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, BLOCK_N)
+        s = tl.load(
+            s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+            mask=row_ok[:, None] & rank_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_R)
+        m = tl.load(
+            m_ptr
+            + adapter.to(tl.int64) * stride_ma
+            + ranks[:, None] * stride_mr
+            + cols[None, :] * stride_md,
+            mask=rank_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_R, BLOCK_N)
         p = 0.0
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-        acc = _add_lora_term(acc, s, m, p, seed, rows, pid_n * BLOCK_N, row_offset, col_offset,
-                             mask_d, HAS_DROPOUT, DOT_PRECISION)
+        acc = _add_lora_term(
+            acc,
+            s,
+            m,
+            p,
+            seed,
+            rows,
+            pid_n * BLOCK_N,
+            row_offset,
+            col_offset,
+            mask_d,
+            HAS_DROPOUT,
+            DOT_PRECISION,
+        )
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
@@ -115,9 +174,30 @@ if triton is not None:
 
     @triton.jit
     def _tma_epilogue(
-        acc, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed, row_offset, col_offset,
-        mask_d, row_start, row_end, D, R, col0, stride_ma, stride_mr, stride_md, stride_ot,
-        HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        acc,
+        s,
+        out_desc,
+        out_ptr,
+        m_ptr,
+        bias_ptr,
+        adapter,
+        p,
+        seed,
+        row_offset,
+        col_offset,
+        mask_d,
+        row_start,
+        row_end,
+        D,
+        R,
+        col0,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_ot,
+        HAS_BIAS: tl.constexpr,
+        HAS_DROPOUT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
         HAS_LORA: tl.constexpr,
     ):
         """Add the LoRA term (and bias) to one column sub-tile ``acc`` and store it."""
@@ -127,13 +207,30 @@ if triton is not None:
         cols = col0 + tl.arange(0, SUB_N)
         col_ok = cols < D
         ranks = tl.arange(0, BLOCK_R)
-        m = tl.load(m_ptr + adapter.to(tl.int64) * stride_ma + ranks[:, None] * stride_mr
-                    + cols[None, :] * stride_md,
-                    mask=(ranks < R)[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_R, SUB_N)
+        m = tl.load(
+            m_ptr
+            + adapter.to(tl.int64) * stride_ma
+            + ranks[:, None] * stride_mr
+            + cols[None, :] * stride_md,
+            mask=(ranks < R)[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # (BLOCK_R, SUB_N)
         rows = row_start + tl.arange(0, BLOCK_M)
         if HAS_LORA:  # off only for the bench's "GEMM alone": same kernel, no LoRA term
-            acc = _add_lora_term(acc, s, m, p, seed, rows, col0, row_offset, col_offset, mask_d,
-                                 HAS_DROPOUT, DOT_PRECISION)
+            acc = _add_lora_term(
+                acc,
+                s,
+                m,
+                p,
+                seed,
+                rows,
+                col0,
+                row_offset,
+                col_offset,
+                mask_d,
+                HAS_DROPOUT,
+                DOT_PRECISION,
+            )
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         val = acc.to(out_ptr.dtype.element_ty)
@@ -147,22 +244,50 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["seed", "row_offset", "col_offset"])
     def _lora_gemm_tma_kernel(
-        z_desc, w_desc, out_desc, s_ptr, m_ptr, bias_ptr, out_ptr, tiles_ptr, p_ptr, seed,
-        row_offset, col_offset, mask_d, n_tiles, D, K, R,
-        stride_st, stride_ma, stride_mr, stride_md, stride_ot,
-        HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, W_BY_ROWS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr, EPI_SPLIT: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr, HAS_LORA: tl.constexpr,
+        z_desc,
+        w_desc,
+        out_desc,
+        s_ptr,
+        m_ptr,
+        bias_ptr,
+        out_ptr,
+        tiles_ptr,
+        p_ptr,
+        seed,
+        row_offset,
+        col_offset,
+        mask_d,
+        n_tiles,
+        D,
+        K,
+        R,
+        stride_st,
+        stride_ma,
+        stride_mr,
+        stride_md,
+        stride_ot,
+        HAS_BIAS: tl.constexpr,
+        HAS_DROPOUT: tl.constexpr,
+        W_BY_ROWS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        EPI_SPLIT: tl.constexpr,
+        NUM_PROGRAMS: tl.constexpr,
+        WARP_SPECIALIZE: tl.constexpr,
+        HAS_LORA: tl.constexpr,
     ):
         n_cols = tl.cdiv(D, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
         SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
         # flatten=True (one pipeline across tiles) fails in triton 3.6's TritonGPUFuseNestedLoops
         # on this loop (the epilogue's scf.if), measured; so each tile drains its pipeline.
-        for t in tl.range(tl.program_id(0), n_tiles * n_cols, NUM_PROGRAMS,
-                          warp_specialize=WARP_SPECIALIZE):
+        for t in tl.range(
+            tl.program_id(0), n_tiles * n_cols, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
+        ):
             tile, pid_n = _tile_coords(t, n_tiles, n_cols, GROUP_M)
             adapter = tl.load(tiles_ptr + tile * 3)
             row_start = tl.load(tiles_ptr + tile * 3 + 1)
@@ -181,50 +306,213 @@ if triton is not None:
                 acc = tl.dot(z, w, acc, input_precision=DOT_PRECISION)
             rows = row_start + tl.arange(0, BLOCK_M)
             ranks = tl.arange(0, BLOCK_R)
-            s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-                        mask=(rows < row_end)[:, None] & (ranks < R)[None, :],
-                        other=0.0)  # (BLOCK_M, BLOCK_R)
+            s = tl.load(
+                s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
+                mask=(rows < row_end)[:, None] & (ranks < R)[None, :],
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_R)
             p = 0.0
             if HAS_DROPOUT:
                 p = tl.load(p_ptr + adapter)
             # Sub-tiles of SUB_N columns: the LoRA product and the RNG live for one
             # sub-tile at a time (the full-width epilogue spilled: 105 TFLOP/s, docs/kernels.md).
             if EPI_SPLIT == 1:
-                _tma_epilogue(acc, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                              row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                              col0, stride_ma, stride_mr, stride_md, stride_ot,
-                              HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
+                _tma_epilogue(
+                    acc,
+                    s,
+                    out_desc,
+                    out_ptr,
+                    m_ptr,
+                    bias_ptr,
+                    adapter,
+                    p,
+                    seed,
+                    row_offset,
+                    col_offset,
+                    mask_d,
+                    row_start,
+                    row_end,
+                    D,
+                    R,
+                    col0,
+                    stride_ma,
+                    stride_mr,
+                    stride_md,
+                    stride_ot,
+                    HAS_BIAS,
+                    HAS_DROPOUT,
+                    DOT_PRECISION,
+                    HAS_LORA,
+                )
             else:
                 # (BLOCK_M, BLOCK_N) -> column halves (BLOCK_M, BLOCK_N / 2)
                 a0, a1 = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
                 if EPI_SPLIT == 2:
-                    _tma_epilogue(a0, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
-                    _tma_epilogue(a1, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0 + SUB_N, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
+                    _tma_epilogue(
+                        a0,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
+                    _tma_epilogue(
+                        a1,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0 + SUB_N,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
                 else:  # EPI_SPLIT == 4: each half into two quarters
                     q0, q1 = a0.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
                     q2, q3 = a1.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-                    _tma_epilogue(q0, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
-                    _tma_epilogue(q1, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0 + SUB_N, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
-                    _tma_epilogue(q2, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0 + 2 * SUB_N, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
-                    _tma_epilogue(q3, s, out_desc, out_ptr, m_ptr, bias_ptr, adapter, p, seed,
-                                  row_offset, col_offset, mask_d, row_start, row_end, D, R,
-                                  col0 + 3 * SUB_N, stride_ma, stride_mr, stride_md, stride_ot,
-                                  HAS_BIAS, HAS_DROPOUT, DOT_PRECISION, HAS_LORA)
+                    _tma_epilogue(
+                        q0,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
+                    _tma_epilogue(
+                        q1,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0 + SUB_N,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
+                    _tma_epilogue(
+                        q2,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0 + 2 * SUB_N,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
+                    _tma_epilogue(
+                        q3,
+                        s,
+                        out_desc,
+                        out_ptr,
+                        m_ptr,
+                        bias_ptr,
+                        adapter,
+                        p,
+                        seed,
+                        row_offset,
+                        col_offset,
+                        mask_d,
+                        row_start,
+                        row_end,
+                        D,
+                        R,
+                        col0 + 3 * SUB_N,
+                        stride_ma,
+                        stride_mr,
+                        stride_md,
+                        stride_ot,
+                        HAS_BIAS,
+                        HAS_DROPOUT,
+                        DOT_PRECISION,
+                        HAS_LORA,
+                    )
 
 
 # Plain kernel: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); Hopper uses the first after
@@ -252,8 +540,10 @@ class TmaConfig(NamedTuple):
     def label(self) -> str:
         """Compact name for tables: ``128x256x64 w8 s3 e2 [ws]``."""
         extra = " ws" if self.warp_specialize else ""
-        return (f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
-                f"s{self.num_stages} e{self.epi_split}{extra}")
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
+            f"s{self.num_stages} e{self.epi_split}{extra}"
+        )
 
 
 # The TMA kernel's sweep (timed on the H200 by the bench_lora_gemm study, docs/kernels.md,
@@ -293,13 +583,18 @@ def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
     strides in the other (so ``D·itemsize`` and ``K·itemsize`` multiples of 16). ``out``
     None stands for the fresh contiguous (T, D) output `lora_gemm` allocates.
     """
+
     def aligned(t: torch.Tensor, other_stride: int) -> bool:
         return t.data_ptr() % 16 == 0 and (other_stride * t.element_size()) % 16 == 0
 
     w_ok = (w.stride(1) == 1 and aligned(w, w.stride(0))) or (
-        w.stride(0) == 1 and aligned(w, w.stride(1)))
-    out_ok = ((w.shape[1] * z.element_size()) % 16 == 0 if out is None
-              else out.stride(1) == 1 and aligned(out, out.stride(0)))
+        w.stride(0) == 1 and aligned(w, w.stride(1))
+    )
+    out_ok = (
+        (w.shape[1] * z.element_size()) % 16 == 0
+        if out is None
+        else out.stride(1) == 1 and aligned(out, out.stride(0))
+    )
     return z.stride(1) == 1 and aligned(z, z.stride(0)) and w_ok and out_ok
 
 
@@ -320,21 +615,59 @@ def _launch_plain(z, w, s, m, bias, dropouts, layout, seed, out, cfg, col_offset
     tiles = layout.tiles(block_m, z.device)
     grid = (tiles.shape[0] * _utils.cdiv(width, block_n),)
     return _lora_gemm_kernel[grid](
-        z, w, s, m, bias if bias is not None else s, out, tiles,
-        dropouts if dropouts is not None else s, seed, layout.row_offset, col_offset,
-        mask_d or width, tiles.shape[0], width, inner, s.shape[1],
-        z.stride(0), w.stride(0), w.stride(1), s.stride(0),
-        m.stride(0), m.stride(1), m.stride(2), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropouts is not None,
+        z,
+        w,
+        s,
+        m,
+        bias if bias is not None else s,
+        out,
+        tiles,
+        dropouts if dropouts is not None else s,
+        seed,
+        layout.row_offset,
+        col_offset,
+        mask_d or width,
+        tiles.shape[0],
+        width,
+        inner,
+        s.shape[1],
+        z.stride(0),
+        w.stride(0),
+        w.stride(1),
+        s.stride(0),
+        m.stride(0),
+        m.stride(1),
+        m.stride(2),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        HAS_DROPOUT=dropouts is not None,
         EVEN_K=inner % block_k == 0,
-        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None, GROUP_M=_GROUP_M,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_R=_utils.padded_rank(s.shape[1]), num_warps=warps, num_stages=stages,
+        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
+        GROUP_M=_GROUP_M,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BLOCK_R=_utils.padded_rank(s.shape[1]),
+        num_warps=warps,
+        num_stages=stages,
     )
 
 
-def _launch_tma(z, w, s, m, bias, dropouts, layout, seed, out, cfg: TmaConfig, col_offset=0,
-                mask_d=None, lora=True):
+def _launch_tma(
+    z,
+    w,
+    s,
+    m,
+    bias,
+    dropouts,
+    layout,
+    seed,
+    out,
+    cfg: TmaConfig,
+    col_offset=0,
+    mask_d=None,
+    lora=True,
+):
     """Launch the TMA kernel; returns Triton's compiled kernel (registers, spills).
 
     ``lora=False`` drops the LoRA term (the benchmark's GEMM-alone timing).
@@ -348,22 +681,50 @@ def _launch_tma(z, w, s, m, bias, dropouts, layout, seed, out, cfg: TmaConfig, c
         w_desc = TensorDescriptor(w, [width, inner], [w.stride(1), 1], [cfg.block_n, cfg.block_k])
     else:
         w_desc = TensorDescriptor(w, [inner, width], [w.stride(0), 1], [cfg.block_k, cfg.block_n])
-    out_desc = TensorDescriptor(out, [tokens, width], [out.stride(0), 1],
-                                [cfg.block_m, cfg.block_n // cfg.epi_split])
+    out_desc = TensorDescriptor(
+        out, [tokens, width], [out.stride(0), 1], [cfg.block_m, cfg.block_n // cfg.epi_split]
+    )
     work = tiles.shape[0] * _utils.cdiv(width, cfg.block_n)
     programs = _INTERPRETER_PROGRAMS if z.device.type != "cuda" else _utils.sm_count(z.device.index)
     programs = max(1, min(programs, work))
     return _lora_gemm_tma_kernel[(programs,)](
-        z_desc, w_desc, out_desc, s, m, bias if bias is not None else s, out, tiles,
-        dropouts if dropouts is not None else s, seed, layout.row_offset, col_offset,
-        mask_d or width, tiles.shape[0], width, inner, s.shape[1],
-        s.stride(0), m.stride(0), m.stride(1), m.stride(2), out.stride(0),
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropouts is not None, W_BY_ROWS=by_rows,
-        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None, GROUP_M=_GROUP_M,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        BLOCK_R=_utils.padded_rank(s.shape[1]), EPI_SPLIT=cfg.epi_split, NUM_PROGRAMS=programs,
-        WARP_SPECIALIZE=cfg.warp_specialize, HAS_LORA=lora,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        z_desc,
+        w_desc,
+        out_desc,
+        s,
+        m,
+        bias if bias is not None else s,
+        out,
+        tiles,
+        dropouts if dropouts is not None else s,
+        seed,
+        layout.row_offset,
+        col_offset,
+        mask_d or width,
+        tiles.shape[0],
+        width,
+        inner,
+        s.shape[1],
+        s.stride(0),
+        m.stride(0),
+        m.stride(1),
+        m.stride(2),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        HAS_DROPOUT=dropouts is not None,
+        W_BY_ROWS=by_rows,
+        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
+        GROUP_M=_GROUP_M,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_R=_utils.padded_rank(s.shape[1]),
+        EPI_SPLIT=cfg.epi_split,
+        NUM_PROGRAMS=programs,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        HAS_LORA=lora,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 
@@ -453,20 +814,36 @@ def lora_gemm(
     kernel = _choose_kernel(kernel, z, w, out)
     args = (z, w, s, m, bias, dropouts, layout, seed, out)
     offsets = {"col_offset": col_offset, "mask_d": mask_d}
-    key = (tokens, width, z.shape[1], _utils.padded_rank(s.shape[1]), z.element_size(),
-           w.stride(1) != 1, dropouts is not None)
+    key = (
+        tokens,
+        width,
+        z.shape[1],
+        _utils.padded_rank(s.shape[1]),
+        z.element_size(),
+        w.stride(1) != 1,
+        dropouts is not None,
+    )
     if kernel == "tma":
         if config is None:
             config = _utils.pick_config(
-                "lora_gemm_tma", key, z.device,
+                "lora_gemm_tma",
+                key,
+                z.device,
                 lambda k: _TMA_HOPPER[k[-2:]] if k[-3] == 2 else _TMA_FP32,
-                _TMA_TILE_CONFIGS, lambda cfg: _launch_tma(*args, cfg, **offsets))
+                _TMA_TILE_CONFIGS,
+                lambda cfg: _launch_tma(*args, cfg, **offsets),
+            )
         _launch_tma(*args, TmaConfig(*config), **offsets)
     else:
         if config is None:
             config = _utils.pick_config(
-                "lora_gemm", key, z.device, lambda _: _TILE_CONFIGS[1], _TILE_CONFIGS,
-                lambda cfg: _launch_plain(*args, cfg, **offsets))
+                "lora_gemm",
+                key,
+                z.device,
+                lambda _: _TILE_CONFIGS[1],
+                _TILE_CONFIGS,
+                lambda cfg: _launch_plain(*args, cfg, **offsets),
+            )
         _launch_plain(*args, tuple(config), **offsets)
     return out
 

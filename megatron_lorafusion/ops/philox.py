@@ -42,8 +42,12 @@ def _philox4x32(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def philox_keep_mask(
-    seed: int, rows: torch.Tensor, width: int, thresholds: torch.Tensor,
-    col_offset: int = 0, cols: int | None = None,
+    seed: int,
+    rows: torch.Tensor,
+    width: int,
+    thresholds: torch.Tensor,
+    col_offset: int = 0,
+    cols: int | None = None,
 ) -> torch.Tensor:
     """Keep-mask of ``rows`` × columns ``col_offset:col_offset + cols`` of a ``width``-wide input.
 

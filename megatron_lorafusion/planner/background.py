@@ -118,8 +118,12 @@ class BackgroundPlanner:
         self._done = False
         self._process = ctx.Process(
             target=_produce,
-            args=(pickle.dumps((problem, rounds_per_chunk, solver, time_limit_s, cost)),
-                  self._queue, os.getpid(), poll_s),
+            args=(
+                pickle.dumps((problem, rounds_per_chunk, solver, time_limit_s, cost)),
+                self._queue,
+                os.getpid(),
+                poll_s,
+            ),
             name="lorafusion-planner",
             daemon=True,
         )
@@ -149,8 +153,11 @@ class BackgroundPlanner:
                         pass
                     self._done = True
                     code = self._process.exitcode
-                    how = (f" (killed by {signal.Signals(-code).name})"
-                           if code is not None and code < 0 and -code in _SIGNALS else "")
+                    how = (
+                        f" (killed by {signal.Signals(-code).name})"
+                        if code is not None and code < 0 and -code in _SIGNALS
+                        else ""
+                    )
                     raise PlannerWorkerError(
                         f"planner worker (pid {self._process.pid}) exited with code "
                         f"{code}{how} before finishing the plan, sending no error"

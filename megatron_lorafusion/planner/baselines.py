@@ -78,9 +78,7 @@ def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
     return stream_jobs(plan.microbatches, cost, plan.tile_height)
 
 
-def stream_jobs(
-    microbatches: Sequence[Microbatch], cost: CostModel, tile_height: int
-) -> list[Job]:
+def stream_jobs(microbatches: Sequence[Microbatch], cost: CostModel, tile_height: int) -> list[Job]:
     """Jobs of a microbatch stream (as `plan_jobs`, without a `Plan` around it)."""
     return [_job(mb, cost, tile_height) for mb in microbatches]
 
@@ -97,15 +95,21 @@ def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
                 tuple(problem.global_batch(a, j)), (), {}, problem.capacity, problem.tile_height
             )
             bins = pack_ffd(segment)
-            groups.append([Microbatch(tuple(b), (a,) if k == len(bins) - 1 else ())
-                           for k, b in enumerate(bins)])
+            groups.append(
+                [
+                    Microbatch(tuple(b), (a,) if k == len(bins) - 1 else ())
+                    for k, b in enumerate(bins)
+                ]
+            )
     return groups
 
 
 def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
     """Strategy (a): the jobs of `megatron_microbatches`, one group per global batch."""
-    return [[_job(mb, cost, problem.tile_height) for mb in group]
-            for group in megatron_microbatches(problem)]
+    return [
+        [_job(mb, cost, problem.tile_height) for mb in group]
+        for group in megatron_microbatches(problem)
+    ]
 
 
 def mlora_microbatches(problem: PlanProblem, samples_per_microbatch: int) -> list[Microbatch]:
@@ -138,8 +142,9 @@ def mlora_jobs(
         longest = max(s.tokens for s in mb.samples)
         tokens = padded_tokens_of(mb.samples, problem.tile_height)
         fwd = cost.forward_ms(tokens, longest * longest * len(mb.samples))
-        jobs.append(Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes,
-                        mb.samples[0].adapter))
+        jobs.append(
+            Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes, mb.samples[0].adapter)
+        )
         computed += tokens
     return jobs, computed
 

@@ -25,8 +25,9 @@ def plan_lower_bound(problem: PlanProblem) -> int:
     total, lemma = 0, 0
     for a in range(problem.num_adapters):
         batches = problem.num_global_batches(a)
-        loads = [padded(sum(s.tokens for s in problem.global_batch(a, j)), tile)
-                 for j in range(batches)]
+        loads = [
+            padded(sum(s.tokens for s in problem.global_batch(a, j)), tile) for j in range(batches)
+        ]
         total += sum(loads)
         lemma = max(lemma, sum(-(-n // cap) for n in loads) + (batches - 1) * (S - 1))
     return max(-(-total // cap), lemma)

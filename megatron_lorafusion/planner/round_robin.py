@@ -150,7 +150,8 @@ def one_at_a_time(
                 continue
             cut = pieces(problem.global_batch(a, j))
             stream += [Microbatch(())] * max(0, S - (position + len(stream) - last[a]))
-            stream += [Microbatch(tuple(p), (a,) if i == len(cut) - 1 else ())
-                       for i, p in enumerate(cut)]
+            stream += [
+                Microbatch(tuple(p), (a,) if i == len(cut) - 1 else ()) for i, p in enumerate(cut)
+            ]
             last[a] = position + len(stream) - 1
     return stream, last

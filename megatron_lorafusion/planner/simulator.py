@@ -189,12 +189,12 @@ def simulate(
                 if kind == "O":  # the step needs every weight gradient of its adapters
                     for j in [j for j in pending[s] if set(jobs[j].adapters) & set(job.steps)]:
                         run_wgrad(s, j)
-                while pending[s] and free[s] + defer_wgrad * jobs[pending[s][0]].op_ms(
-                    "B", s
-                ) <= ready:
+                while (
+                    pending[s]
+                    and free[s] + defer_wgrad * jobs[pending[s][0]].op_ms("B", s) <= ready
+                ):
                     run_wgrad(s, pending[s][0])
-                length = (cost.optimizer_ms * len(job.steps) if kind == "O"
-                          else job.op_ms(kind, s))
+                length = cost.optimizer_ms * len(job.steps) if kind == "O" else job.op_ms(kind, s)
                 if kind == "B" and defer_wgrad > 0:
                     length *= 1.0 - defer_wgrad
                     pending[s].append(i)

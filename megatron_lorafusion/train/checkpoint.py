@@ -150,8 +150,9 @@ def find_resume_checkpoint(root: str | Path, resume: str) -> Path | None:
         return found[-1] if found else None
     problems = checkpoint_problems(resume)
     if problems:
-        raise CheckpointError(f"train.resume checkpoint {resume!r} is not usable:\n  - "
-                              + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"train.resume checkpoint {resume!r} is not usable:\n  - " + "\n  - ".join(problems)
+        )
     return Path(resume)
 
 
@@ -167,8 +168,10 @@ def read_shard(folder: str | Path, name: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(f"checkpoint shard {str(path)!r} is refused: it holds more than "
-                              f"tensors and plain data ({first})") from None
+        raise CheckpointError(
+            f"checkpoint shard {str(path)!r} is refused: it holds more than "
+            f"tensors and plain data ({first})"
+        ) from None
 
 
 def non_finite_tensors(tree: object, where: str) -> list[str]:
@@ -177,20 +180,24 @@ def non_finite_tensors(tree: object, where: str) -> list[str]:
         bad = tree.is_floating_point() and not bool(torch.isfinite(tree).all())
         return [where] if bad else []
     if isinstance(tree, dict):
-        return [n for key, value in tree.items()
-                for n in non_finite_tensors(value, f"{where}.{key}")]
+        return [
+            n for key, value in tree.items() for n in non_finite_tensors(value, f"{where}.{key}")
+        ]
     if isinstance(tree, list | tuple):
-        return [n for i, value in enumerate(tree)
-                for n in non_finite_tensors(value, f"{where}.{i}")]
+        return [
+            n for i, value in enumerate(tree) for n in non_finite_tensors(value, f"{where}.{i}")
+        ]
     return []
 
 
 def _refuse_non_finite(folder: Path, names: list[str]) -> None:
     if names:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise CheckpointError(f"checkpoint {str(folder)!r} holds NaN or infinite values in "
-                              f"{shown}; it is refused (resume from an older checkpoint with "
-                              f"train.resume: <folder>, or start fresh)")
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} holds NaN or infinite values in "
+            f"{shown}; it is refused (resume from an older checkpoint with "
+            f"train.resume: <folder>, or start fresh)"
+        )
 
 
 def _merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
@@ -211,17 +218,23 @@ def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor
     folder = Path(folder)
     problems = checkpoint_problems(folder)
     if problems:
-        raise CheckpointError(f"checkpoint {str(folder)!r} is not usable:\n  - "
-                              + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} is not usable:\n  - " + "\n  - ".join(problems)
+        )
     manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
     tp, pp = manifest["tp"], manifest["pp"]
     out: dict[str, dict[str, torch.Tensor]] = {}
     for p in range(pp):
         shards = [read_shard(folder, shard_name(t, p)) for t in range(tp)]
-        _refuse_non_finite(folder, [n for t, shard in enumerate(shards)
-                                    for e in shard["adapters"]
-                                    for n in non_finite_tensors(e["tensors"],
-                                                                f"{e['name']} (tp{t} pp{p})")])
+        _refuse_non_finite(
+            folder,
+            [
+                n
+                for t, shard in enumerate(shards)
+                for e in shard["adapters"]
+                for n in non_finite_tensors(e["tensors"], f"{e['name']} (tp{t} pp{p})")
+            ],
+        )
         for a, entry in enumerate(shards[0]["adapters"]):
             tensors = out.setdefault(entry["name"], {})
             for key, value in entry["tensors"].items():
@@ -262,10 +275,21 @@ class Checkpointer:
         keep_last: complete checkpoints to keep (older ones are deleted); 0 keeps all.
     """
 
-    def __init__(self, root: str | Path, job: dict, *, tp_rank: int = 0, tp_size: int = 1,
-                 pp_rank: int = 0, pp_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
-                 coordinator: bool = True, barrier: Callable[[], None] = lambda: None,
-                 keep_last: int = 0):
+    def __init__(
+        self,
+        root: str | Path,
+        job: dict,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        coordinator: bool = True,
+        barrier: Callable[[], None] = lambda: None,
+        keep_last: int = 0,
+    ):
         self.root = Path(root)
         self.job = job
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
@@ -277,18 +301,29 @@ class Checkpointer:
     def _payload(self, position: int, digest: str, runs, optimizer, lora) -> dict:
         adapters = []
         for a, run in enumerate(runs):
-            adapters.append({
-                "name": run.name,
-                "tensors": {n: t.detach().cpu().clone()
-                            for n, t in lora.adapter_tensors(a).items()},
-                "grads": {n: t.detach().cpu().clone() for n, t in lora.adapter_grads(a).items()},
-                "optimizer": optimizer.adapter_state(a),
-                "losses": list(run.losses),
-                "pending_loss": run.pending_loss,
-            })
+            adapters.append(
+                {
+                    "name": run.name,
+                    "tensors": {
+                        n: t.detach().cpu().clone() for n, t in lora.adapter_tensors(a).items()
+                    },
+                    "grads": {
+                        n: t.detach().cpu().clone() for n, t in lora.adapter_grads(a).items()
+                    },
+                    "optimizer": optimizer.adapter_state(a),
+                    "losses": list(run.losses),
+                    "pending_loss": run.pending_loss,
+                }
+            )
         sharding = {n: None if rule is None else list(rule) for n, rule in lora.sharding().items()}
-        return {"format": FORMAT_VERSION, "position": position, "stream_digest": digest,
-                "adapters": adapters, "sharding": sharding, "rng": _rng_state()}
+        return {
+            "format": FORMAT_VERSION,
+            "position": position,
+            "stream_digest": digest,
+            "adapters": adapters,
+            "sharding": sharding,
+            "rng": _rng_state(),
+        }
 
     def save(self, position: int, digest: str, runs, optimizer, lora) -> Path:
         """Save every adapter's state after ``position`` microbatches of the stream.
@@ -316,15 +351,24 @@ class Checkpointer:
         _fsync(path)
         self.barrier()
         if self.coordinator:
-            (tmp / "job.json").write_text(json.dumps(self.job, indent=2) + "\n",
-                                          encoding="utf-8")
-            files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                     for p in sorted(tmp.iterdir())}
-            manifest = {"format": FORMAT_VERSION, "position": position, "tp": self.tp_size,
-                        "pp": self.pp_size, "dp": self.dp_size, "stream_digest": digest,
-                        "steps": {run.name: run.step for run in runs}, "files": files}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n",
-                                               encoding="utf-8")
+            (tmp / "job.json").write_text(json.dumps(self.job, indent=2) + "\n", encoding="utf-8")
+            files = {
+                p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                for p in sorted(tmp.iterdir())
+            }
+            manifest = {
+                "format": FORMAT_VERSION,
+                "position": position,
+                "tp": self.tp_size,
+                "pp": self.pp_size,
+                "dp": self.dp_size,
+                "stream_digest": digest,
+                "steps": {run.name: run.step for run in runs},
+                "files": files,
+            }
+            (tmp / "manifest.json").write_text(
+                json.dumps(manifest, indent=2) + "\n", encoding="utf-8"
+            )
             _fsync(tmp / "manifest.json")
             if final.exists():  # another job's checkpoint here: moved aside, then deleted
                 old = final.with_name(final.name + ".old")
@@ -335,8 +379,11 @@ class Checkpointer:
             else:
                 os.replace(tmp, final)
             self._rotate()
-            logger.info("saved checkpoint %s (%s)", final, ", ".join(
-                f"{run.name} step {run.step}" for run in runs))
+            logger.info(
+                "saved checkpoint %s (%s)",
+                final,
+                ", ".join(f"{run.name} step {run.step}" for run in runs),
+            )
         self.barrier()
         return final
 
@@ -351,8 +398,11 @@ class Checkpointer:
     def _rotate(self) -> None:
         if self.keep_last <= 0:
             return
-        complete = [f for f in sorted(self.root.glob("ckpt_*"))
-                    if _NAME.match(f.name) and (f / "manifest.json").is_file()]
+        complete = [
+            f
+            for f in sorted(self.root.glob("ckpt_*"))
+            if _NAME.match(f.name) and (f / "manifest.json").is_file()
+        ]
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -377,17 +427,25 @@ class Checkpointer:
                 f"checkpoint {str(folder)!r} was written with tp={written[0]}, "
                 f"pp={written[1]}, dp={written[2]}; this run has tp={self.tp_size}, "
                 f"pp={self.pp_size}, dp={self.dp_size} "
-                f"(set train.resume: never or another train.output_dir to start fresh)")
+                f"(set train.resume: never or another train.output_dir to start fresh)"
+            )
         shard = read_shard(folder, shard_name(self.tp_rank, self.pp_rank, self.dp_rank))
         names = [entry["name"] for entry in shard["adapters"]]
         if names != [run.name for run in runs]:
             raise CheckpointError(
                 f"checkpoint {str(folder)!r} holds adapters {names}, this run has "
                 f"{[run.name for run in runs]} (set train.resume: never or another "
-                f"train.output_dir to start fresh)")
-        _refuse_non_finite(folder, [n for e in shard["adapters"] for key in
-                                    ("tensors", "grads", "optimizer")
-                                    for n in non_finite_tensors(e[key], f"{e['name']}.{key}")])
+                f"train.output_dir to start fresh)"
+            )
+        _refuse_non_finite(
+            folder,
+            [
+                n
+                for e in shard["adapters"]
+                for key in ("tensors", "grads", "optimizer")
+                for n in non_finite_tensors(e[key], f"{e['name']}.{key}")
+            ],
+        )
         for a, (entry, run) in enumerate(zip(shard["adapters"], runs, strict=True)):
             lora.load_adapter_state_dict(a, entry["tensors"])
             load_views(lora.adapter_grads(a), entry["grads"], f"the gradients of adapter {a}")
@@ -397,4 +455,3 @@ class Checkpointer:
         _set_rng_state(shard["rng"])
         logger.info("resumed from %s at microbatch %d", folder, shard["position"])
         return shard["position"], shard["stream_digest"]
-

@@ -38,8 +38,12 @@ from megatron_lorafusion.config import (
 from megatron_lorafusion.validation import adapter_name_problem
 
 _PREFIX = "base_model.model.model.layers"
-_HF_BLOCK = {"linear_qkv": "self_attn", "linear_proj": "self_attn", "linear_fc1": "mlp",
-             "linear_fc2": "mlp"}
+_HF_BLOCK = {
+    "linear_qkv": "self_attn",
+    "linear_proj": "self_attn",
+    "linear_fc1": "mlp",
+    "linear_fc2": "mlp",
+}
 
 
 def _split_b(module: str, lora_b: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
@@ -55,9 +59,14 @@ def _split_b(module: str, lora_b: torch.Tensor, model: ModelConfig) -> list[torc
     return [lora_b]
 
 
-def _block_pieces(key: str, module: str, factor: str, tensor: torch.Tensor,
-                  blocks: tuple[tuple[str, ...], ...], model: ModelConfig
-                  ) -> dict[str, torch.Tensor]:
+def _block_pieces(
+    key: str,
+    module: str,
+    factor: str,
+    tensor: torch.Tensor,
+    blocks: tuple[tuple[str, ...], ...],
+    model: ModelConfig,
+) -> dict[str, torch.Tensor]:
     """Hugging Face module -> its ``A`` (r, H_in) or ``B`` (out, r) from one fused factor.
 
     Raises:
@@ -66,23 +75,28 @@ def _block_pieces(key: str, module: str, factor: str, tensor: torch.Tensor,
     """
     dim = 0 if factor == "lora_A" else 1
     if tensor.shape[dim] % len(blocks):
-        raise ValueError(f"adapter tensor {key!r} has rank {tensor.shape[dim]}, not a multiple "
-                         f"of its {len(blocks)} LoRA blocks on {module}")
+        raise ValueError(
+            f"adapter tensor {key!r} has rank {tensor.shape[dim]}, not a multiple "
+            f"of its {len(blocks)} LoRA blocks on {module}"
+        )
     rank = tensor.shape[dim] // len(blocks)
     if factor == "lora_A":
-        return {hf: tensor[j * rank:(j + 1) * rank]
-                for j, block in enumerate(blocks) for hf in block}
+        return {
+            hf: tensor[j * rank : (j + 1) * rank] for j, block in enumerate(blocks) for hf in block
+        }
     rows = dict(zip(PROJECTIONS[module], _split_b(module, tensor, model), strict=True))
     out = {}
     for hf, b in rows.items():  # b: (out, blocks·r)
         j = next((j for j, block in enumerate(blocks) if hf in block), None)
         live = torch.zeros(b.shape[1], dtype=torch.bool)
         if j is not None:
-            live[j * rank:(j + 1) * rank] = True
+            live[j * rank : (j + 1) * rank] = True
             out[hf] = b[:, live]
         if bool(b[:, ~live].any()):
-            raise ValueError(f"adapter tensor {key!r} has non-zero entries outside its LoRA "
-                             f"blocks ({hf} rows); its target_modules do not match the weights")
+            raise ValueError(
+                f"adapter tensor {key!r} has non-zero entries outside its LoRA "
+                f"blocks ({hf} rows); its target_modules do not match the weights"
+            )
     return out
 
 
@@ -111,8 +125,10 @@ def peft_state_dict(
     for key, tensor in megatron_state.items():
         parts = key.split(".")
         if len(parts) != 6 or parts[0:2] != ["decoder", "layers"] or parts[4] not in blocks:
-            raise ValueError(f"adapter tensor {key!r} names no LoRA module of target_modules "
-                             f"{list(target_modules)}")
+            raise ValueError(
+                f"adapter tensor {key!r} names no LoRA module of target_modules "
+                f"{list(target_modules)}"
+            )
         layer, module, factor = parts[2], parts[4], parts[5]
         if factor not in ("lora_A", "lora_B"):
             raise ValueError(f"adapter tensor {key!r} must end in lora_A or lora_B")
@@ -125,8 +141,14 @@ def peft_state_dict(
 
 def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict:
     """The ``adapter_config.json`` of ``adapter`` (``base``: the base model's folder, if any)."""
-    targets = sorted({hf for blocks in lora_blocks(adapter.target_modules).values()
-                      for block in blocks for hf in block})
+    targets = sorted(
+        {
+            hf
+            for blocks in lora_blocks(adapter.target_modules).values()
+            for block in blocks
+            for hf in block
+        }
+    )
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -148,14 +170,15 @@ class ExportError(ValueError):
     """An export that would lie or destroy files: non-finite weights, a foreign folder."""
 
 
-def check_finite_weights(adapter: AdapterConfig,
-                         megatron_state: dict[str, torch.Tensor]) -> None:
+def check_finite_weights(adapter: AdapterConfig, megatron_state: dict[str, torch.Tensor]) -> None:
     """Refuse (`ExportError`) an adapter with a NaN or infinite weight."""
     bad = sorted(k for k, t in megatron_state.items() if not bool(torch.isfinite(t).all()))
     if bad:
-        raise ExportError(f"adapter {adapter.name!r} has NaN or infinite weights in "
-                          f"{len(bad)} tensors ({bad[0]}, ...); nothing exported (lower its lr "
-                          f"or alpha, check the data, or export an older checkpoint)")
+        raise ExportError(
+            f"adapter {adapter.name!r} has NaN or infinite weights in "
+            f"{len(bad)} tensors ({bad[0]}, ...); nothing exported (lower its lr "
+            f"or alpha, check the data, or export an older checkpoint)"
+        )
 
 
 def _tmp_sibling(folder: Path) -> Path:
@@ -182,8 +205,10 @@ def write_peft_folder(
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(peft_state_dict(megatron_state, model, adapter.target_modules),
-              str(tmp / "adapter_model.safetensors"))
+    save_file(
+        peft_state_dict(megatron_state, model, adapter.target_modules),
+        str(tmp / "adapter_model.safetensors"),
+    )
     (tmp / "adapter_config.json").write_text(
         json.dumps(peft_adapter_config(adapter, model.hf_path), indent=2) + "\n",
         encoding="utf-8",
@@ -194,8 +219,9 @@ def write_peft_folder(
     return folder
 
 
-def _merged_deltas(adapter: AdapterConfig, peft_state: dict[str, torch.Tensor]
-                   ) -> dict[str, torch.Tensor]:
+def _merged_deltas(
+    adapter: AdapterConfig, peft_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """``scale·B·A`` (fp32) of each adapted Hugging Face module, keyed by its weight name."""
     scale = adapter_scaling(adapter)
     deltas = {}
@@ -225,11 +251,12 @@ def write_merged_checkpoint(
             into is missing from it.
     """
     if model.hf_path is None:
-        raise ValueError("merging needs a Hugging Face base (model.hf_path); this run was "
-                         "trained on a random base, which has no checkpoint to merge into")
+        raise ValueError(
+            "merging needs a Hugging Face base (model.hf_path); this run was "
+            "trained on a random base, which has no checkpoint to merge into"
+        )
     check_finite_weights(adapter, megatron_state)
-    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model,
-                                                     adapter.target_modules))
+    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model, adapter.target_modules))
     source, folder = Path(model.hf_path), Path(folder)
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -277,14 +304,18 @@ def _claim_export_folder(out: Path, targets: list[str]) -> list[str]:
     try:
         ours = json.loads(marker.read_text(encoding="utf-8"))["written"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise ExportError(f"export folder {str(out)!r} is not empty and was not written by "
-                          f"lorafusion export (no readable {EXPORT_MARKER}); refusing to "
-                          f"overwrite it: choose a new or empty folder") from None
+        raise ExportError(
+            f"export folder {str(out)!r} is not empty and was not written by "
+            f"lorafusion export (no readable {EXPORT_MARKER}); refusing to "
+            f"overwrite it: choose a new or empty folder"
+        ) from None
     foreign = [t for t in targets if (out / t).exists() and t not in ours]
     if foreign:
-        raise ExportError(f"export folder {str(out / foreign[0])!r} exists and was not written "
-                          f"by lorafusion export; refusing to replace it: move it away or "
-                          f"choose another --out")
+        raise ExportError(
+            f"export folder {str(out / foreign[0])!r} exists and was not written "
+            f"by lorafusion export; refusing to replace it: move it away or "
+            f"choose another --out"
+        )
     return list(ours)
 
 
@@ -301,15 +332,23 @@ def _resolve_checkpoint(source: Path) -> Path:
         return source
     folders = checkpoint_folders(source / "checkpoints")
     if not folders:
-        raise ValueError(f"{str(source)!r} is neither a checkpoint folder nor a run folder "
-                         "holding a checkpoint under checkpoints/")
+        raise ValueError(
+            f"{str(source)!r} is neither a checkpoint folder nor a run folder "
+            "holding a checkpoint under checkpoints/"
+        )
     problems = checkpoint_problems(folders[-1])
     if problems:
-        older = (f"; to export an older one, name it (--checkpoint {folders[-2].name}): "
-                 f"{str(folders[-2])!r}"
-                 if len(folders) > 1 else "")
-        raise ValueError(f"the newest checkpoint {str(folders[-1])!r} is damaged ("
-                         + "; ".join(problems) + f"){older}")
+        older = (
+            f"; to export an older one, name it (--checkpoint {folders[-2].name}): "
+            f"{str(folders[-2])!r}"
+            if len(folders) > 1
+            else ""
+        )
+        raise ValueError(
+            f"the newest checkpoint {str(folders[-1])!r} is damaged ("
+            + "; ".join(problems)
+            + f"){older}"
+        )
     return folders[-1]
 
 
@@ -344,14 +383,19 @@ def export_checkpoint(
     unknown = sorted(set(names or []) - adapters.keys())
     if unknown:
         raise ValueError(f"adapters {unknown} are not in the run; it has {sorted(adapters)}")
-    unsafe = [q for i, a in enumerate(cfg.adapters)
-              if (q := adapter_name_problem(a.name, f"adapters.{i}.name")) is not None]
+    unsafe = [
+        q
+        for i, a in enumerate(cfg.adapters)
+        if (q := adapter_name_problem(a.name, f"adapters.{i}.name")) is not None
+    ]
     if unsafe:  # a run written before names were checked: never build a path out of them
         raise ValueError(f"{str(folder)!r}: job.json: " + "; ".join(unsafe))
     clashes = sorted(n for n in adapters if merge and f"{n}-merged" in adapters)
     if clashes:
-        raise ValueError(f"--merge would write {clashes[0]}-merged/ over the adapter of that "
-                         f"name; export them without --merge or separately")
+        raise ValueError(
+            f"--merge would write {clashes[0]}-merged/ over the adapter of that "
+            f"name; export them without --merge or separately"
+        )
     tensors = full_adapter_tensors(folder)
     chosen = names or list(adapters)
     for name in chosen:  # all or nothing: no folder written while another would be refused
@@ -361,12 +405,16 @@ def export_checkpoint(
     ours = _claim_export_folder(out, targets)
     out.mkdir(parents=True, exist_ok=True)
     ours = sorted(set(ours) | set(targets))  # recorded first: a crash leaves them claimable
-    (out / EXPORT_MARKER).write_text(json.dumps({"written": ours}, indent=2) + "\n",
-                                     encoding="utf-8")
+    (out / EXPORT_MARKER).write_text(
+        json.dumps({"written": ours}, indent=2) + "\n", encoding="utf-8"
+    )
     written = []
     for name in chosen:
         written.append(write_peft_folder(out / name, adapters[name], tensors[name], cfg.model))
         if merge:
-            written.append(write_merged_checkpoint(out / f"{name}-merged", adapters[name],
-                                                   tensors[name], cfg.model))
+            written.append(
+                write_merged_checkpoint(
+                    out / f"{name}-merged", adapters[name], tensors[name], cfg.model
+                )
+            )
     return written

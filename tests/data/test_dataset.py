@@ -24,31 +24,39 @@ def _adapter(tmp_path, rows, name="a"):
 
 def test_dataset_loss_mask_covers_response_and_eos_only(tmp_path):
     tok = ByteTokenizer()
-    (sample,) = load_adapter_dataset(_adapter(tmp_path, [{"prompt": "ab", "response": "xyz"}]),
-                                     DataConfig(), tok)
+    (sample,) = load_adapter_dataset(
+        _adapter(tmp_path, [{"prompt": "ab", "response": "xyz"}]), DataConfig(), tok
+    )
     assert list(sample.input_ids) == [tok.bos_id, 97, 98, 120, 121, 122]
     assert list(sample.labels) == [97, 98, 120, 121, 122, tok.eos_id]
     assert list(sample.loss_mask) == [0, 0, 1, 1, 1, 1], "targets x, y, z and eos are trained"
 
 
 def test_dataset_train_on_prompt_masks_nothing(tmp_path):
-    (sample,) = load_adapter_dataset(_adapter(tmp_path, [{"prompt": "ab", "response": "c"}]),
-                                     DataConfig(train_on_prompt=True), ByteTokenizer())
+    (sample,) = load_adapter_dataset(
+        _adapter(tmp_path, [{"prompt": "ab", "response": "c"}]),
+        DataConfig(train_on_prompt=True),
+        ByteTokenizer(),
+    )
     assert all(sample.loss_mask)
 
 
 def test_dataset_truncates_long_samples(tmp_path):
     rows = [{"prompt": "p" * 30, "response": "r"}, {"prompt": "p", "response": "r"}]
-    samples = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=10),
-                                   ByteTokenizer())
+    samples = load_adapter_dataset(
+        _adapter(tmp_path, rows), DataConfig(max_seq_length=10), ByteTokenizer()
+    )
     assert [len(s) for s in samples] == [10, 3]
 
 
 def test_dataset_reject_policy_names_file_and_line(tmp_path):
     rows = [{"prompt": "p", "response": "r"}, {"prompt": "p" * 30, "response": "r"}]
     with pytest.raises(DataError, match=r"a\.jsonl:2: adapter 'a' sample has 32 tokens"):
-        load_adapter_dataset(_adapter(tmp_path, rows),
-                             DataConfig(max_seq_length=10, truncation="reject"), ByteTokenizer())
+        load_adapter_dataset(
+            _adapter(tmp_path, rows),
+            DataConfig(max_seq_length=10, truncation="reject"),
+            ByteTokenizer(),
+        )
 
 
 def test_dataset_malformed_json_names_line(tmp_path):
@@ -69,10 +77,12 @@ def test_training_order_is_seeded_and_covers_epochs():
 
 def test_pack_microbatch_positions_restart_per_sample(tmp_path):
     tok = ByteTokenizer()
-    a = load_adapter_dataset(_adapter(tmp_path, [{"prompt": "ab", "response": "c"}], "a"),
-                             DataConfig(), tok)
-    b = load_adapter_dataset(_adapter(tmp_path, [{"prompt": "x", "response": "yz"}], "b"),
-                             DataConfig(), tok)
+    a = load_adapter_dataset(
+        _adapter(tmp_path, [{"prompt": "ab", "response": "c"}], "a"), DataConfig(), tok
+    )
+    b = load_adapter_dataset(
+        _adapter(tmp_path, [{"prompt": "x", "response": "yz"}], "b"), DataConfig(), tok
+    )
     # Each sample is [bos] prompt response, 4 tokens.
     mb = Microbatch((Sample(0, 0, 4), Sample(1, 1, 4), Sample(1, 0, 4)), finishes=(1,))
     batch = pack_microbatch(mb, [a, b], [[0], [0, 0]], 2, "cpu", dropout_seed=5)
@@ -88,11 +98,17 @@ def _trained_text(tok, sample):
 
 
 def test_dataset_alpaca_template_trains_on_response_only(tmp_path):
-    rows = [{"instruction": "Sort.", "input": "cab", "output": "abc"},
-            {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    rows = [
+        {"instruction": "Sort.", "input": "cab", "output": "abc"},
+        {"instruction": "Say hi.", "input": "", "output": "hi"},
+    ]
     adapter = _adapter(tmp_path, rows)
-    adapter = AdapterConfig(name="a", dataset=DatasetConfig(
-        path=adapter.dataset.path, template="alpaca", response_field="output"))
+    adapter = AdapterConfig(
+        name="a",
+        dataset=DatasetConfig(
+            path=adapter.dataset.path, template="alpaca", response_field="output"
+        ),
+    )
     tok = ByteTokenizer()
     with_input, without_input = load_adapter_dataset(adapter, DataConfig(), tok)
     assert _trained_text(tok, with_input) == "abc", "loss covers the response (and eos) only"
@@ -110,13 +126,18 @@ def test_dataset_chat_messages_train_on_assistant_turns(tmp_path):
 
     save_tiny_tokenizer(tmp_path / "tok")
     tok = HFTokenizer(tmp_path / "tok")
-    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
-            {"role": "assistant", "content": "6"}]
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": chat}) + "\n")
-    adapter = AdapterConfig(name="c", dataset=DatasetConfig(path=str(path),
-                                                            messages_field="messages"))
+    adapter = AdapterConfig(
+        name="c", dataset=DatasetConfig(path=str(path), messages_field="messages")
+    )
     (sample,) = load_adapter_dataset(adapter, DataConfig(tokenizer=str(tmp_path / "tok")), tok)
     assert _trained_text(tok, sample) == "4<|end|>6<|end|>"
     assert tok.decode(list(sample.input_ids)).startswith("<|system|>be brief<|end|><|user|>")
@@ -147,8 +168,9 @@ def test_dataset_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(dataset_module, "read_rows", no_read)
         assert load_adapter_dataset(adapter, data, ByteTokenizer()) == first
-    again = load_adapter_dataset(adapter, DataConfig(cache_dir=data.cache_dir,
-                                                     train_on_prompt=True), ByteTokenizer())
+    again = load_adapter_dataset(
+        adapter, DataConfig(cache_dir=data.cache_dir, train_on_prompt=True), ByteTokenizer()
+    )
     assert all(again[0].loss_mask), "another loss policy is another cache entry"
     assert len(list((tmp_path / "cache" / "tokenized").glob("*.pt"))) == 2
 
@@ -156,8 +178,7 @@ def test_dataset_cache_is_reused_and_invalidated(tmp_path, monkeypatch):
 def test_dataset_truncation_cuts_the_prompt_from_the_left_and_keeps_the_response(tmp_path):
     rows = [{"prompt": "0123456789" * 3, "response": "abc"}]
     tok = ByteTokenizer()
-    (sample,) = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=10),
-                                     tok)
+    (sample,) = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=10), tok)
     assert len(sample) == 10
     assert _trained_text(tok, sample) == "abc", "the whole response must stay trained"
     kept = tok.decode(list(sample.input_ids))
@@ -166,14 +187,14 @@ def test_dataset_truncation_cuts_the_prompt_from_the_left_and_keeps_the_response
 
 def test_dataset_truncation_cuts_an_overlong_response_from_the_right(tmp_path):
     rows = [{"prompt": "q", "response": "0123456789" * 2}]
-    (sample,) = load_adapter_dataset(_adapter(tmp_path, rows), DataConfig(max_seq_length=8),
-                                     ByteTokenizer())
+    (sample,) = load_adapter_dataset(
+        _adapter(tmp_path, rows), DataConfig(max_seq_length=8), ByteTokenizer()
+    )
     assert len(sample) == 8
     assert all(sample.loss_mask), "only response tokens are left, each trained"
 
 
-def test_dataset_sample_without_trained_token_is_named_or_skipped(tmp_path, monkeypatch,
-                                                                 caplog):
+def test_dataset_sample_without_trained_token_is_named_or_skipped(tmp_path, monkeypatch, caplog):
     # A chat whose only assistant token opens the sample: it is an input, never a label.
     from megatron_lorafusion.data import dataset
 
@@ -185,8 +206,11 @@ def test_dataset_sample_without_trained_token_is_named_or_skipped(tmp_path, monk
     monkeypatch.setattr(dataset, "_row_tokens", tokens)
     rows = [{"prompt": "p", "response": "r"}, {"prompt": "bad", "response": "r"}]
     adapter = _adapter(tmp_path, rows)
-    with pytest.raises(DataError, match=r"a\.jsonl:2: adapter 'a': the sample has no trained "
-                                        r"token within data\.max_seq_length=256"):
+    with pytest.raises(
+        DataError,
+        match=r"a\.jsonl:2: adapter 'a': the sample has no trained "
+        r"token within data\.max_seq_length=256",
+    ):
         load_adapter_dataset(adapter, DataConfig(), ByteTokenizer())
     samples = load_adapter_dataset(adapter, DataConfig(bad_rows="skip"), ByteTokenizer())
     assert len(samples) == 1

@@ -18,8 +18,9 @@ def _write(tmp_path, suffix):
     elif suffix == ".json":
         path.write_text(json.dumps(ROWS))
     elif suffix == ".csv":
-        path.write_text("prompt,response\n" + "".join(f"{r['prompt']},{r['response']}\n"
-                                                      for r in ROWS))
+        path.write_text(
+            "prompt,response\n" + "".join(f"{r['prompt']},{r['response']}\n" for r in ROWS)
+        )
     else:
         pytest.importorskip("pyarrow", reason="datasets' dependency")
         import pyarrow as pa
@@ -55,11 +56,14 @@ def test_read_rows_jsonl_accepts_a_byte_order_mark_on_line_1(tmp_path):
     assert [dict(r) for r in raw.rows] == ROWS
 
 
-@pytest.mark.parametrize(("line", "reason"), [
-    (b"[" * 100_000 + b"]" * 100_000, r"not usable JSON \(nested too deeply\)"),
-    (b'{"prompt": "\xff", "response": "x"}', "not valid UTF-8"),
-    (b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode(), "not valid JSON"),  # a BOM past line 1
-])
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, r"not usable JSON \(nested too deeply\)"),
+        (b'{"prompt": "\xff", "response": "x"}', "not valid UTF-8"),
+        (b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode(), "not valid JSON"),  # a BOM past line 1
+    ],
+)
 def test_read_rows_jsonl_names_unusable_lines_in_both_modes(tmp_path, line, reason):
     path = _write(tmp_path, ".jsonl")
     with path.open("ab") as f:
@@ -81,7 +85,8 @@ def test_read_rows_dataset_folder_by_split(tmp_path):
     (tmp_path / "set").mkdir()
     for split, rows in (("train", ROWS), ("test", ROWS[:1])):
         (tmp_path / "set" / f"{split}.jsonl").write_text(
-            "".join(json.dumps(r) + "\n" for r in rows))
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
     d = DatasetConfig(path=str(tmp_path / "set"), split="test")
     raw = read_rows(d, DataConfig(offline=True, cache_dir=str(tmp_path / "c")))
     assert [dict(r) for r in raw.rows] == ROWS[:1]
@@ -99,13 +104,15 @@ def test_read_rows_numeric_text_columns_read_as_text(tmp_path, suffix):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        pq.write_table(pa.table({"question": [6, 0, 2], "response": [42, 7, 1],
-                                 "id": [1, 2, 3]}), path)
+        pq.write_table(
+            pa.table({"question": [6, 0, 2], "response": [42, 7, 1], "id": [1, 2, 3]}), path
+        )
         expected = [("6", "42"), ("0", "7"), ("2", "1")]
     d = DatasetConfig(path=str(path), template="Q: {question}\nA: ")
     raw = read_rows(d, DataConfig(cache_dir=str(tmp_path / "c")))
     assert [(r["question"], r["response"]) for r in raw.rows] == expected, (
-        "text fields must come back as the strings written")
+        "text fields must come back as the strings written"
+    )
     if suffix == ".csv":
         assert [r["id"] for r in raw.rows] == ["1", "2", "3"], "a CSV holds text"
     else:

@@ -22,6 +22,7 @@ from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, inp
 # dtype -> tolerances: fp32, the fused ops differ from the references in summation order.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
 
+
 @pytest.fixture
 def _interpreted_kernels(monkeypatch):
     """Without CUDA: the kernels re-made in interpreter mode, ``TRITON_INTERPRET=1`` set."""
@@ -139,8 +140,10 @@ def test_norm_and_swiglu_outputs_carry_their_rebuild(tiny_model):
     input; no mark without autograd, on a view, after an in-place write or when the input needs
     no gradient (then nothing else saves it)."""
     layer = tiny_model.decoder.layers[0]
-    cases = {"norm": (layer.input_layernorm, TINY.hidden_size),
-             "swiglu": (layer.mlp.activation_func, 2 * TINY.ffn_hidden_size)}
+    cases = {
+        "norm": (layer.input_layernorm, TINY.hidden_size),
+        "swiglu": (layer.mlp.activation_func, 2 * TINY.ffn_hidden_size),
+    }
     for name, (module, width) in cases.items():
         source = torch.randn(6, 1, width, requires_grad=True)
         out = module(source)

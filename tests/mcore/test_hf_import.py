@@ -35,12 +35,17 @@ def _our_logits(model, samples) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("kind", "tie", "shard", "llama3_rope"),
-    [("llama", False, False, False), ("llama", False, False, True),
-     ("qwen2", True, True, False), ("mistral", False, True, False)],
+    [
+        ("llama", False, False, False),
+        ("llama", False, False, True),
+        ("qwen2", True, True, False),
+        ("mistral", False, True, False),
+    ],
     ids=["llama", "llama-rope-scaling", "qwen2-tied-sharded", "mistral-sharded"],
 )
-def test_hf_import_logits_match_transformers(megatron_single_process, tmp_path, kind, tie, shard,
-                                             llama3_rope):
+def test_hf_import_logits_match_transformers(
+    megatron_single_process, tmp_path, kind, tie, shard, llama3_rope
+):
     from megatron_lorafusion.mcore import build_hf_gpt_model
 
     hf = save_tiny_hf_model(kind, tmp_path, tie=tie, shard=shard, llama3_rope=llama3_rope)
@@ -52,15 +57,21 @@ def test_hf_import_logits_match_transformers(megatron_single_process, tmp_path, 
     assert cfg.rope_scaling_factor == (8.0 if llama3_rope else None)
     model = build_hf_gpt_model(cfg).eval()
     samples = _samples(cfg.vocab_size)
-    torch.testing.assert_close(_our_logits(model, samples), hf_logits(hf, samples),
-                               **TOL[torch.float32], msg=f"{kind}: logits differ from transformers")
+    torch.testing.assert_close(
+        _our_logits(model, samples),
+        hf_logits(hf, samples),
+        **TOL[torch.float32],
+        msg=f"{kind}: logits differ from transformers",
+    )
 
 
 def test_hf_import_refuses_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     _, problems = hf_model_fields(tmp_path)
-    assert problems == ["architecture must be one of ['LlamaForCausalLM', 'MistralForCausalLM', "
-                        "'Qwen2ForCausalLM'], got ['GPT2LMHeadModel']"]
+    assert problems == [
+        "architecture must be one of ['LlamaForCausalLM', 'MistralForCausalLM', "
+        "'Qwen2ForCausalLM'], got ['GPT2LMHeadModel']"
+    ]
 
 
 def test_hf_import_refuses_rope_scaling(megatron_single_process, tmp_path):
@@ -91,8 +102,11 @@ def _tp2_worker(rank: int, workdir: str) -> None:
             ours = _our_logits(model, ref["samples"][kind])
             vocab = ours.shape[-1]
             torch.testing.assert_close(
-                ours, ref["logits"][kind][:, rank * vocab:(rank + 1) * vocab],
-                **TOL[torch.float32], msg=f"rank {rank}: {kind} logit shard differs at TP = 2")
+                ours,
+                ref["logits"][kind][:, rank * vocab : (rank + 1) * vocab],
+                **TOL[torch.float32],
+                msg=f"rank {rank}: {kind} logit shard differs at TP = 2",
+            )
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

@@ -169,9 +169,7 @@ def test_gradients_reach_only_adapters_in_the_microbatch(tiny_model):
     assert not any(g.any() for g in context.adapter_grads(1).values()), (
         "adapter 1 has no tokens in this microbatch and must get a zero gradient"
     )
-    packed_grads = {
-        a: {n: g.clone() for n, g in context.adapter_grads(a).items()} for a in (0, 2)
-    }
+    packed_grads = {a: {n: g.clone() for n, g in context.adapter_grads(a).items()} for a in (0, 2)}
     for a, grads in packed_grads.items():
         assert all(g.abs().sum() > 0 for g in grads.values()), f"adapter {a} lacks gradients"
     # Samples are independent: each adapter's gradient equals that of its samples run alone.
@@ -328,5 +326,6 @@ def test_wrapper_rebuilds_a_fused_base_output_and_keeps_any_other_input(tiny_mod
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             wrapper(x)
         kept = x.untyped_storage().data_ptr() in saved
-        assert kept != (rebuild and marked), f"rebuild_inputs={rebuild}, marked={marked}: " \
-                                              f"X saved={kept}"
+        assert kept != (rebuild and marked), (
+            f"rebuild_inputs={rebuild}, marked={marked}: X saved={kept}"
+        )

@@ -63,8 +63,12 @@ def _check_wrapper(kind: str, rank: int) -> None:
     )
     from megatron_lorafusion.ops import AdapterLayout
 
-    config = ModelParallelConfig(tensor_model_parallel_size=TP, sequence_parallel=True,
-                                 use_cpu_initialization=True, perform_initialization=False)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=TP,
+        sequence_parallel=True,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
     column = kind == "column"
     layout = AdapterLayout.from_samples(*SAMPLES, 3, dropout_seed=9)
     tokens = layout.num_tokens
@@ -73,20 +77,29 @@ def _check_wrapper(kind: str, rank: int) -> None:
     in_cols = slice(rank * H // TP, (rank + 1) * H // TP)
     weight = _full(1, N, H)
     if column:
-        base = ColumnParallelLinear(H, N, config=config, init_method=lambda w: None,
-                                    bias=False, gather_output=False)
+        base = ColumnParallelLinear(
+            H, N, config=config, init_method=lambda w: None, bias=False, gather_output=False
+        )
         local_weight = weight[out_cols]
     else:
-        base = RowParallelLinear(H, N, config=config, init_method=lambda w: None, bias=False,
-                                 input_is_parallel=True, skip_bias_add=False)
+        base = RowParallelLinear(
+            H,
+            N,
+            config=config,
+            init_method=lambda w: None,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=False,
+        )
         local_weight = weight[:, in_cols]
     with torch.no_grad():
         base.weight.copy_(local_weight)
     base.weight.requires_grad_(False)
     context = LoRAContext(SP_ADAPTERS, {})
     wrapper_cls = LoRAColumnParallelLinear if column else LoRARowParallelLinear
-    wrapper = wrapper_cls(base, SP_ADAPTERS, [0, 1, 2], context, seed=3,
-                          layer_seed=LAYER_SEED).train()
+    wrapper = wrapper_cls(
+        base, SP_ADAPTERS, [0, 1, 2], context, seed=3, layer_seed=LAYER_SEED
+    ).train()
     context.wrappers[kind] = wrapper
     context.pack()
     assert wrapper.sequence_parallel, f"{kind}: the wrapper did not see the base's SP"
@@ -114,12 +127,20 @@ def _check_wrapper(kind: str, rank: int) -> None:
     out, bias = wrapper(local_x)
     assert bias is None
     want = expected[:, out_cols] if column else expected[rows]
-    torch.testing.assert_close(out[:, 0], want.detach(), **TOL[torch.float32],
-                               msg=f"rank {rank}: {kind} output under SP != TP = 1")
+    torch.testing.assert_close(
+        out[:, 0],
+        want.detach(),
+        **TOL[torch.float32],
+        msg=f"rank {rank}: {kind} output under SP != TP = 1",
+    )
     out.backward((grad_out[:, out_cols] if column else grad_out[rows])[:, None, :])
     want_dx = x.grad[rows] if column else x.grad[:, in_cols]
-    torch.testing.assert_close(local_x.grad[:, 0], want_dx, **TOL[torch.float32],
-                               msg=f"rank {rank}: {kind} input gradient under SP")
+    torch.testing.assert_close(
+        local_x.grad[:, 0],
+        want_dx,
+        **TOL[torch.float32],
+        msg=f"rank {rank}: {kind} input gradient under SP",
+    )
     for a in range(3):
         rank_a = SP_ADAPTERS[a].rank
         grad_a, grad_b = wrapper.lora_A_grad[a, :rank_a], wrapper.lora_B_grad[a, :, :rank_a]
@@ -128,12 +149,18 @@ def _check_wrapper(kind: str, rank: int) -> None:
             assert not grad_b.any(), f"{kind}: B of absent adapter 1 has a gradient"
             continue
         full_da, full_db = factors[a][0].grad, factors[a][1].grad
-        torch.testing.assert_close(grad_a, full_da if column else full_da[:, in_cols],
-                                   **TOL[torch.float32],
-                                   msg=f"rank {rank}: {kind} dA of adapter {a} is partial")
-        torch.testing.assert_close(grad_b, full_db[out_cols] if column else full_db,
-                                   **TOL[torch.float32],
-                                   msg=f"rank {rank}: {kind} dB of adapter {a} is partial")
+        torch.testing.assert_close(
+            grad_a,
+            full_da if column else full_da[:, in_cols],
+            **TOL[torch.float32],
+            msg=f"rank {rank}: {kind} dA of adapter {a} is partial",
+        )
+        torch.testing.assert_close(
+            grad_b,
+            full_db[out_cols] if column else full_db,
+            **TOL[torch.float32],
+            msg=f"rank {rank}: {kind} dB of adapter {a} is partial",
+        )
     # A microbatch that TP ranks cannot split evenly, and unpacked inputs, are refused.
     context.layout = AdapterLayout.from_samples([0], [tokens - 1], 3)
     if not column:

@@ -23,8 +23,13 @@ ADAPTERS_WITH_DROPOUT = [
     dataclasses.replace(ADAPTERS[0], dropout=0.2),
     ADAPTERS[1],
     dataclasses.replace(ADAPTERS[2], dropout=0.1),
-    dataclasses.replace(ADAPTERS[0], name="a3", rank=3, dropout=0.1,
-                        target_modules=["k_proj", "v_proj", "gate_proj", "down_proj"]),
+    dataclasses.replace(
+        ADAPTERS[0],
+        name="a3",
+        rank=3,
+        dropout=0.1,
+        target_modules=["k_proj", "v_proj", "gate_proj", "down_proj"],
+    ),
 ]
 NUM = len(ADAPTERS_WITH_DROPOUT)
 

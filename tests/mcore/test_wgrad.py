@@ -56,8 +56,10 @@ def test_queue_runs_the_oldest_when_too_many_wait():
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_deferred_lora_a_grads_equal_immediate_ones(megatron_single_process, dropout):
     adapters = [dataclasses.replace(ADAPTERS[0], dropout=dropout), *ADAPTERS[1:]]
-    batches = [make_packed_batch([0, 1, 2], [6, 5, 7], 3, seed=4, dropout_seed=9),
-               make_packed_batch([0, 2, 2], [3, 8, 4], 3, seed=5, dropout_seed=10)]
+    batches = [
+        make_packed_batch([0, 1, 2], [6, 5, 7], 3, seed=4, dropout_seed=9),
+        make_packed_batch([0, 2, 2], [3, 8, 4], 3, seed=5, dropout_seed=10),
+    ]
     grads = {}
     for defer in (False, True):
         model = build_gpt_model(TINY).train()
@@ -78,8 +80,9 @@ def test_deferred_lora_a_grads_equal_immediate_ones(megatron_single_process, dro
         if defer:
             assert len(queue) == 2
             queue.run_all()
-        grads[defer] = {(a, n): g.clone() for a in range(3)
-                        for n, g in context.adapter_grads(a).items()}
+        grads[defer] = {
+            (a, n): g.clone() for a in range(3) for n, g in context.adapter_grads(a).items()
+        }
     assert grads[True].keys() == grads[False].keys()
     for key, value in grads[False].items():
         torch.testing.assert_close(grads[True][key], value, **TOL, msg=f"grad of {key}")

@@ -74,8 +74,9 @@ def _philox_keep_mask(seed, rows, cols, width, p):
         c3 = (prev0 * np.uint64(0xD2511F53)) & m32
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
     slot = (cols % np.uint64(8)).astype(np.int64)  # tl.join interleaves: words r0 r2 r1 r3
-    words = np.stack([c0, c2, c1, c3])[slot[None, :] // 2, np.arange(len(rows))[:, None],
-                                        np.arange(len(cols))[None, :]]
+    words = np.stack([c0, c2, c1, c3])[
+        slot[None, :] // 2, np.arange(len(rows))[:, None], np.arange(len(cols))[None, :]
+    ]
     draws = (words >> (np.uint64(16) * (cols % np.uint64(2)))[None, :]) & np.uint64(0xFFFF)
     threshold = np.uint64(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
     return torch.from_numpy(draws >= threshold)
@@ -99,14 +100,17 @@ def test_fused_dropout_keep_mask_shard_gets_rows_of_whole(start, end, device, ma
     assert torch.equal(got, whole[start:end]), "a shard must draw its rows of the whole mask"
     nested = shard.shard(1, end - start)
     got = fused_dropout_keep_mask(nested, dropouts, 40, layer_seed=4, device=device)
-    assert torch.equal(got, whole[start + 1:end]), "a shard of a shard adds its offsets"
+    assert torch.equal(got, whole[start + 1 : end]), "a shard of a shard adds its offsets"
 
 
-@pytest.mark.parametrize(("counts", "width", "dropouts", "seed"), [
-    ([30, 21], 44, [0.3, 0.3], 6),
-    ([50, 0, 30], 40, [0.3, 0.5, 0.2], 9),
-    ([17, 5, 64], 264, [0.1, 0.0, 0.9], 2**40 + 7),  # seed above 32 bits, p = 0 and 0.9
-])
+@pytest.mark.parametrize(
+    ("counts", "width", "dropouts", "seed"),
+    [
+        ([30, 21], 44, [0.3, 0.3], 6),
+        ([50, 0, 30], 40, [0.3, 0.5, 0.2], 9),
+        ([17, 5, 64], 264, [0.1, 0.0, 0.9], 2**40 + 7),  # seed above 32 bits, p = 0 and 0.9
+    ],
+)
 def test_reference_mask_is_the_fused_mask(counts, width, dropouts, seed, device, make_layout):
     # The torch Philox of the reference path and the kernels' Triton Philox, bit for bit
     # (the fused one is pinned to a NumPy oracle above), whole and on a row shard.
@@ -116,4 +120,5 @@ def test_reference_mask_is_the_fused_mask(counts, width, dropouts, seed, device,
     assert torch.equal(ref, fused.bool()), "the reference and fused masks differ"
     shard = layout.shard(3, layout.num_tokens - 2)
     assert torch.equal(dropout_keep_mask(shard, dropouts, width, 5, device), ref[3:-2]), (
-        "a shard of the reference mask must be its rows of the whole")
+        "a shard of the reference mask must be its rows of the whole"
+    )

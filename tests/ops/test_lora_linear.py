@@ -39,8 +39,9 @@ def test_lora_linear_ref_matches_per_adapter_lora(counts, ranks, dropouts, with_
     hidden, out, num = 24, 20, len(counts)
     rmax = max(ranks)
     sample_adapters = [a for a, n in enumerate(counts) if n]
-    layout = AdapterLayout.from_samples(sample_adapters, [n for n in counts if n], num,
-                                        dropout_seed=7)
+    layout = AdapterLayout.from_samples(
+        sample_adapters, [n for n in counts if n], num, dropout_seed=7
+    )
     x = torch.randn(sum(counts), hidden, dtype=dtype, requires_grad=True)
     weight = torch.randn(out, hidden, dtype=dtype)
     bias = torch.randn(out, dtype=dtype) if with_bias else None
@@ -59,8 +60,18 @@ def test_lora_linear_ref_matches_per_adapter_lora(counts, ranks, dropouts, with_
 
     expected_parts = []
     for a, start, end in layout.segments():
-        expected_parts.append(_single_lora(x[start:end], weight, bias, a_list[a], b_list[a],
-                                           scalings[a], keep[start:end], dropouts[a]))
+        expected_parts.append(
+            _single_lora(
+                x[start:end],
+                weight,
+                bias,
+                a_list[a],
+                b_list[a],
+                scalings[a],
+                keep[start:end],
+                dropouts[a],
+            )
+        )
     y_ref = torch.cat(expected_parts)
     want = torch.autograd.grad(y_ref, [x, *a_list, *b_list], grad_y, allow_unused=True)
 
@@ -97,8 +108,16 @@ def test_lora_linear_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match=r"lora_b has shape"):
         lora_linear(x, w, None, torch.zeros(1, 2, 8), torch.zeros(1, 6, 3), [1.0], [0.0], layout)
     with pytest.raises(ValueError, match=r"layout covers 4 tokens, x has T=5"):
-        lora_linear(torch.randn(5, 8), w, None, torch.zeros(1, 2, 8), torch.zeros(1, 6, 2),
-                    [1.0], [0.0], layout)
+        lora_linear(
+            torch.randn(5, 8),
+            w,
+            None,
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, 6, 2),
+            [1.0],
+            [0.0],
+            layout,
+        )
 
 
 def test_layout_rejects_unordered_samples():

@@ -24,15 +24,24 @@ def _inputs(counts, ranks, width, dtype, device, make_layout, make_lora, seed=0)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("scale_db", [False, True])
-@pytest.mark.parametrize(("counts", "ranks", "width"), [
-    ([32, 32], [16, 16], 64),  # round
-    ([21, 0, 70, 3], [3, 8, 5, 1], 72),  # ragged, several chunks and column tiles, empty adapter
-    ([9, 5], [40, 7], 24),  # BLOCK_R = 64: the two-pass path
-])
-def test_lora_up_bwd_matches_reference(counts, ranks, width, scale_db, dtype, device,
-                                       make_layout, make_lora):
-    layout, dy, s, lora_b, scales = _inputs(counts, ranks, width, dtype, device, make_layout,
-                                            make_lora)
+@pytest.mark.parametrize(
+    ("counts", "ranks", "width"),
+    [
+        ([32, 32], [16, 16], 64),  # round
+        (
+            [21, 0, 70, 3],
+            [3, 8, 5, 1],
+            72,
+        ),  # ragged, several chunks and column tiles, empty adapter
+        ([9, 5], [40, 7], 24),  # BLOCK_R = 64: the two-pass path
+    ],
+)
+def test_lora_up_bwd_matches_reference(
+    counts, ranks, width, scale_db, dtype, device, make_layout, make_lora
+):
+    layout, dy, s, lora_b, scales = _inputs(
+        counts, ranks, width, dtype, device, make_layout, make_lora
+    )
     ds, db = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=scale_db)
     want_ds, want_db = lora_up_bwd_ref(dy, s, lora_b, scales, layout, scale_db=scale_db)
     assert ds.dtype == dtype, "dS keeps dY's dtype"
@@ -43,8 +52,9 @@ def test_lora_up_bwd_matches_reference(counts, ranks, width, scale_db, dtype, de
 
 
 def test_lora_up_bwd_is_bitwise_repeatable(device, make_layout, make_lora):
-    layout, dy, s, lora_b, scales = _inputs([21, 0, 70, 3], [3, 8, 5, 1], 72, torch.float16,
-                                            device, make_layout, make_lora)
+    layout, dy, s, lora_b, scales = _inputs(
+        [21, 0, 70, 3], [3, 8, 5, 1], 72, torch.float16, device, make_layout, make_lora
+    )
     first = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=True)
     second = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=True)
     for name, a, b in zip(["dS", "dB"], first, second, strict=True):
@@ -52,8 +62,9 @@ def test_lora_up_bwd_is_bitwise_repeatable(device, make_layout, make_lora):
 
 
 def test_lora_up_bwd_names_bad_tensor(device, make_layout, make_lora):
-    layout, dy, s, lora_b, scales = _inputs([4, 4], [4, 4], 16, torch.float32, device,
-                                            make_layout, make_lora)
+    layout, dy, s, lora_b, scales = _inputs(
+        [4, 4], [4, 4], 16, torch.float32, device, make_layout, make_lora
+    )
     with pytest.raises(ValueError, match="lora_b has shape"):
         lora_up_bwd(dy, s, lora_b[:, :8], scales, layout, scale_db=False)
     with pytest.raises(ValueError, match="s has shape"):
@@ -67,8 +78,9 @@ def test_lora_up_bwd_names_bad_tensor(device, make_layout, make_lora):
 @pytest.mark.parametrize("ranks", [[16, 8, 1], [64, 33, 2]])  # one pass; two passes
 def test_lora_up_bwd_bf16_close_to_fp32(ranks, make_layout, make_lora):
     """bf16 (wrong in the interpreter, so GPU only): within 1e-2 relative of the fp32 result."""
-    layout, dy, s, lora_b, scales = _inputs([700, 0, 333], ranks, 768, torch.bfloat16,
-                                            "cuda", make_layout, make_lora)
+    layout, dy, s, lora_b, scales = _inputs(
+        [700, 0, 333], ranks, 768, torch.bfloat16, "cuda", make_layout, make_lora
+    )
     got = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=True)
     want = lora_up_bwd_ref(dy, s, lora_b, scales, layout, scale_db=True)
     for name, g, w in zip(["dS", "dB"], got, want, strict=True):

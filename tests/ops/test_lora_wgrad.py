@@ -20,12 +20,16 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("expand", [False, True])
-@pytest.mark.parametrize(("counts", "dropouts"), [
-    ([64, 64], [0.0, 0.0]),
-    ([21, 0, 70, 3], [0.2, 0.1, 0.0, 0.5]),  # several chunks per adapter, an empty adapter
-])
-def test_lora_wgrad_matches_reference(counts, dropouts, expand, dtype, device, make_layout,
-                                      make_lora):
+@pytest.mark.parametrize(
+    ("counts", "dropouts"),
+    [
+        ([64, 64], [0.0, 0.0]),
+        ([21, 0, 70, 3], [0.2, 0.1, 0.0, 0.5]),  # several chunks per adapter, an empty adapter
+    ],
+)
+def test_lora_wgrad_matches_reference(
+    counts, dropouts, expand, dtype, device, make_layout, make_lora
+):
     gen = torch.Generator().manual_seed(2)
     layout = make_layout(counts, device, seed=7)
     width, rank = 40, 5
@@ -38,15 +42,17 @@ def test_lora_wgrad_matches_reference(counts, dropouts, expand, dtype, device, m
     if expand:
         m, _ = make_lora(8, width, [rank] * len(counts), dtype, device, gen)  # (A, R, D)
         ex = torch.full((layout.num_tokens, width), float("nan"), dtype=dtype, device=device)
-    lora_wgrad(z, s, out, drop, layout, mixed_seed(layout.dropout_seed, 2),
-               expand_m=m, expand_out=ex)
+    lora_wgrad(
+        z, s, out, drop, layout, mixed_seed(layout.dropout_seed, 2), expand_m=m, expand_out=ex
+    )
     want = lora_wgrad_ref(z.float(), s.float(), keep, drop, layout)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, msg="wgrad")
     if expand:
         want_ex = lora_expand_ref(s.float(), m.float(), None, keep, drop, layout)
-        torch.testing.assert_close(ex.float(), want_ex.float(), atol=atol, rtol=rtol,
-                                   msg="fused expand")
+        torch.testing.assert_close(
+            ex.float(), want_ex.float(), atol=atol, rtol=rtol, msg="fused expand"
+        )
 
 
 def test_lora_wgrad_names_bad_tensor(device, make_layout):
@@ -55,13 +61,21 @@ def test_lora_wgrad_names_bad_tensor(device, make_layout):
     with pytest.raises(ValueError, match="out has shape"):
         lora_wgrad(z, s, torch.empty(2, 16, 5, device=device), None, layout, 0)
     with pytest.raises(ValueError, match="expand_m and expand_out"):
-        lora_wgrad(z, s, torch.empty(2, 16, 4, device=device), None, layout, 0,
-                   expand_m=torch.empty(2, 4, 16, device=device))
+        lora_wgrad(
+            z,
+            s,
+            torch.empty(2, 16, 4, device=device),
+            None,
+            layout,
+            0,
+            expand_m=torch.empty(2, 4, 16, device=device),
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_lora_wgrad_shard_uses_rows_and_columns_of_whole_mask(dtype, device, make_layout,
-                                                              make_lora):
+def test_lora_wgrad_shard_uses_rows_and_columns_of_whole_mask(
+    dtype, device, make_layout, make_lora
+):
     """dA and the fused dX expand of a shard (rows 30:94, columns 8:48 of 64) use that block
     of the whole mask."""
     gen = torch.Generator().manual_seed(3)
@@ -74,14 +88,25 @@ def test_lora_wgrad_shard_uses_rows_and_columns_of_whole_mask(dtype, device, mak
     m, _ = make_lora(8, width, [5] * 4, dtype, device, gen)  # (A, R, D)
     drop = torch.tensor(dropouts, device=device)
     keep = fused_dropout_keep_mask(layout, dropouts, full_width, 2, device)
-    keep = keep[start:end, col_offset:col_offset + width]
+    keep = keep[start:end, col_offset : col_offset + width]
     out = torch.full((4, width, 5), float("nan"), dtype=dtype, device=device)
     ex = torch.full((end - start, width), float("nan"), dtype=dtype, device=device)
-    lora_wgrad(z, s, out, drop, shard, mixed_seed(layout.dropout_seed, 2), expand_m=m,
-               expand_out=ex, col_offset=col_offset, full_width=full_width)
+    lora_wgrad(
+        z,
+        s,
+        out,
+        drop,
+        shard,
+        mixed_seed(layout.dropout_seed, 2),
+        expand_m=m,
+        expand_out=ex,
+        col_offset=col_offset,
+        full_width=full_width,
+    )
     atol, rtol = TOL[dtype]
     want = lora_wgrad_ref(z.float(), s.float(), keep, drop, shard)
     torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=rtol, msg="wgrad")
     want_ex = lora_expand_ref(s.float(), m.float(), None, keep, drop, shard)
-    torch.testing.assert_close(ex.float(), want_ex.float(), atol=atol, rtol=rtol,
-                               msg="fused expand")
+    torch.testing.assert_close(
+        ex.float(), want_ex.float(), atol=atol, rtol=rtol, msg="fused expand"
+    )

@@ -18,7 +18,7 @@ def _table(adapters, rows, cols, extra, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     width = extra + rows * cols + 5  # slot neither first nor last in its row
     table = torch.randn(adapters, width, generator=gen).to(device)
-    view = table[:, extra:extra + rows * cols].view(adapters, rows, cols)
+    view = table[:, extra : extra + rows * cols].view(adapters, rows, cols)
     return table, view
 
 
@@ -27,20 +27,22 @@ def _table(adapters, rows, cols, extra, device, seed=0):
 def test_packed_factor_matches_reference(adapters, rows, cols, dtype, device):
     table, view = _table(adapters, rows, cols, extra=11, device=device)
     grads = torch.zeros_like(table)
-    grad_view = grads[:, 11:11 + rows * cols].view(adapters, rows, cols)
+    grad_view = grads[:, 11 : 11 + rows * cols].view(adapters, rows, cols)
     got = packed_factor_fwd(view, dtype)
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got, packed_factor_ref(view, dtype), atol=atol, rtol=rtol,
-                               msg="copy of the strided factor")
+    torch.testing.assert_close(
+        got, packed_factor_ref(view, dtype), atol=atol, rtol=rtol, msg="copy of the strided factor"
+    )
     assert got.is_contiguous()
     upstream = torch.randn(adapters, rows, cols, generator=torch.Generator().manual_seed(1))
     upstream = upstream.to(device, dtype)
     grad_view.fill_(0.5)
     packed_factor_bwd(grad_view, upstream)
-    torch.testing.assert_close(grad_view, 0.5 + upstream.float(), atol=0, rtol=0,
-                               msg="gradient added into the table")
+    torch.testing.assert_close(
+        grad_view, 0.5 + upstream.float(), atol=0, rtol=0, msg="gradient added into the table"
+    )
     outside = torch.ones_like(grads, dtype=torch.bool)
-    outside[:, 11:11 + rows * cols] = False
+    outside[:, 11 : 11 + rows * cols] = False
     assert not grads[outside].any(), "the add wrote outside the factor's slot"
 
 
@@ -55,8 +57,13 @@ def test_packed_factor_autograd_adds_into_grad_view_only(device):
     weights = torch.randn(4, 2, 8, device=device)
     (out * weights).sum().backward()
     (packed_factor(table, factor_view, grad_view, torch.float32) * weights).sum().backward()
-    torch.testing.assert_close(grad_view, 2 * weights, atol=0, rtol=0,
-                               msg="two backwards must accumulate into the grad view")
+    torch.testing.assert_close(
+        grad_view,
+        2 * weights,
+        atol=0,
+        rtol=0,
+        msg="two backwards must accumulate into the grad view",
+    )
     assert table.grad is None, "no gradient may flow to the table itself"
 
 

@@ -112,8 +112,9 @@ class _UnloadableCost:
 
 def test_background_planner_surfaces_a_worker_that_cannot_rebuild_its_job():
     # spawn: the child unpickles the job itself; this used to end it with a bare "exit code 1".
-    with BackgroundPlanner(_problem(), solver="greedy", cost=_UnloadableCost(),
-                           poll_s=0.05) as planner:
+    with BackgroundPlanner(
+        _problem(), solver="greedy", cost=_UnloadableCost(), poll_s=0.05
+    ) as planner:
         with pytest.raises(PlannerWorkerError) as info:
             next(planner)
     message = str(info.value)

@@ -53,6 +53,7 @@ def test_mlora_microbatches_fit_the_capacity_once_padded():
     assert max(len(mb.samples) for mb in real) <= k
     placed = sorted((s.adapter, s.index) for mb in real for s in mb.samples)
     assert placed == [(a, i) for a in range(4) for i in range(128)]
-    result = {r.name: r for r in compare_strategies(problem, plan_microbatches(problem),
-                                                       CostModel())}["mlora"]
+    result = {
+        r.name: r for r in compare_strategies(problem, plan_microbatches(problem), CostModel())
+    }["mlora"]
     assert result.fill <= 1.0

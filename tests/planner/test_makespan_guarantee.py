@@ -30,8 +30,10 @@ def _random_problem(seed: int) -> PlanProblem:
     capacity = max(tile, rng.choice([256, 512, 1024, 2048]))
     longest = capacity // tile * tile
     lengths = [
-        [rng.randint(1, longest) if rng.random() < 0.3 else rng.randint(1, max(1, longest // 4))
-         for _ in range(rng.randint(1, 24))]
+        [
+            rng.randint(1, longest) if rng.random() < 0.3 else rng.randint(1, max(1, longest // 4))
+            for _ in range(rng.randint(1, 24))
+        ]
         for _ in range(adapters)
     ]
     gbs = [rng.randint(1, 8) for _ in range(adapters)]
@@ -103,7 +105,11 @@ def _chunked(problem: PlanProblem, rounds_per_chunk: int, cost: CostModel = DEFA
 COUNTEREXAMPLES = {
     "S=1 vs Megatron-style": PlanProblem(
         [[31, 76, 48, 174, 46, 135], [106, 41, 216, 234, 63, 185, 41, 58, 9, 3, 89, 3]],
-        (5, 8), 256, 1, 64, 15,
+        (5, 8),
+        256,
+        1,
+        64,
+        15,
     ),
     "S=4 one adapter vs mLoRA-style": PlanProblem(
         [[63, 21, 251, 32, 47, 72, 49]], (7,), 256, 4, 8, 10
@@ -118,8 +124,11 @@ COUNTEREXAMPLES = {
 @pytest.mark.parametrize("rounds_per_chunk", [None, 1, 4])
 def test_former_counterexamples(name, rounds_per_chunk):
     problem = COUNTEREXAMPLES[name]
-    plan = (plan_microbatches(problem) if rounds_per_chunk is None
-            else _chunked(problem, rounds_per_chunk))
+    plan = (
+        plan_microbatches(problem)
+        if rounds_per_chunk is None
+        else _chunked(problem, rounds_per_chunk)
+    )
     r = _makespans(problem, plan)
     assert _no_slower(r), r
 

@@ -78,8 +78,10 @@ def test_plan_chunks_concatenate_to_the_whole_plan(problem, rounds_per_chunk):
             for a in mb.finishes:
                 finished[a] += 1
         rounds = (k + 1) * rounds_per_chunk
-        assert all(finished[a] >= min(rounds, problem.num_global_batches(a))
-                   for a in range(problem.num_adapters)), f"chunk {k} leaves a round open"
+        assert all(
+            finished[a] >= min(rounds, problem.num_global_batches(a))
+            for a in range(problem.num_adapters)
+        ), f"chunk {k} leaves a round open"
 
 
 def test_plan_is_deterministic_for_a_seed():
@@ -143,7 +145,10 @@ def digest(microbatches):
 def _in_subprocess(code: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-c", _PROBLEMS + textwrap.dedent(code)],
-        capture_output=True, text=True, check=True, timeout=300,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
     return out.stdout.split()
 

@@ -74,13 +74,18 @@ def test_simulate_deferred_wgrad_runs_before_its_adapters_step():
     result = simulate(jobs, 2, cost, defer_wgrad=0.5)
     for stage in range(2):
         for job, adapter in ((1, 1), (2, 0)):
-            step = next(e for e in result.events
-                        if e.kind == "O" and e.stage == stage and e.job == job)
-            needed = [e for e in result.events if e.kind == "W" and e.stage == stage
-                      and adapter in jobs[e.job].adapters]
+            step = next(
+                e for e in result.events if e.kind == "O" and e.stage == stage and e.job == job
+            )
+            needed = [
+                e
+                for e in result.events
+                if e.kind == "W" and e.stage == stage and adapter in jobs[e.job].adapters
+            ]
             assert needed, "the stepping adapter's microbatches must have W events"
             assert all(e.end_ms <= step.start_ms for e in needed), (
-                f"stage {stage}: adapter {adapter} steps before its weight gradients")
+                f"stage {stage}: adapter {adapter} steps before its weight gradients"
+            )
 
 
 def test_simulate_rejects_a_wgrad_share_outside_the_unit_interval():
@@ -98,8 +103,11 @@ def _random_stream(seed: int) -> tuple[list[Job], int, CostModel]:
     jobs = []
     for j in range(rng.randint(0, 30)):
         # Now and then an adapter whose last step is too recent: a lemma violation.
-        ready = [a for a in range(adapters)
-                 if last_step.get(a, -stages) <= j - stages or rng.random() < 0.02]
+        ready = [
+            a
+            for a in range(adapters)
+            if last_step.get(a, -stages) <= j - stages or rng.random() < 0.02
+        ]
         if not ready or rng.random() < 0.15:
             jobs.append(Job(0.0, 0.0))
             continue
@@ -107,8 +115,11 @@ def _random_stream(seed: int) -> tuple[list[Job], int, CostModel]:
         steps = tuple(a for a in used if rng.random() < 0.4)
         last_step.update((a, j) for a in steps)
         fwd = rng.uniform(0.1, 5.0)
-        stage_ms = (tuple((rng.uniform(0.1, 5.0), rng.uniform(0.1, 9.0)) for _ in range(stages))
-                    if per_stage else ())
+        stage_ms = (
+            tuple((rng.uniform(0.1, 5.0), rng.uniform(0.1, 9.0)) for _ in range(stages))
+            if per_stage
+            else ()
+        )
         jobs.append(Job(fwd, 2 * fwd, used, steps, used[0], stage_ms))
     return jobs, stages, cost
 
@@ -127,8 +138,10 @@ def test_simulate_makespan_equals_simulate_on_random_streams():
         got = simulate_makespan(jobs, stages, cost)
         assert got == expected, f"seed {seed}: {got} != {expected} (same floats expected)"
         assert simulate_makespan(jobs, stages, cost, beat=expected) == math.inf
-        assert simulate_makespan(jobs, stages, cost, beat=math.nextafter(expected, math.inf)) \
+        assert (
+            simulate_makespan(jobs, stages, cost, beat=math.nextafter(expected, math.inf))
             == expected
+        )
     assert 50 < deadlocks < 1000, f"{deadlocks} lemma violations: both kinds must be tested"
 
 

@@ -17,15 +17,23 @@ def eval_job(tmp_path, adapters: list[dict], steps: int, seed: int, **train) -> 
         spec = dict(spec)
         task = spec.pop("task")
         path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=seed)
-        entries.append({"name": task, "rank": 4, "alpha": 8, "lr": 1e-2, "eval_fraction": 0.2,
-                        "dataset": {"path": str(path)}, **spec})
+        entries.append(
+            {
+                "name": task,
+                "rank": 4,
+                "alpha": 8,
+                "lr": 1e-2,
+                "eval_fraction": 0.2,
+                "dataset": {"path": str(path)},
+                **spec,
+            }
+        )
     job = {
         "model": {"preset": "tiny", "num_layers": 1},
         "adapters": entries,
         "data": {"max_seq_length": 48},
         "planner": {"solver": "greedy", "token_capacity": 96},
-        "train": {"steps": steps, "device": "cpu", "output_dir": str(tmp_path / "out"),
-                  **train},
+        "train": {"steps": steps, "device": "cpu", "output_dir": str(tmp_path / "out"), **train},
         "logging": {"progress_bar": False},
     }
     path = tmp_path / "job.yaml"

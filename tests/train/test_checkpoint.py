@@ -68,15 +68,26 @@ def test_checkpoint_save_restore_round_trip(tmp_path):
     position, digest = Checkpointer(tmp_path, {}).restore(folder, [run], fresh_optimizer, fresh)
     assert (position, digest, run.pending_loss) == (7, "digest", 0.25)
     for name, value in lora.adapter_tensors(0).items():
-        torch.testing.assert_close(fresh.adapter_tensors(0)[name], value, atol=0, rtol=0,
-                                   msg=f"{name} not restored")
-    torch.testing.assert_close(fresh.adapter_grads(0)["l.lora_A"], torch.ones(2, 3), atol=0,
-                               rtol=0, msg="accumulated gradient not restored")
+        torch.testing.assert_close(
+            fresh.adapter_tensors(0)[name], value, atol=0, rtol=0, msg=f"{name} not restored"
+        )
+    torch.testing.assert_close(
+        fresh.adapter_grads(0)["l.lora_A"],
+        torch.ones(2, 3),
+        atol=0,
+        rtol=0,
+        msg="accumulated gradient not restored",
+    )
     assert not fresh.adapter_grads(0)["l.lora_B"].any(), "a zero gradient must stay zero"
     assert fresh_optimizer.steps == [1], "the adapter's step count must be restored"
     for key in ("exp_avg", "exp_avg_sq"):
-        torch.testing.assert_close(getattr(fresh_optimizer, key), getattr(optimizer, key),
-                                   atol=0, rtol=0, msg=f"{key} not restored")
+        torch.testing.assert_close(
+            getattr(fresh_optimizer, key),
+            getattr(optimizer, key),
+            atol=0,
+            rtol=0,
+            msg=f"{key} not restored",
+        )
 
 
 def test_checkpoint_unfinished_write_is_never_picked(tmp_path):
@@ -110,14 +121,28 @@ def test_merge_tp_inverts_megatron_split(stride):
     full = torch.arange(48.0).reshape(12, 4)
     tp = 2
     shards = [torch.cat(full.chunk(tp * stride, dim=0)[r::tp]) for r in range(tp)]
-    torch.testing.assert_close(_merge_tp(shards, 0, stride), full, atol=0, rtol=0,
-                               msg="TP shards must merge back into the full tensor")
+    torch.testing.assert_close(
+        _merge_tp(shards, 0, stride),
+        full,
+        atol=0,
+        rtol=0,
+        msg="TP shards must merge back into the full tensor",
+    )
 
 
-TP_MODEL = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                       num_query_groups=2, vocab_size=260, max_position_embeddings=64)
-TP_ADAPTERS = [AdapterConfig(name="a", rank=4), AdapterConfig(name="b", rank=2,
-                                                               target_modules=["linear_fc1"])]
+TP_MODEL = ModelConfig(
+    num_layers=1,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=260,
+    max_position_embeddings=64,
+)
+TP_ADAPTERS = [
+    AdapterConfig(name="a", rank=4),
+    AdapterConfig(name="b", rank=2, target_modules=["linear_fc1"]),
+]
 
 
 def _filled(lora):
@@ -138,8 +163,9 @@ def _tp_worker(rank, workdir):
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(workdir, "store"), 2),
-                            rank=rank, world_size=2)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(workdir, "store"), 2), rank=rank, world_size=2
+    )
     try:
         parallel_state.initialize_model_parallel(2, 1)
         lora = apply_lora(build_gpt_model(TP_MODEL), TP_ADAPTERS, seed=1)
@@ -156,9 +182,14 @@ def _tp_worker(rank, workdir):
             lora.load_adapter_state_dict(a, shard)
         runs = [AdapterRun(adapter.name, [1] * 4) for adapter in TP_ADAPTERS]
         optimizer = AdapterAdamW(lora, TP_ADAPTERS, total_steps=[4] * len(TP_ADAPTERS))
-        Checkpointer(os.path.join(workdir, "ckpt"), {}, tp_rank=rank, tp_size=2,
-                     coordinator=rank == 0, barrier=dist.barrier).save(3, "d", runs, optimizer,
-                                                                      lora)
+        Checkpointer(
+            os.path.join(workdir, "ckpt"),
+            {},
+            tp_rank=rank,
+            tp_size=2,
+            coordinator=rank == 0,
+            barrier=dist.barrier,
+        ).save(3, "d", runs, optimizer, lora)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
@@ -180,8 +211,13 @@ def test_checkpoint_tp2_shards_merge_to_full_tensors(megatron_single_process, tm
     for name, tensors in full.items():
         assert merged[name].keys() == tensors.keys()
         for key, value in tensors.items():
-            torch.testing.assert_close(merged[name][key], value, atol=0, rtol=0,
-                                       msg=f"{name} {key}: TP shards do not merge back")
+            torch.testing.assert_close(
+                merged[name][key],
+                value,
+                atol=0,
+                rtol=0,
+                msg=f"{name} {key}: TP shards do not merge back",
+            )
 
 
 def test_checkpoint_same_point_of_another_job_is_replaced(tmp_path):
@@ -210,8 +246,9 @@ def test_checkpoint_with_non_finite_weights_is_refused(tmp_path):
     run, fresh_optimizer = _run(fresh)
     with pytest.raises(CheckpointError, match=r"NaN or infinite values in x\.tensors\.l\.lora_B"):
         Checkpointer(tmp_path, {}).restore(folder, [run], fresh_optimizer, fresh)
-    torch.testing.assert_close(fresh.weights, before, atol=0, rtol=0,
-                               msg="a refused checkpoint must load nothing")
+    torch.testing.assert_close(
+        fresh.weights, before, atol=0, rtol=0, msg="a refused checkpoint must load nothing"
+    )
 
 
 class _Payload:

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig, ModelConfig
 from megatron_lorafusion.train import peft_state_dict, write_peft_folder
 
-MODEL = ModelConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
-                    num_query_groups=2)  # 4 heads of 16 in 2 groups
+MODEL = ModelConfig(
+    num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2
+)  # 4 heads of 16 in 2 groups
 HEAD = MODEL.hidden_size // MODEL.num_attention_heads
 QKV_OUT = (MODEL.num_attention_heads + 2 * MODEL.num_query_groups) * HEAD
 # dtype -> tolerances of the same LoRA model in Megatron and in transformers/peft (issue 6).
@@ -20,10 +21,12 @@ LENGTHS = (9, 14, 11, 6)  # samples of adapters 0, 0, 1, 1 in one packed microba
 
 def _megatron_state(rank):
     state = {}
-    outs = {"self_attention.linear_qkv": (MODEL.hidden_size, QKV_OUT),
-            "self_attention.linear_proj": (MODEL.hidden_size, MODEL.hidden_size),
-            "mlp.linear_fc1": (MODEL.hidden_size, 2 * MODEL.ffn_hidden_size),
-            "mlp.linear_fc2": (MODEL.ffn_hidden_size, MODEL.hidden_size)}
+    outs = {
+        "self_attention.linear_qkv": (MODEL.hidden_size, QKV_OUT),
+        "self_attention.linear_proj": (MODEL.hidden_size, MODEL.hidden_size),
+        "mlp.linear_fc1": (MODEL.hidden_size, 2 * MODEL.ffn_hidden_size),
+        "mlp.linear_fc2": (MODEL.ffn_hidden_size, MODEL.hidden_size),
+    }
     for layer in range(MODEL.num_layers):
         for module, (fan_in, fan_out) in outs.items():
             state[f"decoder.layers.{layer}.{module}.lora_A"] = torch.randn(rank, fan_in)
@@ -36,8 +39,12 @@ def test_export_names_and_shapes():
     out = peft_state_dict(_megatron_state(rank), MODEL, list(FUSED_LINEARS))
     prefix = "base_model.model.model.layers.1"
     shapes = {
-        "self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64),
-        "self_attn.o_proj": (64, 64), "mlp.gate_proj": (176, 64), "mlp.up_proj": (176, 64),
+        "self_attn.q_proj": (64, 64),
+        "self_attn.k_proj": (32, 64),
+        "self_attn.v_proj": (32, 64),
+        "self_attn.o_proj": (64, 64),
+        "mlp.gate_proj": (176, 64),
+        "mlp.up_proj": (176, 64),
         "mlp.down_proj": (64, 176),
     }
     for module, (fan_out, fan_in) in shapes.items():
@@ -66,9 +73,16 @@ def test_export_folder_is_loadable_by_peft(tmp_path):
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["r"] == 4
     assert config["lora_alpha"] == 8
-    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=MODEL.vocab_size, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2))
+    base = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=MODEL.vocab_size,
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     model = peft.PeftModel.from_pretrained(base, str(folder))
     saved = load_file(str(folder / "adapter_model.safetensors"))
     loaded = peft.get_peft_model_state_dict(model)
@@ -94,43 +108,68 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
     adapters = []
     for task, rank, targets in (("sort", 4, None), ("add", 2, ["linear_qkv", "linear_fc1"])):
         path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
-        adapters.append({"name": task, "rank": rank, "alpha": 8, "dropout": 0.1, "lr": 2e-2,
-                         "global_batch_size": 4, "dataset": {"path": str(path)},
-                         **({"target_modules": targets} if targets else {})})
-    job = {"model": {"hf_path": str(base)}, "adapters": adapters,
-           "data": {"tokenizer": "byte", "max_seq_length": 48},
-           "planner": {"solver": "greedy", "token_capacity": 96},
-           "train": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run")},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "rank": rank,
+                "alpha": 8,
+                "dropout": 0.1,
+                "lr": 2e-2,
+                "global_batch_size": 4,
+                "dataset": {"path": str(path)},
+                **({"target_modules": targets} if targets else {}),
+            }
+        )
+    job = {
+        "model": {"hf_path": str(base)},
+        "adapters": adapters,
+        "data": {"tokenizer": "byte", "max_seq_length": 48},
+        "planner": {"solver": "greedy", "token_capacity": 96},
+        "train": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run")},
+        "logging": {"progress_bar": False},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
     train_main(cfg)
-    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"),
-                     "--merge"]) == 0
+    assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--merge"]) == 0
     newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
-    assert cli_main(["export", str(newest), "--out", str(tmp_path / "y"), "--adapters",
-                     "add"]) == 0, "one checkpoint folder, one adapter"
-    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == [".lorafusion-export.json",
-                                                                  "add"]
+    assert (
+        cli_main(["export", str(newest), "--out", str(tmp_path / "y"), "--adapters", "add"]) == 0
+    ), "one checkpoint folder, one adapter"
+    assert sorted(p.name for p in (tmp_path / "y").iterdir()) == [".lorafusion-export.json", "add"]
 
     ours = _imported_lora_logits(cfg, tmp_path / "run", LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
-        expected = torch.cat([ours["logits"][sl] for sl, owner in
-                              zip(ours["slices"], ours["owners"], strict=True) if owner == a])
+        expected = torch.cat(
+            [
+                ours["logits"][sl]
+                for sl, owner in zip(ours["slices"], ours["owners"], strict=True)
+                if owner == a
+            ]
+        )
         mine = [s for s, owner in zip(samples, ours["owners"], strict=True) if owner == a]
         assert (expected - hf_logits(_fresh(transformers, base), mine)).abs().max() > 1e-3, (
-            f"{adapter.name}: training must have moved the logits")
-        with_peft = peft.PeftModel.from_pretrained(_fresh(transformers, base),
-                                                   str(tmp_path / "x" / adapter.name)).eval()
-        torch.testing.assert_close(hf_logits(with_peft, mine), expected,
-                                   **TOL_LOGITS[torch.float32],
-                                   msg=f"{adapter.name}: peft logits differ from ours")
+            f"{adapter.name}: training must have moved the logits"
+        )
+        with_peft = peft.PeftModel.from_pretrained(
+            _fresh(transformers, base), str(tmp_path / "x" / adapter.name)
+        ).eval()
+        torch.testing.assert_close(
+            hf_logits(with_peft, mine),
+            expected,
+            **TOL_LOGITS[torch.float32],
+            msg=f"{adapter.name}: peft logits differ from ours",
+        )
         merged = transformers.AutoModelForCausalLM.from_pretrained(
-            str(tmp_path / "x" / f"{adapter.name}-merged")).eval()
-        torch.testing.assert_close(hf_logits(merged, mine), expected,
-                                   **TOL_LOGITS[torch.float32],
-                                   msg=f"{adapter.name}: merged logits differ from ours")
+            str(tmp_path / "x" / f"{adapter.name}-merged")
+        ).eval()
+        torch.testing.assert_close(
+            hf_logits(merged, mine),
+            expected,
+            **TOL_LOGITS[torch.float32],
+            msg=f"{adapter.name}: merged logits differ from ours",
+        )
 
 
 def _fresh(transformers, base):
@@ -148,8 +187,9 @@ def _imported_lora_logits(cfg, run_dir, lengths):
     from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
 
     owners = [0, 0, 1, 1]
-    ids = torch.randint(0, cfg.model.vocab_size, (sum(lengths),),
-                        generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        0, cfg.model.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(5)
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(1, 1)
@@ -162,8 +202,13 @@ def _imported_lora_logits(cfg, run_dir, lengths):
         layout = AdapterLayout.from_samples(owners, list(lengths), len(cfg.adapters))
         lora.layout = layout
         cu = layout.cu_seqlens
-        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        params = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            max_seqlen_q=max(lengths),
+            max_seqlen_kv=max(lengths),
+        )
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         with torch.no_grad():
             logits = model(ids[None], positions, None, packed_seq_params=params)[0]
