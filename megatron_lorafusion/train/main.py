@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -39,7 +40,13 @@ from megatron_lorafusion.train.evaluate import (
 )
 from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
 from megatron_lorafusion.train.loop import AdapterRun, run_plan
-from megatron_lorafusion.train.metrics import MetricsWriter, read_metrics
+from megatron_lorafusion.train.metrics import (
+    MetricsWriter,
+    ProgressBar,
+    job_summary,
+    plan_summary,
+    read_metrics,
+)
 from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
 from megatron_lorafusion.train.resume import make_resume_session
 
@@ -89,7 +96,8 @@ def prepare_problem(
 
 
 def checked_stream(planner: Iterable[Plan], problem: PlanProblem,
-                   agree: Callable[[str], None] | None = None) -> Iterator[Microbatch]:
+                   agree: Callable[[str], None] | None = None,
+                   on_first: Callable[[Plan], None] | None = None) -> Iterator[Microbatch]:
     """The planner's microbatches, each chunk verified before any of it runs.
 
     Args:
@@ -99,6 +107,7 @@ def checked_stream(planner: Iterable[Plan], problem: PlanProblem,
             is yielded: every rank reads its first microbatch before any communication, so a
             collective there (`check_same_across_ranks`) stops ranks that planned other
             samples (other data behind the same path, another planner) before they train.
+        on_first: called with the first chunk before anything is yielded (its summary).
 
     Raises:
         PlanError: when a chunk breaks capacity, coverage or the bubble lemma.
@@ -107,6 +116,8 @@ def checked_stream(planner: Iterable[Plan], problem: PlanProblem,
     for index, chunk in enumerate(planner):
         if index == 0 and agree is not None:
             agree(repr((problem, chunk.microbatches)))
+        if index == 0 and on_first is not None:
+            on_first(chunk)
         verifier.feed(chunk.microbatches)
         yield from chunk.microbatches
     verifier.finish()
@@ -153,10 +164,48 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
     return cfg.parallel.tp
 
 
+def _counted(stream: Iterable[Microbatch], counts: dict[str, float]) -> Iterator[Microbatch]:
+    """The stream, adding its microbatches and their tokens to ``counts``."""
+    for microbatch in stream:
+        counts["microbatches"] += 1
+        counts["tokens"] += microbatch.tokens
+        yield microbatch
+
+
+def _run_record(counts: dict[str, float], capacity: int, start: float,
+                bubble: float | None = None) -> dict[str, float]:
+    """Run-wide metrics: tokens/s (planned tokens computed), microbatches, fill, bubble."""
+    record = {"tokens_per_s": counts["tokens"] / max(time.perf_counter() - start, 1e-9),
+              "microbatches": counts["microbatches"],
+              "fill": counts["tokens"] / max(counts["microbatches"] * capacity, 1)}
+    if bubble is not None:
+        record["bubble"] = bubble
+    return record
+
+
+def _measured_bubble(events, groups, sizes: dict[str, int], device: torch.device) -> float:
+    """Mean over stages of each stage's idle share of its span (a collective over the world).
+
+    Each stage's first TP/DP rank contributes its own busy time and span (first operation's
+    start to last operation's end, from `run_pipeline(record_events=True)`).
+    """
+    import torch.distributed as dist
+
+    stages = torch.zeros(2, groups.num_stages, dtype=torch.float64)
+    if events and sizes["tp_rank"] == 0 and groups.dp_rank == 0:
+        stages[0, groups.stage] = sum(e.compute_s for e in events)
+        stages[1, groups.stage] = max(e.end_s for e in events) - min(e.start_s for e in events)
+    stages = stages.to(device)
+    dist.all_reduce(stages)
+    busy, span = stages.cpu()
+    idle = [1.0 - b / t for b, t in zip(busy.tolist(), span.tolist(), strict=True) if t > 0]
+    return sum(idle) / max(len(idle), 1)
+
+
 def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
                    runs: list[AdapterRun], optimizer: AdapterAdamW, groups,
                    device: torch.device, session, shards: int, evaluator: Evaluator,
-                   on_step=None) -> None:
+                   metrics: MetricsWriter, sizes: dict[str, int], on_step=None) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
     The stream is cut at the checkpoint points and after the microbatches that finish an
@@ -176,14 +225,19 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
     def evaluated(finishes, steps) -> bool:
         return any(evaluator.is_due(a, steps[a], len(runs[a].batch_tokens)) for a in finishes)
 
+    counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
     for first_index, segment in session.segments(stream, evaluated):
-        run_pipeline(segment, forward, make_batch, runs, optimizer, lora.grads, groups,
-                     global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
-                     hidden_size=cfg.model.hidden_size,
-                     activation_dtype=_DTYPES[cfg.train.precision], device=device,
-                     first_index=first_index, sequence_shards=shards,
-                     wgrad_queue=lora.wgrad_queue, on_step=on_step,
-                     log_every=cfg.logging.log_every)
+        events = run_pipeline(_counted(segment, counts), forward, make_batch, runs, optimizer,
+                              lora.grads, groups,
+                              global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
+                              hidden_size=cfg.model.hidden_size,
+                              activation_dtype=_DTYPES[cfg.train.precision], device=device,
+                              first_index=first_index, sequence_shards=shards,
+                              wgrad_queue=lora.wgrad_queue, on_step=on_step,
+                              log_every=cfg.logging.log_every, record_events=True)
+        bubble = _measured_bubble(events, groups, sizes, device)  # of this segment
+        metrics.log_run(sum(run.step for run in runs),
+                        _run_record(counts, cfg.planner.token_capacity, start, bubble))
         evaluator.run_due()  # before the checkpoint, as in one process
         if session.at_save_point:
             session.save()
@@ -231,10 +285,11 @@ def _metrics_records(out: Path) -> list[dict]:
 
 
 def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: AdapterAdamW,
-                session):
-    """``(on_step, on_microbatch)``: metrics per step; evaluations before each checkpoint."""
+                session, bar: ProgressBar, runs: list[AdapterRun]):
+    """``(on_step, on_microbatch)``: metrics and bar per step, evaluations before checkpoints."""
 
     def on_step(a: int, run: AdapterRun) -> None:
+        bar.step(run.batch_tokens[run.step - 1], {r.name: r.losses[-1] for r in runs if r.losses})
         stopped = a in optimizer.stopped
         norm = None if stopped or not metrics.enabled else optimizer.grad_norm(a)
         metrics.log_step(a, run.step, loss=run.losses[-1],
@@ -287,7 +342,21 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
     datasets, held = split_eval_datasets(cfg, datasets, tokenizer)
     problem, orders, batch_tokens = prepare_problem(cfg, datasets)
+    rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's; a plain run is rank 0
+    if rank0:  # the first screen, before the model is built (seconds on a real model)
+        logger.info("%s", job_summary(cfg, problem, int(os.environ.get("WORLD_SIZE", "1"))))
+    # Planned while the model builds: the whole run is planned before its first chunk.
+    planner = BackgroundPlanner(problem, solver=cfg.planner.solver,
+                                time_limit_s=cfg.planner.time_limit_s)
+    try:
+        return _train(cfg, datasets, held, problem, orders, batch_tokens, planner, rank0)
+    finally:
+        planner.close()
 
+
+def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_tokens,
+           planner: BackgroundPlanner, rank0: bool) -> dict[str, list[float]]:
+    """`main` once the data is read and the planner started: build, train, export."""
     from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.parallel import (
         destroy_model_parallel,
@@ -352,24 +421,35 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
                                                                  sizes["pp_rank"]))
         if first:
             evaluator.restore(_metrics_records(out), [run.step for run in runs])
-        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session)
+        bar = ProgressBar(sum(len(t) for t in batch_tokens), sum(run.step for run in runs),
+                          enabled=cfg.logging.progress_bar and _writes_metrics(sizes, groups))
+        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, bar, runs)
         model.train()
         agree = None if sizes["world"] == 1 else _plans_agree
+
+        def on_first(chunk: Plan) -> None:
+            if rank0:
+                steps = sum(len(mb.finishes) for mb in chunk.microbatches)
+                logger.info("%s", plan_summary(chunk, problem, first_chunk=steps < sum(
+                    len(t) for t in batch_tokens)))
+
         try:
-            with BackgroundPlanner(problem, solver=cfg.planner.solver,
-                                   time_limit_s=cfg.planner.time_limit_s) as planner:
-                stream = checked_stream(planner, problem, agree)
-                if groups is None:
-                    run_plan(session.stream(stream), forward, make_batch, runs, optimizer,
-                             progress_bar=cfg.logging.progress_bar and is_writer,
-                             log_every=cfg.logging.log_every, first_index=first,
-                             on_step=on_step, on_microbatch=on_microbatch)
-                else:
-                    _run_pipelined(cfg, stream, model, lora, make_batch, runs, optimizer,
-                                   groups, device, session, shards, evaluator, on_step)
+            stream = checked_stream(planner, problem, agree, on_first)
+            if groups is None:
+                counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
+                run_plan(_counted(session.stream(stream), counts), forward, make_batch, runs,
+                         optimizer, progress_bar=False, log_every=cfg.logging.log_every,
+                         first_index=first, on_step=on_step, on_microbatch=on_microbatch)
+                metrics.log_run(sum(run.step for run in runs),
+                                _run_record(counts, cfg.planner.token_capacity, start))
+            else:
+                _run_pipelined(cfg, stream, model, lora, make_batch, runs, optimizer, groups,
+                               device, session, shards, evaluator, metrics, sizes, on_step)
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run stopped
             steps = ", ".join(f"{run.name} {run.step}" for run in runs)
             raise type(stop)(f"step {min(run.step for run in runs)} ({steps})") from None
+        finally:
+            bar.close()
         metrics.close()
         session.save()  # every rank writes its shard (a no-op after a pipelined run's last)
         states = _full_adapter_states(lora, sizes)

@@ -7,6 +7,11 @@ first TP/DP rank of a pipelined one). Each optimizer step of an adapter appends 
 go to TensorBoard as ``loss/<adapter>``, ``lr/<adapter>``, ``eval_loss/<adapter>``, ...
 (`torch.utils.tensorboard.SummaryWriter`, under ``<output_dir>/tensorboard/``). A resumed run
 appends: readers keep the last record of each (adapter, step, kind) (`read_metrics`).
+Run-wide records (``"adapter": null``: tokens/s, microbatches, fill, measured bubble) are
+written once per checkpoint segment and at the end (`MetricsWriter.log_run`).
+
+It also holds what a run says on its first screen (`job_summary`, `plan_summary`) and the
+progress bar of every kind of run (`ProgressBar`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,16 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from tqdm import tqdm
 
-__all__ = ["MetricsWriter", "read_metrics"]
+if TYPE_CHECKING:
+    from megatron_lorafusion.config import JobConfig
+    from megatron_lorafusion.planner import Plan, PlanProblem
+
+__all__ = ["MetricsWriter", "ProgressBar", "job_summary", "plan_summary", "read_metrics"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +178,75 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         kind = "eval" if "eval_loss" in record else "step"
         latest[(record.get("adapter"), record["step"], kind)] = record
     return list(latest.values())
+
+
+def job_summary(cfg: JobConfig, problem: PlanProblem, world_size: int) -> str:
+    """The job on one screen: model, adapters, parallel layout, capacity, output folder."""
+    m = cfg.model
+    source = m.hf_path or (f"preset {m.preset}" if m.preset else "random weights")
+    tp, pp = cfg.parallel.tp, cfg.parallel.pp
+    lines = [
+        f"model: {source} | {m.num_layers} layers, hidden {m.hidden_size}, ffn "
+        f"{m.ffn_hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} | "
+        f"{cfg.train.precision} on {cfg.train.device}",
+        f"parallel: tp {tp} x pp {pp} x dp {max(world_size // (tp * pp), 1)} "
+        f"({world_size} process{'es' if world_size > 1 else ''}) | token capacity "
+        f"{cfg.planner.token_capacity} per microbatch | planner {cfg.planner.solver}",
+        f"{'adapter':<16} {'rank':>4} {'alpha':>6} {'dropout':>7} {'lr':>8} {'batch':>5} "
+        f"{'samples':>8} {'steps':>5}",
+    ]
+    for a, adapter in enumerate(cfg.adapters):
+        lines.append(
+            f"{adapter.name[:16]:<16} {adapter.rank:>4} {adapter.alpha:>6g} "
+            f"{adapter.dropout:>7g} {adapter.lr:>8.1e} {adapter.global_batch_size:>5} "
+            f"{len(problem.lengths[a]):>8} {problem.num_global_batches(a):>5}")
+    lines.append(f"output: {cfg.train.output_dir}")
+    return "\n".join(lines)
+
+
+def plan_summary(plan: Plan, problem: PlanProblem, first_chunk: bool) -> str:
+    """Microbatches, fill and the simulated bubble of a plan (or of its first chunk)."""
+    from megatron_lorafusion.planner import CostModel, simulate
+    from megatron_lorafusion.planner.baselines import plan_jobs
+
+    mbs = plan.microbatches
+    idle = sum(mb.is_idle for mb in mbs)
+    fill = sum(mb.tokens for mb in mbs) / max(len(mbs) * problem.capacity, 1)
+    bubble = simulate(plan_jobs(plan, CostModel()), problem.num_stages, CostModel()).bubble_ratio
+    what = "first chunk" if first_chunk else "whole"
+    return (f"plan ({what}): {len(mbs)} microbatches ({idle} idle), fill {100 * fill:.1f}%, "
+            f"simulated bubble {100 * bubble:.1f}% at {problem.num_stages} "
+            f"stage{'s' if problem.num_stages > 1 else ''}")
+
+
+class ProgressBar:
+    """A tqdm bar over every adapter's optimizer steps, with tokens/s (ETA in steps).
+
+    Args:
+        total_steps: optimizer steps of all adapters in the run.
+        done_steps: those already taken (a resumed run).
+        enabled: this rank shows the bar (the rank that sees the losses).
+    """
+
+    def __init__(self, total_steps: int, done_steps: int, *, enabled: bool):
+        self.total, self.done, self.enabled = total_steps, done_steps, enabled
+        self.bar: tqdm | None = None  # drawn at the first step, below the start-up lines
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def step(self, tokens: int, losses: dict[str, float]) -> None:
+        """One adapter stepped on a global batch of ``tokens`` trained tokens."""
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=self.done, desc="train", unit="step",
+                            disable=not self.enabled)
+        self.tokens += tokens
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        postfix = {"tok/s": f"{rate / 1e3:.1f}k"}
+        postfix.update({name: f"{loss:.3f}" for name, loss in losses.items()})
+        self.bar.set_postfix(postfix, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        """Close the bar."""
+        if self.bar is not None:
+            self.bar.close()

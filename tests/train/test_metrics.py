@@ -5,8 +5,8 @@ import json
 import pytest
 from eval_testing import eval_job
 
-from megatron_lorafusion.train.main import main
-from megatron_lorafusion.train.metrics import read_metrics
+from megatron_lorafusion.train.main import main, prepare_problem
+from megatron_lorafusion.train.metrics import job_summary, plan_summary, read_metrics
 
 STEPS = 4
 
@@ -33,6 +33,11 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
         evals = [r["step"] for r in lines if r["adapter"] == name and "eval_loss" in r]
         assert evals == [2, 4], f"{name}: eval_every=2 over {STEPS} steps, got {evals}"
     assert len(read_metrics(out)) == len(lines), "one run: no repeated records"
+    runs = [r for r in lines if r["adapter"] is None]
+    assert len(runs) == 1, f"one run-wide record at the end: {runs}"
+    assert runs[0]["microbatches"] > 0, runs
+    assert runs[0]["tokens_per_s"] > 0, runs
+    assert 0 < runs[0]["fill"] <= 1, runs
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
@@ -42,3 +47,29 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
         assert f"eval_loss/{name}" in tags, tags
         values = [e.value for e in acc.Scalars(f"loss/{name}")]
         assert values == pytest.approx(curve), f"{name}: TensorBoard loss series differs"
+
+
+def test_job_summary_and_plan_summary_name_the_job(tmp_path):
+    from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer
+    from megatron_lorafusion.planner import plan_microbatches
+
+    cfg = _job(tmp_path)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
+    problem, _, _ = prepare_problem(cfg, datasets)
+    text = job_summary(cfg, problem, world_size=1)
+    assert "preset tiny" in text, text
+    assert "tp 1 x pp 1 x dp 1" in text, text
+    assert f"token capacity {cfg.planner.token_capacity}" in text, text
+    assert str(cfg.train.output_dir) in text, text
+    for a, adapter in enumerate(cfg.adapters):
+        row = next(line for line in text.splitlines() if line.startswith(adapter.name))
+        assert row.split()[1:] == [str(adapter.rank), f"{adapter.alpha:g}",
+                                   f"{adapter.dropout:g}", f"{adapter.lr:.1e}",
+                                   str(adapter.global_batch_size),
+                                   str(len(problem.lengths[a])), str(STEPS)], row
+    plan = plan_microbatches(problem, solver="greedy")
+    line = plan_summary(plan, problem, first_chunk=False)
+    assert line.startswith(f"plan (whole): {len(plan.microbatches)} microbatches"), line
+    assert "fill" in line, line
+    assert "simulated bubble" in line, line
