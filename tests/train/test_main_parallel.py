@@ -6,7 +6,7 @@ weights must match, gradient clipping included (its norm spans the replicas' sum
 gradients and the TP shards); PP = 2 plans for two stages (another stream), so it must export every
 layer of every adapter, trained. (Weight equality under PP is `tests/pipeline/test_runner.py`'s,
 on a shared plan.) At PP = 2, full activation recompute must export the weights of none.
-Evaluation and early stopping run at DP = 2 (equal to one process) and PP = 2.
+Evaluation and early stopping run at DP = 2 and TP = 2 (equal to one process) and PP = 2.
 """
 
 import json
@@ -113,10 +113,10 @@ def _evals(out) -> dict[str, list[tuple[int, float]]]:
 
 
 @pytest.mark.slow
-def test_torchrun_dp2_and_pp2_evaluate_and_stop_early(tmp_path):
-    """Eval and early stopping: DP = 2 equals one process (same plan: same eval losses, same
-    stop, same exports); PP = 2 evaluates every step through the pipeline and exports the
-    best weights its stages saved."""
+def test_torchrun_dp2_tp2_and_pp2_evaluate_and_stop_early(tmp_path):
+    """Eval and early stopping: DP = 2 and TP = 2 equal one process (same plan: same eval
+    losses, same stop, same exports); PP = 2 evaluates every step through the pipeline and
+    exports the best weights its stages saved."""
     # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early
     # (one layer; test_evaluate's job).
     adapters = [{"task": "sort", "lr_schedule": "constant", "global_batch_size": 4,
@@ -126,25 +126,28 @@ def test_torchrun_dp2_and_pp2_evaluate_and_stop_early(tmp_path):
     eval_job(tmp_path, adapters, 4, seed=4, eval_every=1)
     raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
     jobs = {}
-    for out, parallel in {"one": {}, "dp2": {}, "pp2": {"pp": 2}}.items():
+    for out, parallel in {"one": {}, "dp2": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}.items():
         raw["train"]["output_dir"] = str(tmp_path / out)
         raw["parallel"] = parallel
         raw["model"]["num_layers"] = parallel.get("pp", 1)  # one per stage
         jobs[out] = tmp_path / f"{out}.yaml"
         jobs[out].write_text(yaml.safe_dump(raw))
     main(load_config(jobs["one"]))
-    _torchrun(str(jobs["dp2"]))
-    _torchrun(str(jobs["pp2"]))
-    one, dp2, pp2 = (_evals(tmp_path / out) for out in ("one", "dp2", "pp2"))
+    for out in ("dp2", "tp2", "pp2"):
+        _torchrun(str(jobs[out]))
+    one, pp2 = _evals(tmp_path / "one"), _evals(tmp_path / "pp2")
     assert len(one["wild"]) < 4, f"wild must stop early in one process: {one['wild']}"
-    for name, expected in one.items():
-        assert [s for s, _ in dp2[name]] == [s for s, _ in expected], f"{name}: eval steps"
-        assert [v for _, v in dp2[name]] == pytest.approx([v for _, v in expected], rel=1e-5), (
-            f"{name}: DP = 2 eval losses != one process")
-        one_w, dp2_w = (_exported(tmp_path, out, name) for out in ("one", "dp2"))
-        for key, value in one_w.items():
-            torch.testing.assert_close(dp2_w[key], value, **TOL[torch.float32],
-                                       msg=f"{name} {key}: DP = 2 export != one process")
+    for out, tol in (("dp2", TOL), ("tp2", TP_TOL)):  # TP: best weights gathered from shards
+        evals = _evals(tmp_path / out)
+        for name, expected in one.items():
+            assert [s for s, _ in evals[name]] == [s for s, _ in expected], f"{out} {name}"
+            assert [v for _, v in evals[name]] == pytest.approx(
+                [v for _, v in expected], rel=tol[torch.float32]["rtol"]), (
+                f"{name}: {out} eval losses != one process")
+            theirs = _exported(tmp_path, out, name)
+            for key, value in _exported(tmp_path, "one", name).items():
+                torch.testing.assert_close(theirs[key], value, **tol[torch.float32],
+                                           msg=f"{name} {key}: {out} export != one process")
     assert [s for s, _ in pp2["sort"]] == [1, 2, 3, 4], pp2["sort"]
     steps = [s for s, _ in pp2["wild"]]
     assert steps == list(range(1, len(steps) + 1)), f"wild at PP = 2: {pp2['wild']}"
