@@ -34,7 +34,11 @@ def _unshard(shards: list[torch.Tensor], factor: str, stride: int) -> torch.Tens
 
 
 def gather_adapter_states(
-    lora, *, tp_rank: int, tp_size: int, dp_rank: int,
+    lora,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dp_rank: int,
     local: list[dict[str, torch.Tensor] | None] | None = None,
 ) -> list[dict[str, torch.Tensor]] | None:
     """Every adapter's full state dict on global rank 0 (a collective over the world).

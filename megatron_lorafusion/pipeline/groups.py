@@ -93,8 +93,10 @@ def make_pipeline_groups(
     forward_group = backward_group = norm_group = dp_group = None
     # new_group is collective over the world: every rank creates every group, same order.
     for ranks in _groups_of_all_ranks(pp_ranks):
-        fwd, bwd, norm = (dist.new_group(list(ranks), timeout=timeout,
-                                         use_local_synchronization=False) for _ in range(3))
+        fwd, bwd, norm = (
+            dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=False)
+            for _ in range(3)
+        )
         if ranks == tuple(pp_ranks):
             forward_group, backward_group, norm_group = fwd, bwd, norm
     for ranks in _groups_of_all_ranks(dp_ranks):

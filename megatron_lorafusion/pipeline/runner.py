@@ -81,8 +81,9 @@ class AdapterOptimizer(Protocol):
     def squared_norms(self) -> torch.Tensor:
         """(A,) squared gradient norms of this rank's rows (summed over its TP peers)."""
 
-    def step(self, adapter_ids: Iterable[int], *,
-             squared_norms: torch.Tensor | None = None) -> None:
+    def step(
+        self, adapter_ids: Iterable[int], *, squared_norms: torch.Tensor | None = None
+    ) -> None:
         """Step these adapters (their rows of the gradient table) and zero their gradients.
 
         ``squared_norms``: (A,) over every stage, when the step reads norms under PP > 1.
@@ -93,6 +94,7 @@ class AdapterOptimizer(Protocol):
 
     def check_losses(self, losses: dict[int, float]) -> None:
         """Raise when a loss about to be stepped on is NaN or infinite (names the adapter)."""
+
 
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
 """``(batch, input hidden (T, 1, H) or None on stage 0) -> output``: hidden states
@@ -167,10 +169,26 @@ def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch])
 class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
-    def __init__(self, forward, make_batch, adapters, optimizer, grads, groups, *,
-                 global_batch_sizes,
-                 hidden_size, activation_dtype, device, on_step, record_events, first_index,
-                 sequence_shards, wgrad_queue, log_every):
+    def __init__(
+        self,
+        forward,
+        make_batch,
+        adapters,
+        optimizer,
+        grads,
+        groups,
+        *,
+        global_batch_sizes,
+        hidden_size,
+        activation_dtype,
+        device,
+        on_step,
+        record_events,
+        first_index,
+        sequence_shards,
+        wgrad_queue,
+        log_every,
+    ):
         self.forward, self.make_batch = forward, make_batch
         self.log_every = log_every
         self.sequence_shards = sequence_shards
@@ -179,8 +197,11 @@ class _Runner:
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
         # A global batch begun in an earlier call (segment) continues its loss sum.
-        self.state = _State(loss_sums=copy_to_device(
-            torch.tensor([run.pending_loss for run in adapters], dtype=torch.float64), device))
+        self.state = _State(
+            loss_sums=copy_to_device(
+                torch.tensor([run.pending_loss for run in adapters], dtype=torch.float64), device
+            )
+        )
         self.first_index = first_index
         self.t0, self.wall0 = time.perf_counter(), time.time()
         self.record_events = record_events
@@ -193,8 +214,15 @@ class _Runner:
         mark.record()
         return mark
 
-    def _event(self, k: int, kind: str, start: float, waited: float, tokens: int,
-               gpu_start: torch.cuda.Event | None = None) -> None:
+    def _event(
+        self,
+        k: int,
+        kind: str,
+        start: float,
+        waited: float,
+        tokens: int,
+        gpu_start: torch.cuda.Event | None = None,
+    ) -> None:
         if not self.record_events:
             return
         # perf_counter for durations, one time.time() offset so ranks share a time axis.
@@ -202,11 +230,13 @@ class _Runner:
         k = k if kind == "O" else self.first_index + k
         now = time.perf_counter()
         if gpu_start is not None:  # device time, resolved once the run is done
-            self.state.gpu_events.append((k, kind, start + offset, gpu_start, self._gpu_mark(),
-                                          now + offset, tokens))
+            self.state.gpu_events.append(
+                (k, kind, start + offset, gpu_start, self._gpu_mark(), now + offset, tokens)
+            )
             return
-        self.state.events.append(ComputeEvent(k, kind, start + offset, now - start - waited,
-                                              now + offset, tokens))
+        self.state.events.append(
+            ComputeEvent(k, kind, start + offset, now - start - waited, now + offset, tokens)
+        )
 
     def _resolve_gpu_events(self) -> None:
         if not self.state.gpu_events:
@@ -218,14 +248,17 @@ class _Runner:
         self.state.gpu_events.clear()
 
     # -- point to point --------------------------------------------------------------------
-    def _post_recv(self, tokens: int, src: int,
-                   group: dist.ProcessGroup) -> tuple[dist.Work, torch.Tensor]:
+    def _post_recv(
+        self, tokens: int, src: int, group: dist.ProcessGroup
+    ) -> tuple[dist.Work, torch.Tensor]:
         # The shape comes from the plan (every stage packs the microbatch itself); under
         # sequence parallelism a TP rank holds T / tp rows of the hidden states.
         if tokens % self.sequence_shards:
-            raise ValueError(f"a microbatch of {tokens} tokens cannot be split over "
-                             f"{self.sequence_shards} sequence-parallel ranks; pad it to a "
-                             "multiple (pack_microbatch(pad_to_multiple=tp))")
+            raise ValueError(
+                f"a microbatch of {tokens} tokens cannot be split over "
+                f"{self.sequence_shards} sequence-parallel ranks; pad it to a "
+                "multiple (pack_microbatch(pad_to_multiple=tp))"
+            )
         rows = tokens // self.sequence_shards
         buf = torch.empty(rows, 1, self.hidden, dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src=src, group=group), buf
@@ -294,18 +327,19 @@ class _Runner:
         self.state.stash[k] = stash
         self._event(k, "F", start, waited, tokens, gpu_start)
 
-    def _adapter_loss(self, token_loss: torch.Tensor, batch: PackedBatch,
-                      share: Microbatch) -> torch.Tensor:
+    def _adapter_loss(
+        self, token_loss: torch.Tensor, batch: PackedBatch, share: Microbatch
+    ) -> torch.Tensor:
         """Sum over adapters of (token-loss sum / trained tokens of its global batch)."""
         token_loss = token_loss * batch.loss_mask  # (1, T)
         rows = batch.layout.row_adapter(token_loss.device)
-        per_adapter = torch.zeros(len(self.adapters), dtype=torch.float32,
-                                  device=token_loss.device)
+        per_adapter = torch.zeros(len(self.adapters), dtype=torch.float32, device=token_loss.device)
         per_adapter.index_add_(0, rows, token_loss[0].float())
         denominators = [1.0] * len(self.adapters)
         for s in share.samples:
-            denominators[s.adapter] = float(max(
-                self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1))
+            denominators[s.adapter] = float(
+                max(self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1)
+            )
         losses = per_adapter / copy_to_device(torch.tensor(denominators), token_loss.device)
         self.state.loss_sums += losses.detach()  # read back at steps only: no sync here
         return losses.sum()
@@ -339,16 +373,18 @@ class _Runner:
             if a in self.state.pending:  # no forward of this replica read `a` since its last step
                 self._finish_step(a)
         rows = copy_to_device(torch.tensor(action.finishes), self.device)
-        group = _PendingStep(tuple(action.finishes), rows,
-                             self.state.loss_sums.index_select(0, rows))
+        group = _PendingStep(
+            tuple(action.finishes), rows, self.state.loss_sums.index_select(0, rows)
+        )
         self.state.loss_sums.index_fill_(0, rows, 0.0)
         for a in group.adapters:
             self.state.pending[a] = group
         if self.g.dp_size > 1:
             # One bucket per step group: the finishing adapters' gradient rows (zeros where
             # this replica saw none of their tokens) and loss sums, summed while work runs.
-            group.bucket = torch.cat([self.grads.index_select(0, rows).reshape(-1),
-                                      group.sums.to(self.grads.dtype)])
+            group.bucket = torch.cat(
+                [self.grads.index_select(0, rows).reshape(-1), group.sums.to(self.grads.dtype)]
+            )
             group.work = dist.all_reduce(group.bucket, group=self.g.dp_group, async_op=True)
         if self.g.num_stages > 1 and self.optimizer.needs_norms(group.adapters):
             self._reduce_norms(group)
@@ -397,8 +433,13 @@ class _Runner:
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))
             if self.g.is_last and self.g.dp_rank == 0 and len(run.losses) % self.log_every == 0:
-                logger.info("adapter %s step %d | loss %.4f | lr %.1e", run.name,
-                            len(run.losses), run.losses[-1], self.optimizer.lr(b))
+                logger.info(
+                    "adapter %s step %d | loss %.4f | lr %.1e",
+                    run.name,
+                    len(run.losses),
+                    run.losses[-1],
+                    self.optimizer.lr(b),
+                )
             if self.on_step is not None:
                 self.on_step(b, run)
 
@@ -473,12 +514,24 @@ def run_pipeline(
         LemmaError: when the stream breaks the bubble lemma.
         RuntimeError: on a communication failure or timeout (a dead peer).
     """
-    runner = _Runner(forward, make_batch, adapters, optimizer, grads, groups,
-                     global_batch_sizes=global_batch_sizes, hidden_size=hidden_size,
-                     activation_dtype=activation_dtype, device=device, on_step=on_step,
-                     record_events=record_events, first_index=first_index,
-                     sequence_shards=sequence_shards, wgrad_queue=wgrad_queue,
-                     log_every=log_every)
+    runner = _Runner(
+        forward,
+        make_batch,
+        adapters,
+        optimizer,
+        grads,
+        groups,
+        global_batch_sizes=global_batch_sizes,
+        hidden_size=hidden_size,
+        activation_dtype=activation_dtype,
+        device=device,
+        on_step=on_step,
+        record_events=record_events,
+        first_index=first_index,
+        sequence_shards=sequence_shards,
+        wgrad_queue=wgrad_queue,
+        log_every=log_every,
+    )
     # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
     actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
@@ -497,8 +550,9 @@ def run_pipeline(
     return runner.state.events
 
 
-def gpt_stage_forward(model: torch.nn.Module, lora, *, is_first: bool,
-                      is_last: bool) -> StageForward:
+def gpt_stage_forward(
+    model: torch.nn.Module, lora, *, is_first: bool, is_last: bool
+) -> StageForward:
     """`StageForward` of one pipeline stage of a Megatron `GPTModel` with LoRA applied.
 
     Args:
@@ -512,10 +566,13 @@ def gpt_stage_forward(model: torch.nn.Module, lora, *, is_first: bool,
     def forward(batch: PackedBatch, input_tensor: torch.Tensor | None) -> torch.Tensor:
         lora.layout = batch.layout
         model.set_input_tensor(input_tensor)
-        out = model(batch.input_ids if is_first else None,
-                    batch.position_ids if is_first else None, None,
-                    labels=batch.labels if is_last else None,
-                    packed_seq_params=packed_seq_params(batch.layout))
+        out = model(
+            batch.input_ids if is_first else None,
+            batch.position_ids if is_first else None,
+            None,
+            labels=batch.labels if is_last else None,
+            packed_seq_params=packed_seq_params(batch.layout),
+        )
         return out.float() if is_last else out
 
     return forward

@@ -236,8 +236,9 @@ def data_parallel_share(microbatch: Microbatch, dp_rank: int, dp_size: int) -> M
         return microbatch
     load = [0] * dp_size
     owner: dict[int, int] = {}
-    by_length = sorted(range(len(microbatch.samples)),
-                       key=lambda i: (-microbatch.samples[i].tokens, i))
+    by_length = sorted(
+        range(len(microbatch.samples)), key=lambda i: (-microbatch.samples[i].tokens, i)
+    )
     for i in by_length:
         r = min(range(dp_size), key=lambda r: (load[r], r))
         owner[i] = r

@@ -197,7 +197,8 @@ class Evaluator:
         self.model.eval()
         try:
             sums, counts = self.loss_sums(
-                _pack(self.held, adapter_ids, self.cfg.planner.token_capacity))
+                _pack(self.held, adapter_ids, self.cfg.planner.token_capacity)
+            )
         finally:
             self.model.train(was_training)
         return {a: float(sums[a] / max(counts[a].item(), 1.0)) for a in adapter_ids}

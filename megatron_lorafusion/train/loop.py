@@ -81,8 +81,13 @@ def run_plan(
     last_logged = 0
     pending: torch.Tensor | None = None
     total_steps = sum(len(run.batch_tokens) for run in adapters)
-    bar = tqdm(total=total_steps, initial=sum(run.step for run in adapters), desc="train",
-               unit="step", disable=not progress_bar)
+    bar = tqdm(
+        total=total_steps,
+        initial=sum(run.step for run in adapters),
+        desc="train",
+        unit="step",
+        disable=not progress_bar,
+    )
     for index, microbatch in enumerate(microbatches, start=first_index):
         if not microbatch.samples:
             continue
@@ -92,13 +97,16 @@ def run_plan(
         per_adapter = torch.zeros(num_adapters, dtype=torch.float32, device=token_loss.device)
         per_adapter.index_add_(0, rows, token_loss[0].float())
         current = [run.batch_tokens[min(run.step, len(run.batch_tokens) - 1)] for run in adapters]
-        denominators = copy_to_device(torch.tensor([max(n, 1) for n in current],
-                                                   dtype=torch.float32), token_loss.device)
+        denominators = copy_to_device(
+            torch.tensor([max(n, 1) for n in current], dtype=torch.float32), token_loss.device
+        )
         adapter_losses = per_adapter / denominators  # (A,) share of each adapter's batch loss
         adapter_losses.sum().backward()
         if pending is None:  # each adapter's loss so far in its global batch, on the device
-            pending = copy_to_device(torch.tensor([run.pending_loss for run in adapters],
-                                                  dtype=torch.float64), token_loss.device)
+            pending = copy_to_device(
+                torch.tensor([run.pending_loss for run in adapters], dtype=torch.float64),
+                token_loss.device,
+            )
         pending += adapter_losses.detach()
         tokens_seen += batch.layout.num_tokens
         if microbatch.finishes:  # read back only here: a sync per microbatch stalls the GPU
@@ -121,9 +129,13 @@ def run_plan(
             last_logged = slowest
             now = time.perf_counter()
             losses = " ".join(f"{r.name} {r.losses[-1]:.4f}" for r in adapters)
-            logger.info("step %d | loss %s | lr %s | %.1fk tok/s", slowest, losses,
-                        " ".join(f"{optimizer.lr(a):.1e}" for a in range(num_adapters)),
-                        tokens_seen / max(now - start, 1e-9) / 1e3)
+            logger.info(
+                "step %d | loss %s | lr %s | %.1fk tok/s",
+                slowest,
+                losses,
+                " ".join(f"{optimizer.lr(a):.1e}" for a in range(num_adapters)),
+                tokens_seen / max(now - start, 1e-9) / 1e3,
+            )
             tokens_seen, start = 0, now  # the next line's rate is its own window's
         if on_microbatch is not None:  # saves only after microbatches with steps
             on_microbatch(index)

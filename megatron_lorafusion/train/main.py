@@ -81,23 +81,34 @@ def prepare_problem(
         training_order(len(d), total, cfg.train.seed, a, cfg.data.shuffle)
         for a, (d, total) in enumerate(zip(datasets, totals, strict=True))
     ]
-    lengths = tuple(tuple(len(d[row]) for row in order)
-                    for d, order in zip(datasets, orders, strict=True))
+    lengths = tuple(
+        tuple(len(d[row]) for row in order) for d, order in zip(datasets, orders, strict=True)
+    )
     gbs = tuple(a.global_batch_size for a in cfg.adapters)
-    problem = PlanProblem(lengths, gbs, cfg.planner.token_capacity,
-                          num_stages=cfg.parallel.pp, tile_height=cfg.planner.tile_height,
-                          seed=cfg.train.seed)
+    problem = PlanProblem(
+        lengths,
+        gbs,
+        cfg.planner.token_capacity,
+        num_stages=cfg.parallel.pp,
+        tile_height=cfg.planner.tile_height,
+        seed=cfg.train.seed,
+    )
     batch_tokens = [
-        [sum(sum(d[order[i]].loss_mask) for i in range(j * g, min((j + 1) * g, len(order))))
-         for j in range(problem.num_global_batches(a))]
+        [
+            sum(sum(d[order[i]].loss_mask) for i in range(j * g, min((j + 1) * g, len(order))))
+            for j in range(problem.num_global_batches(a))
+        ]
         for a, (d, order, g) in enumerate(zip(datasets, orders, gbs, strict=True))
     ]
     return problem, orders, batch_tokens
 
 
-def checked_stream(planner: Iterable[Plan], problem: PlanProblem,
-                   agree: Callable[[str], None] | None = None,
-                   on_first: Callable[[Plan], None] | None = None) -> Iterator[Microbatch]:
+def checked_stream(
+    planner: Iterable[Plan],
+    problem: PlanProblem,
+    agree: Callable[[str], None] | None = None,
+    on_first: Callable[[Plan], None] | None = None,
+) -> Iterator[Microbatch]:
     """The planner's microbatches, each chunk verified before any of it runs.
 
     Args:
@@ -158,8 +169,12 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
     if not (cfg.parallel.sequence_parallel and cfg.parallel.tp > 1):
         return 1
     if device.type != "cuda":
-        logger.info("parallel.sequence_parallel: off on %s (Megatron's sequence-parallel "
-                    "collectives need CUDA); tp=%d runs without it", device, cfg.parallel.tp)
+        logger.info(
+            "parallel.sequence_parallel: off on %s (Megatron's sequence-parallel "
+            "collectives need CUDA); tp=%d runs without it",
+            device,
+            cfg.parallel.tp,
+        )
         return 1
     return cfg.parallel.tp
 
@@ -172,12 +187,15 @@ def _counted(stream: Iterable[Microbatch], counts: dict[str, float]) -> Iterator
         yield microbatch
 
 
-def _run_record(counts: dict[str, float], capacity: int, start: float,
-                bubble: float | None = None) -> dict[str, float]:
+def _run_record(
+    counts: dict[str, float], capacity: int, start: float, bubble: float | None = None
+) -> dict[str, float]:
     """Run-wide metrics: tokens/s (planned tokens computed), microbatches, fill, bubble."""
-    record = {"tokens_per_s": counts["tokens"] / max(time.perf_counter() - start, 1e-9),
-              "microbatches": counts["microbatches"],
-              "fill": counts["tokens"] / max(counts["microbatches"] * capacity, 1)}
+    record = {
+        "tokens_per_s": counts["tokens"] / max(time.perf_counter() - start, 1e-9),
+        "microbatches": counts["microbatches"],
+        "fill": counts["tokens"] / max(counts["microbatches"] * capacity, 1),
+    }
     if bubble is not None:
         record["bubble"] = bubble
     return record
@@ -202,10 +220,23 @@ def _measured_bubble(events, groups, sizes: dict[str, int], device: torch.device
     return sum(idle) / max(len(idle), 1)
 
 
-def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, make_batch,
-                   runs: list[AdapterRun], optimizer: AdapterAdamW, groups,
-                   device: torch.device, session, shards: int, evaluator: Evaluator,
-                   metrics: MetricsWriter, sizes: dict[str, int], on_step=None) -> None:
+def _run_pipelined(
+    cfg: JobConfig,
+    stream: Iterator[Microbatch],
+    model,
+    lora,
+    make_batch,
+    runs: list[AdapterRun],
+    optimizer: AdapterAdamW,
+    groups,
+    device: torch.device,
+    session,
+    shards: int,
+    evaluator: Evaluator,
+    metrics: MetricsWriter,
+    sizes: dict[str, int],
+    on_step=None,
+) -> None:
     """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
 
     The stream is cut at the checkpoint points and after the microbatches that finish an
@@ -227,24 +258,46 @@ def _run_pipelined(cfg: JobConfig, stream: Iterator[Microbatch], model, lora, ma
 
     counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
     for first_index, segment in session.segments(stream, evaluated):
-        events = run_pipeline(_counted(segment, counts), forward, make_batch, runs, optimizer,
-                              lora.grads, groups,
-                              global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
-                              hidden_size=cfg.model.hidden_size,
-                              activation_dtype=_DTYPES[cfg.train.precision], device=device,
-                              first_index=first_index, sequence_shards=shards,
-                              wgrad_queue=lora.wgrad_queue, on_step=on_step,
-                              log_every=cfg.logging.log_every, record_events=True)
+        events = run_pipeline(
+            _counted(segment, counts),
+            forward,
+            make_batch,
+            runs,
+            optimizer,
+            lora.grads,
+            groups,
+            global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
+            hidden_size=cfg.model.hidden_size,
+            activation_dtype=_DTYPES[cfg.train.precision],
+            device=device,
+            first_index=first_index,
+            sequence_shards=shards,
+            wgrad_queue=lora.wgrad_queue,
+            on_step=on_step,
+            log_every=cfg.logging.log_every,
+            record_events=True,
+        )
         bubble = _measured_bubble(events, groups, sizes, device)  # of this segment
-        metrics.log_run(sum(run.step for run in runs),
-                        _run_record(counts, cfg.planner.token_capacity, start, bubble))
+        metrics.log_run(
+            sum(run.step for run in runs),
+            _run_record(counts, cfg.planner.token_capacity, start, bubble),
+        )
         evaluator.run_due()  # before the checkpoint, as in one process
         if session.at_save_point:
             session.save()
 
 
-def _eval_loss_sums(cfg: JobConfig, model, lora, groups, forward, pack_eval,
-                    device: torch.device, shards: int, tp_rank: int) -> LossSums:
+def _eval_loss_sums(
+    cfg: JobConfig,
+    model,
+    lora,
+    groups,
+    forward,
+    pack_eval,
+    device: torch.device,
+    shards: int,
+    tp_rank: int,
+) -> LossSums:
     """The eval rows' loss sums: the one-stage forward, or forward-only through the pipeline."""
     if groups is None:
         return one_stage_loss_sums(forward, pack_eval, len(cfg.adapters))
@@ -252,9 +305,17 @@ def _eval_loss_sums(cfg: JobConfig, model, lora, groups, forward, pack_eval,
 
     stage = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     return lambda microbatches: forward_loss_sums(
-        microbatches, stage, pack_eval, groups, num_adapters=len(cfg.adapters),
-        hidden_size=cfg.model.hidden_size, activation_dtype=_DTYPES[cfg.train.precision],
-        device=device, counts_once=tp_rank == 0, sequence_shards=shards)
+        microbatches,
+        stage,
+        pack_eval,
+        groups,
+        num_adapters=len(cfg.adapters),
+        hidden_size=cfg.model.hidden_size,
+        activation_dtype=_DTYPES[cfg.train.precision],
+        device=device,
+        counts_once=tp_rank == 0,
+        sequence_shards=shards,
+    )
 
 
 def _clipping(sizes: dict[str, int], lora) -> dict:
@@ -284,17 +345,28 @@ def _metrics_records(out: Path) -> list[dict]:
         return []
 
 
-def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: AdapterAdamW,
-                session, bar: ProgressBar, runs: list[AdapterRun]):
+def _step_hooks(
+    metrics: MetricsWriter,
+    evaluator: Evaluator,
+    optimizer: AdapterAdamW,
+    session,
+    bar: ProgressBar,
+    runs: list[AdapterRun],
+):
     """``(on_step, on_microbatch)``: metrics and bar per step, evaluations before checkpoints."""
 
     def on_step(a: int, run: AdapterRun) -> None:
         bar.step(run.batch_tokens[run.step - 1], {r.name: r.losses[-1] for r in runs if r.losses})
         stopped = a in optimizer.stopped
         norm = None if stopped or not metrics.enabled else optimizer.grad_norm(a)
-        metrics.log_step(a, run.step, loss=run.losses[-1],
-                         lr=0.0 if stopped else optimizer.last_lr[a], grad_norm=norm,
-                         tokens=run.batch_tokens[run.step - 1])
+        metrics.log_step(
+            a,
+            run.step,
+            loss=run.losses[-1],
+            lr=0.0 if stopped else optimizer.last_lr[a],
+            grad_norm=norm,
+            tokens=run.batch_tokens[run.step - 1],
+        )
         evaluator.on_step(a, run.step, len(run.batch_tokens))
 
     def on_microbatch(index: int) -> None:
@@ -304,8 +376,9 @@ def _step_hooks(metrics: MetricsWriter, evaluator: Evaluator, optimizer: Adapter
     return on_step, on_microbatch
 
 
-def _full_adapter_states(lora, sizes: dict[str, int],
-                         local=None) -> list[dict[str, torch.Tensor]] | None:
+def _full_adapter_states(
+    lora, sizes: dict[str, int], local=None
+) -> list[dict[str, torch.Tensor]] | None:
     """Under PP or TP, every adapter's whole factors on rank 0 (a collective); else None.
 
     ``local``: per adapter, this rank's factors to gather instead of the current ones.
@@ -314,8 +387,9 @@ def _full_adapter_states(lora, sizes: dict[str, int],
         return None
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    return gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=sizes["tp"],
-                                 dp_rank=sizes["dp_rank"], local=local)
+    return gather_adapter_states(
+        lora, tp_rank=sizes["tp_rank"], tp_size=sizes["tp"], dp_rank=sizes["dp_rank"], local=local
+    )
 
 
 def main(cfg: JobConfig) -> dict[str, list[float]]:
@@ -336,8 +410,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     # Read at the first CUDA allocation; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if cfg.train.device == "cuda" and not torch.cuda.is_available():  # before anything exists
-        raise ConfigError(["train.device must be 'auto' or 'cpu' on a machine without CUDA, "
-                           "got 'cuda'"])
+        raise ConfigError(
+            ["train.device must be 'auto' or 'cpu' on a machine without CUDA, got 'cuda'"]
+        )
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
     datasets, held = split_eval_datasets(cfg, datasets, tokenizer)
@@ -346,16 +421,25 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     if rank0:  # the first screen, before the model is built (seconds on a real model)
         logger.info("%s", job_summary(cfg, problem, int(os.environ.get("WORLD_SIZE", "1"))))
     # Planned while the model builds: the whole run is planned before its first chunk.
-    planner = BackgroundPlanner(problem, solver=cfg.planner.solver,
-                                time_limit_s=cfg.planner.time_limit_s)
+    planner = BackgroundPlanner(
+        problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
+    )
     try:
         return _train(cfg, datasets, held, problem, orders, batch_tokens, planner, rank0)
     finally:
         planner.close()
 
 
-def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_tokens,
-           planner: BackgroundPlanner, rank0: bool) -> dict[str, list[float]]:
+def _train(
+    cfg: JobConfig,
+    datasets,
+    held,
+    problem: PlanProblem,
+    orders,
+    batch_tokens,
+    planner: BackgroundPlanner,
+    rank0: bool,
+) -> dict[str, list[float]]:
     """`main` once the data is read and the planner started: build, train, export."""
     from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.parallel import (
@@ -368,35 +452,56 @@ def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_t
 
     device = _device(cfg)
     shards = _sequence_shards(cfg, device)
-    init_model_parallel(cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed,
-                        timeout_s=_COMM_TIMEOUT_S)
+    init_model_parallel(
+        cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed, timeout_s=_COMM_TIMEOUT_S
+    )
     try:
         sizes = parallel_sizes()
         groups = _pipeline_groups(cfg, sizes)
-        model = mcore.build_gpt_model(cfg.model, params_dtype=_DTYPES[cfg.train.precision],
-                                      device=device,
-                                      pre_process=groups is None or groups.is_first,
-                                      post_process=groups is None or groups.is_last,
-                                      sequence_parallel=shards > 1)
+        model = mcore.build_gpt_model(
+            cfg.model,
+            params_dtype=_DTYPES[cfg.train.precision],
+            device=device,
+            pre_process=groups is None or groups.is_first,
+            post_process=groups is None or groups.is_last,
+            sequence_parallel=shards > 1,
+        )
         lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
         apply_recompute(model, lora, cfg.train.recompute)  # both loops: one process, pipelined
-        optimizer = AdapterAdamW(lora, cfg.adapters, [len(t) for t in batch_tokens],
-                                 track_grad_norms=True,  # metrics.jsonl's grad_norm
-                                 **_clipping(sizes, lora))
-        runs = [AdapterRun(adapter.name, tokens)
-                for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)]
+        optimizer = AdapterAdamW(
+            lora,
+            cfg.adapters,
+            [len(t) for t in batch_tokens],
+            track_grad_norms=True,  # metrics.jsonl's grad_norm
+            **_clipping(sizes, lora),
+        )
+        runs = [
+            AdapterRun(adapter.name, tokens)
+            for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)
+        ]
         out = Path(cfg.train.output_dir)
         is_writer = sizes["rank"] == 0
 
         def make_batch(microbatch: Microbatch, index: int):
-            return pack_microbatch(microbatch, datasets, orders, len(cfg.adapters), device,
-                                   dropout_seed=cfg.train.seed * 1_000_003 + index,
-                                   pad_to_multiple=shards)
+            return pack_microbatch(
+                microbatch,
+                datasets,
+                orders,
+                len(cfg.adapters),
+                device,
+                dropout_seed=cfg.train.seed * 1_000_003 + index,
+                pad_to_multiple=shards,
+            )
 
         def forward(batch) -> torch.Tensor:
             lora.layout = batch.layout
-            loss = model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
-                         packed_seq_params=packed_seq_params(batch.layout))
+            loss = model(
+                batch.input_ids,
+                batch.position_ids,
+                None,
+                labels=batch.labels,
+                packed_seq_params=packed_seq_params(batch.layout),
+            )
             return loss.float()
 
         session = make_resume_session(cfg, sizes, runs, optimizer, lora)  # checkpoints, resume
@@ -404,25 +509,45 @@ def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_t
         # Written only once the resume is accepted: a refused one leaves the run as it was.
         out.mkdir(parents=True, exist_ok=True)
         (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
-        metrics = MetricsWriter(out, [a.name for a in cfg.adapters], device=device,
-                                enabled=_writes_metrics(sizes, groups))
+        metrics = MetricsWriter(
+            out,
+            [a.name for a in cfg.adapters],
+            device=device,
+            enabled=_writes_metrics(sizes, groups),
+        )
         held_orders = [list(range(len(rows))) for rows in held]
 
         def pack_eval(microbatch: Microbatch):
-            return pack_microbatch(microbatch, held, held_orders, len(cfg.adapters), device,
-                                   dropout_seed=0, pad_to_multiple=shards)
+            return pack_microbatch(
+                microbatch,
+                held,
+                held_orders,
+                len(cfg.adapters),
+                device,
+                dropout_seed=0,
+                pad_to_multiple=shards,
+            )
 
         evaluator = Evaluator(
-            cfg, held, model,
-            _eval_loss_sums(cfg, model, lora, groups, forward, pack_eval, device, shards,
-                            sizes["tp_rank"]),
-            lora, optimizer, metrics.log_eval, is_writer=sizes["dp_rank"] == 0,
-            shard=None if sizes["tp"] == sizes["pp"] == 1 else (sizes["tp_rank"],
-                                                                 sizes["pp_rank"]))
+            cfg,
+            held,
+            model,
+            _eval_loss_sums(
+                cfg, model, lora, groups, forward, pack_eval, device, shards, sizes["tp_rank"]
+            ),
+            lora,
+            optimizer,
+            metrics.log_eval,
+            is_writer=sizes["dp_rank"] == 0,
+            shard=None if sizes["tp"] == sizes["pp"] == 1 else (sizes["tp_rank"], sizes["pp_rank"]),
+        )
         if first:
             evaluator.restore(_metrics_records(out), [run.step for run in runs])
-        bar = ProgressBar(sum(len(t) for t in batch_tokens), sum(run.step for run in runs),
-                          enabled=cfg.logging.progress_bar and _writes_metrics(sizes, groups))
+        bar = ProgressBar(
+            sum(len(t) for t in batch_tokens),
+            sum(run.step for run in runs),
+            enabled=cfg.logging.progress_bar and _writes_metrics(sizes, groups),
+        )
         on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, bar, runs)
         model.train()
         agree = None if sizes["world"] == 1 else _plans_agree
@@ -430,21 +555,51 @@ def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_t
         def on_first(chunk: Plan) -> None:
             if rank0:
                 steps = sum(len(mb.finishes) for mb in chunk.microbatches)
-                logger.info("%s", plan_summary(chunk, problem, first_chunk=steps < sum(
-                    len(t) for t in batch_tokens)))
+                logger.info(
+                    "%s",
+                    plan_summary(
+                        chunk, problem, first_chunk=steps < sum(len(t) for t in batch_tokens)
+                    ),
+                )
 
         try:
             stream = checked_stream(planner, problem, agree, on_first)
             if groups is None:
                 counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
-                run_plan(_counted(session.stream(stream), counts), forward, make_batch, runs,
-                         optimizer, progress_bar=False, log_every=cfg.logging.log_every,
-                         first_index=first, on_step=on_step, on_microbatch=on_microbatch)
-                metrics.log_run(sum(run.step for run in runs),
-                                _run_record(counts, cfg.planner.token_capacity, start))
+                run_plan(
+                    _counted(session.stream(stream), counts),
+                    forward,
+                    make_batch,
+                    runs,
+                    optimizer,
+                    progress_bar=False,
+                    log_every=cfg.logging.log_every,
+                    first_index=first,
+                    on_step=on_step,
+                    on_microbatch=on_microbatch,
+                )
+                metrics.log_run(
+                    sum(run.step for run in runs),
+                    _run_record(counts, cfg.planner.token_capacity, start),
+                )
             else:
-                _run_pipelined(cfg, stream, model, lora, make_batch, runs, optimizer, groups,
-                               device, session, shards, evaluator, metrics, sizes, on_step)
+                _run_pipelined(
+                    cfg,
+                    stream,
+                    model,
+                    lora,
+                    make_batch,
+                    runs,
+                    optimizer,
+                    groups,
+                    device,
+                    session,
+                    shards,
+                    evaluator,
+                    metrics,
+                    sizes,
+                    on_step,
+                )
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run stopped
             steps = ", ".join(f"{run.name} {run.step}" for run in runs)
             raise type(stop)(f"step {min(run.step for run in runs)} ({steps})") from None
@@ -458,16 +613,25 @@ def _train(cfg: JobConfig, datasets, held, problem: PlanProblem, orders, batch_t
             best = _full_adapter_states(lora, sizes, best) or best
         if is_writer:
             for a, adapter in enumerate(cfg.adapters):  # all or none: never a NaN weight out
-                check_finite_weights(adapter, lora.adapter_state_dict(a) if states is None
-                                     else states[a])
+                check_finite_weights(
+                    adapter, lora.adapter_state_dict(a) if states is None else states[a]
+                )
             for a, (adapter, run) in enumerate(zip(cfg.adapters, runs, strict=True)):
-                folder = write_peft_folder(out / "adapters" / adapter.name, adapter,
-                                           best[a] or (lora.adapter_state_dict(a)
-                                                       if states is None else states[a]),
-                                           cfg.model)
-                logger.info("adapter %s (scale %.3g): %d steps, loss %.4f -> %.4f, exported to %s",
-                            adapter.name, adapter_scaling(adapter), run.step, run.losses[0],
-                            run.losses[-1], folder)
+                folder = write_peft_folder(
+                    out / "adapters" / adapter.name,
+                    adapter,
+                    best[a] or (lora.adapter_state_dict(a) if states is None else states[a]),
+                    cfg.model,
+                )
+                logger.info(
+                    "adapter %s (scale %.3g): %d steps, loss %.4f -> %.4f, exported to %s",
+                    adapter.name,
+                    adapter_scaling(adapter),
+                    run.step,
+                    run.losses[0],
+                    run.losses[-1],
+                    folder,
+                )
         return {run.name: run.losses for run in runs}
     finally:
         destroy_model_parallel()

@@ -199,7 +199,8 @@ def job_summary(cfg: JobConfig, problem: PlanProblem, world_size: int) -> str:
         lines.append(
             f"{adapter.name[:16]:<16} {adapter.rank:>4} {adapter.alpha:>6g} "
             f"{adapter.dropout:>7g} {adapter.lr:>8.1e} {adapter.global_batch_size:>5} "
-            f"{len(problem.lengths[a]):>8} {problem.num_global_batches(a):>5}")
+            f"{len(problem.lengths[a]):>8} {problem.num_global_batches(a):>5}"
+        )
     lines.append(f"output: {cfg.train.output_dir}")
     return "\n".join(lines)
 
@@ -214,9 +215,11 @@ def plan_summary(plan: Plan, problem: PlanProblem, first_chunk: bool) -> str:
     fill = sum(mb.tokens for mb in mbs) / max(len(mbs) * problem.capacity, 1)
     bubble = simulate(plan_jobs(plan, CostModel()), problem.num_stages, CostModel()).bubble_ratio
     what = "first chunk" if first_chunk else "whole"
-    return (f"plan ({what}): {len(mbs)} microbatches ({idle} idle), fill {100 * fill:.1f}%, "
-            f"simulated bubble {100 * bubble:.1f}% at {problem.num_stages} "
-            f"stage{'s' if problem.num_stages > 1 else ''}")
+    return (
+        f"plan ({what}): {len(mbs)} microbatches ({idle} idle), fill {100 * fill:.1f}%, "
+        f"simulated bubble {100 * bubble:.1f}% at {problem.num_stages} "
+        f"stage{'s' if problem.num_stages > 1 else ''}"
+    )
 
 
 class ProgressBar:
@@ -237,8 +240,13 @@ class ProgressBar:
     def step(self, tokens: int, losses: dict[str, float]) -> None:
         """One adapter stepped on a global batch of ``tokens`` trained tokens."""
         if self.bar is None:
-            self.bar = tqdm(total=self.total, initial=self.done, desc="train", unit="step",
-                            disable=not self.enabled)
+            self.bar = tqdm(
+                total=self.total,
+                initial=self.done,
+                desc="train",
+                unit="step",
+                disable=not self.enabled,
+            )
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         postfix = {"tok/s": f"{rate / 1e3:.1f}k"}

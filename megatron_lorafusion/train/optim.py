@@ -121,7 +121,8 @@ class AdapterAdamW:
                     f"adapter {self.adapters[a].name!r}: loss {value} at step "
                     f"{self.steps[a] + 1}; training stopped before that step (the last "
                     "checkpoint holds the weights before it); lower its lr or set its "
-                    "max_grad_norm")
+                    "max_grad_norm"
+                )
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
@@ -137,7 +138,8 @@ class AdapterAdamW:
         run answers the same and issues the same collectives.
         """
         return self._track_grad_norms or any(
-            self.adapters[a].max_grad_norm > 0 for a in adapter_ids)
+            self.adapters[a].max_grad_norm > 0 for a in adapter_ids
+        )
 
     def squared_norms(self) -> torch.Tensor:
         """(A,) fp32 squared gradient norms of every row, over this rank's model-parallel peers.
@@ -147,8 +149,9 @@ class AdapterAdamW:
         """
         return self._squared_norms(self.lora.grads)
 
-    def step(self, adapter_ids: Iterable[int], *,
-             squared_norms: torch.Tensor | None = None) -> None:
+    def step(
+        self, adapter_ids: Iterable[int], *, squared_norms: torch.Tensor | None = None
+    ) -> None:
         """Clip and step the given adapters (one launch) and zero their gradients.
 
         The other adapters' weights, moments and accumulated gradients are left untouched;
@@ -204,7 +207,8 @@ class AdapterAdamW:
             if not math.isfinite(self._norms_host[a]):
                 raise DivergenceError(
                     f"adapter {self.adapters[a].name!r}: gradient norm {self._norms_host[a]} "
-                    f"at step {self.steps[a] + 1}; training stopped before that step")
+                    f"at step {self.steps[a] + 1}; training stopped before that step"
+                )
         if not clipping:
             return
         device = grads.device
@@ -250,9 +254,7 @@ class AdapterAdamW:
         self.steps[adapter_id] = int(state["step"])
 
 
-def tensor_parallel_squared_norms(
-    lora: LoRAContext, tp_rank: int, tp_group
-) -> SquaredNormReduce:
+def tensor_parallel_squared_norms(lora: LoRAContext, tp_rank: int, tp_group) -> SquaredNormReduce:
     """`SquaredNormReduce` of a TP group: split factors summed, replicated ones counted once.
 
     Column-parallel linears split lora_B and replicate lora_A, row-parallel ones the reverse

@@ -32,8 +32,7 @@ from megatron_lorafusion.train.checkpoint import (
 from megatron_lorafusion.train.loop import AdapterRun
 from megatron_lorafusion.train.optim import AdapterAdamW
 
-__all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_session",
-           "stream_digest"]
+__all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_session", "stream_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +40,18 @@ logger = logging.getLogger(__name__)
 # and activation recompute (memory, not results: every mode computes the same gradients).
 # Every other key changes what is trained or exported (or the plan), so a change refuses the
 # resume.
-RESUMABLE_KEYS = ("train.resume", "train.overwrite", "train.output_dir", "train.keep_last",
-                  "train.save_every", "train.device", "train.recompute", "data.cache_dir",
-                  "planner.time_limit_s", "logging")
+RESUMABLE_KEYS = (
+    "train.resume",
+    "train.overwrite",
+    "train.output_dir",
+    "train.keep_last",
+    "train.save_every",
+    "train.device",
+    "train.recompute",
+    "data.cache_dir",
+    "planner.time_limit_s",
+    "logging",
+)
 
 
 def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
@@ -88,14 +96,17 @@ def _check_same_job(folder: Path, current: dict) -> None:
     try:
         saved = asdict(job_from_dict(json.loads((folder / "job.json").read_text("utf-8"))))
     except (OSError, ValueError) as err:  # ConfigError included
-        raise CheckpointError(f"checkpoint {str(folder)!r} holds no readable job.json ({err}); "
-                              f"{hint}") from None
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r} holds no readable job.json ({err}); {hint}"
+        ) from None
     changes = job_changes(saved, json.loads(json.dumps(current)))
     if changes:
         raise CheckpointError(
             f"checkpoint {str(folder)!r} was trained with another job; resuming would train "
-            f"or export the wrong adapters. Changed keys:\n  - " + "\n  - ".join(changes)
-            + f"\n({hint})")
+            f"or export the wrong adapters. Changed keys:\n  - "
+            + "\n  - ".join(changes)
+            + f"\n({hint})"
+        )
 
 
 def stream_digest(digest: Any, microbatch: Microbatch) -> None:
@@ -115,8 +126,14 @@ class ResumeSession:
             ``save_every × adapters`` (each adapter's steps, on average); 0: only at the end.
     """
 
-    def __init__(self, checkpointer: Checkpointer, runs: Sequence[AdapterRun],
-                 optimizer: AdapterAdamW, lora, save_every: int):
+    def __init__(
+        self,
+        checkpointer: Checkpointer,
+        runs: Sequence[AdapterRun],
+        optimizer: AdapterAdamW,
+        lora,
+        save_every: int,
+    ):
         self.checkpointer = checkpointer
         self.runs = runs
         self.optimizer = optimizer
@@ -150,8 +167,9 @@ class ResumeSession:
         if folder is None:
             return 0
         _check_same_job(folder, self.checkpointer.job)
-        self.position, self._expected = self.checkpointer.restore(folder, self.runs,
-                                                                 self.optimizer, self.lora)
+        self.position, self._expected = self.checkpointer.restore(
+            folder, self.runs, self.optimizer, self.lora
+        )
         self._last_mark = self._mark()
         return self.position
 
@@ -185,9 +203,11 @@ class ResumeSession:
             self._last_mark = mark
             self.save()
 
-    def segments(self, microbatches: Iterable[Microbatch],
-                 cut_after: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
-                 ) -> Iterator[tuple[int, Iterator[Microbatch]]]:
+    def segments(
+        self,
+        microbatches: Iterable[Microbatch],
+        cut_after: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
+    ) -> Iterator[tuple[int, Iterator[Microbatch]]]:
         """The stream after the restored position, cut at the save points of `after_microbatch`.
 
         A segment ends after the microbatch whose ``finishes`` bring the adapters' optimizer
@@ -211,8 +231,9 @@ class ResumeSession:
         while (first := next(stream, None)) is not None:
             yield self._consumed - 1, self._until_cut(first, stream, cut_after)
 
-    def _until_cut(self, first: Microbatch, stream: Iterator[Microbatch],
-                   cut_after) -> Iterator[Microbatch]:
+    def _until_cut(
+        self, first: Microbatch, stream: Iterator[Microbatch], cut_after
+    ) -> Iterator[Microbatch]:
         microbatch: Microbatch | None = first
         self.at_save_point = False
         while microbatch is not None:
@@ -224,8 +245,11 @@ class ResumeSession:
             if self._mark(self._stream_steps) > self._mark(before):
                 self.at_save_point = True
                 return  # a save point: the caller drains, saves, then asks for more
-            if cut_after is not None and microbatch.finishes and cut_after(
-                    microbatch.finishes, self._adapter_steps):
+            if (
+                cut_after is not None
+                and microbatch.finishes
+                and cut_after(microbatch.finishes, self._adapter_steps)
+            ):
                 return  # the caller drains and evaluates
             microbatch = next(stream, None)
         self.at_save_point = True  # the end of the stream
@@ -233,13 +257,14 @@ class ResumeSession:
     def save(self) -> Path:
         """Checkpoint every adapter after the microbatches the stream has yielded so far."""
         self.position = self._consumed
-        return self.checkpointer.save(self.position, self._digest.hexdigest(), self.runs,
-                                      self.optimizer, self.lora)
+        return self.checkpointer.save(
+            self.position, self._digest.hexdigest(), self.runs, self.optimizer, self.lora
+        )
 
 
-
-def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[AdapterRun],
-                        optimizer: AdapterAdamW, lora) -> ResumeSession:
+def make_resume_session(
+    cfg: JobConfig, sizes: dict[str, int], runs: Sequence[AdapterRun], optimizer: AdapterAdamW, lora
+) -> ResumeSession:
     """The session of a run: checkpoints under ``<train.output_dir>/checkpoints``.
 
     Args:
@@ -256,10 +281,16 @@ def make_resume_session(cfg: JobConfig, sizes: dict[str, int], runs: Sequence[Ad
             dist.barrier()
 
     checkpointer = Checkpointer(
-        Path(cfg.train.output_dir) / "checkpoints", asdict(cfg),
-        tp_rank=sizes["tp_rank"], tp_size=sizes["tp"], pp_rank=sizes["pp_rank"],
-        pp_size=sizes["pp"], dp_rank=sizes["dp_rank"], dp_size=sizes["dp"],
+        Path(cfg.train.output_dir) / "checkpoints",
+        asdict(cfg),
+        tp_rank=sizes["tp_rank"],
+        tp_size=sizes["tp"],
+        pp_rank=sizes["pp_rank"],
+        pp_size=sizes["pp"],
+        dp_rank=sizes["dp_rank"],
+        dp_size=sizes["dp"],
         coordinator=sizes["rank"] == 0,
-        barrier=barrier, keep_last=cfg.train.keep_last,
+        barrier=barrier,
+        keep_last=cfg.train.keep_last,
     )
     return ResumeSession(checkpointer, runs, optimizer, lora, cfg.train.save_every)

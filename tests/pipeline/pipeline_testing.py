@@ -37,11 +37,26 @@ MODEL = ModelConfig(
 # moves the weights by ~lr per step. Clipping off here; `adapters_for(dp, clip=True)` turns it on.
 ADAPTERS = [
     AdapterConfig(name="a0", rank=4, alpha=8.0, lr=2e-3, global_batch_size=2, max_grad_norm=0.0),
-    AdapterConfig(name="a1", rank=2, alpha=4.0, lr=2e-3, global_batch_size=3,
-                  target_modules=["linear_qkv", "linear_fc2"], lr_schedule="constant",
-                  max_grad_norm=0.0),
-    AdapterConfig(name="a2", rank=8, alpha=16.0, lr=1e-3, global_batch_size=5,
-                  weight_decay=0.01, use_rslora=True, max_grad_norm=0.0),
+    AdapterConfig(
+        name="a1",
+        rank=2,
+        alpha=4.0,
+        lr=2e-3,
+        global_batch_size=3,
+        target_modules=["linear_qkv", "linear_fc2"],
+        lr_schedule="constant",
+        max_grad_norm=0.0,
+    ),
+    AdapterConfig(
+        name="a2",
+        rank=8,
+        alpha=16.0,
+        lr=1e-3,
+        global_batch_size=5,
+        weight_decay=0.01,
+        use_rslora=True,
+        max_grad_norm=0.0,
+    ),
 ]
 STEPS = 3  # optimizer steps of every adapter
 
@@ -70,11 +85,15 @@ def adapters_for(dp: int, clip: bool = False) -> list:
     """
     adapters = ADAPTERS
     if clip:
-        adapters = [dataclasses.replace(a, max_grad_norm=m)
-                    for a, m in zip(adapters, CLIP_NORMS, strict=True)]
+        adapters = [
+            dataclasses.replace(a, max_grad_norm=m)
+            for a, m in zip(adapters, CLIP_NORMS, strict=True)
+        ]
     if dp > 1:
         return adapters
     return [dataclasses.replace(adapters[0], dropout=0.1), *adapters[1:]]
+
+
 CAPACITY = 40  # tokens per microbatch
 SEED = 7
 
@@ -104,14 +123,22 @@ def make_job(num_stages: int, adapters=ADAPTERS) -> Job:
             rows.append(TokenizedSample(ids, labels, mask))
         datasets.append(rows)
     orders = [list(range(len(d))) for d in datasets]
-    problem = PlanProblem([[len(r) for r in d] for d in datasets],
-                          [a.global_batch_size for a in adapters], CAPACITY,
-                          num_stages=num_stages, seed=SEED)
+    problem = PlanProblem(
+        [[len(r) for r in d] for d in datasets],
+        [a.global_batch_size for a in adapters],
+        CAPACITY,
+        num_stages=num_stages,
+        seed=SEED,
+    )
     plan = plan_microbatches(problem, solver="greedy")
     batch_tokens = [
-        [sum(sum(d[i].loss_mask) for i in range(j * a.global_batch_size,
-                                                   (j + 1) * a.global_batch_size))
-         for j in range(STEPS)]
+        [
+            sum(
+                sum(d[i].loss_mask)
+                for i in range(j * a.global_batch_size, (j + 1) * a.global_batch_size)
+            )
+            for j in range(STEPS)
+        ]
         for d, a in zip(datasets, adapters, strict=True)
     ]
     return Job(datasets, orders, plan.microbatches, batch_tokens, num_stages)
@@ -119,9 +146,15 @@ def make_job(num_stages: int, adapters=ADAPTERS) -> Job:
 
 def make_batch_fn(job: Job, num_adapters: int, pad_to_multiple: int = 1):
     def make_batch(microbatch, index):
-        return pack_microbatch(microbatch, job.datasets, job.orders, num_adapters, "cpu",
-                               dropout_seed=SEED * 1_000_003 + index,
-                               pad_to_multiple=pad_to_multiple)
+        return pack_microbatch(
+            microbatch,
+            job.datasets,
+            job.orders,
+            num_adapters,
+            "cpu",
+            dropout_seed=SEED * 1_000_003 + index,
+            pad_to_multiple=pad_to_multiple,
+        )
 
     return make_batch
 
@@ -146,34 +179,50 @@ def reference_run(job: Job, adapters=ADAPTERS) -> dict:
 
     def forward(batch):
         lora.layout = batch.layout
-        return model(batch.input_ids, batch.position_ids, None, labels=batch.labels,
-                     packed_seq_params=packed_seq_params(batch.layout)).float()
+        return model(
+            batch.input_ids,
+            batch.position_ids,
+            None,
+            labels=batch.labels,
+            packed_seq_params=packed_seq_params(batch.layout),
+        ).float()
 
     from megatron_lorafusion.train.evaluate import one_stage_loss_sums
 
     norms, on_step = _recording_norms(optimizer, len(adapters))
     make_batch = make_batch_fn(job, len(adapters))
-    run_plan(job.microbatches, forward, make_batch, runs, optimizer,
-             progress_bar=False, on_step=on_step)
+    run_plan(
+        job.microbatches, forward, make_batch, runs, optimizer, progress_bar=False, on_step=on_step
+    )
     model.eval()
     sums = one_stage_loss_sums(forward, lambda mb: make_batch(mb, 0), len(adapters))
-    return {"states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
-            "losses": [run.losses for run in runs], "norms": norms,
-            "eval": sums(job.microbatches)}
+    return {
+        "states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
+        "losses": [run.losses for run in runs],
+        "norms": norms,
+        "eval": sums(job.microbatches),
+    }
 
 
-def eval_stage(job: Job, model, lora, groups, adapters, tp_rank: int,
-               sequence_shards: int = 1):
+def eval_stage(job: Job, model, lora, groups, adapters, tp_rank: int, sequence_shards: int = 1):
     """The trained stage's eval loss sums over the plan's microbatches (forward only)."""
     from megatron_lorafusion.pipeline import forward_loss_sums, gpt_stage_forward
 
     model.eval()
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     make_batch = make_batch_fn(job, len(adapters), sequence_shards)
-    return forward_loss_sums(job.microbatches, forward, lambda mb: make_batch(mb, 0), groups,
-                             num_adapters=len(adapters), hidden_size=MODEL.hidden_size,
-                             activation_dtype=torch.float32, device="cpu",
-                             counts_once=tp_rank == 0, sequence_shards=sequence_shards)
+    return forward_loss_sums(
+        job.microbatches,
+        forward,
+        lambda mb: make_batch(mb, 0),
+        groups,
+        num_adapters=len(adapters),
+        hidden_size=MODEL.hidden_size,
+        activation_dtype=torch.float32,
+        device="cpu",
+        counts_once=tp_rank == 0,
+        sequence_shards=sequence_shards,
+    )
 
 
 def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
@@ -184,8 +233,9 @@ def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s:
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
     parallel_state.initialize_model_parallel(tp, pp)
 
 
@@ -197,8 +247,9 @@ def close_world() -> None:
         dist.destroy_process_group()
 
 
-def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
-                sequence_parallel: bool = False):
+def build_stage(
+    job: Job, adapters=ADAPTERS, timeout_s: float = 60.0, sequence_parallel: bool = False
+):
     """This rank's stage model, LoRA, ``(adapter runs, optimizer)`` and pipeline groups.
 
     Under TP the optimizer's norms sum over the TP group (as `train.main` sets it up).
@@ -211,19 +262,35 @@ def build_stage(job: Job, adapters=ADAPTERS, timeout_s: float = 60.0,
     from megatron_lorafusion.train.optim import tensor_parallel_squared_norms
 
     groups = make_pipeline_groups(*pipeline_and_data_ranks(), timeout_s)
-    model = build_gpt_model(MODEL, pre_process=groups.is_first, post_process=groups.is_last,
-                            sequence_parallel=sequence_parallel).train()
+    model = build_gpt_model(
+        MODEL,
+        pre_process=groups.is_first,
+        post_process=groups.is_last,
+        sequence_parallel=sequence_parallel,
+    ).train()
     lora = apply_lora(model, adapters, seed=SEED)
     norms = {}
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         norms["squared_norms"] = tensor_parallel_squared_norms(
-            lora, parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_group())
+            lora,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group(),
+        )
     return model, lora, build_adapter_runs(lora, job, adapters, **norms), groups
 
 
-def run_stage(job: Job, model, lora, training, groups, adapters=ADAPTERS, make_batch=None,
-              sequence_shards: int = 1, defer_wgrad: bool = False, on_step=None):
+def run_stage(
+    job: Job,
+    model,
+    lora,
+    training,
+    groups,
+    adapters=ADAPTERS,
+    make_batch=None,
+    sequence_shards: int = 1,
+    defer_wgrad: bool = False,
+    on_step=None,
+):
     """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP.
 
     ``training`` is `build_adapter_runs`'s ``(runs, optimizer)``.
@@ -237,12 +304,22 @@ def run_stage(job: Job, model, lora, training, groups, adapters=ADAPTERS, make_b
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     runs, optimizer = training
     make_batch = make_batch or make_batch_fn(job, len(adapters), sequence_shards)
-    return run_pipeline(job.microbatches, forward, make_batch, runs, optimizer, lora.grads,
-                        groups,
-                        global_batch_sizes=[a.global_batch_size for a in adapters],
-                        hidden_size=MODEL.hidden_size, activation_dtype=torch.float32,
-                        device="cpu", sequence_shards=sequence_shards,
-                        wgrad_queue=lora.wgrad_queue, on_step=on_step)
+    return run_pipeline(
+        job.microbatches,
+        forward,
+        make_batch,
+        runs,
+        optimizer,
+        lora.grads,
+        groups,
+        global_batch_sizes=[a.global_batch_size for a in adapters],
+        hidden_size=MODEL.hidden_size,
+        activation_dtype=torch.float32,
+        device="cpu",
+        sequence_shards=sequence_shards,
+        wgrad_queue=lora.wgrad_queue,
+        on_step=on_step,
+    )
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
@@ -274,18 +351,40 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
                 modes = {w.sequence_parallel for w in lora.wrappers.values()}
                 assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
                 norms, on_step = _recording_norms(training[1], len(adapters))
-                run_stage(job, model, lora, training, groups, adapters,
-                          sequence_shards=tp if sp else 1, defer_wgrad=defer_wgrad,
-                          on_step=on_step)
+                run_stage(
+                    job,
+                    model,
+                    lora,
+                    training,
+                    groups,
+                    adapters,
+                    sequence_shards=tp if sp else 1,
+                    defer_wgrad=defer_wgrad,
+                    on_step=on_step,
+                )
                 sizes = parallel_sizes()
-                evaluated = eval_stage(job, model, lora, groups, adapters, sizes["tp_rank"],
-                                       sequence_shards=tp if sp else 1)
-            states = gather_adapter_states(lora, tp_rank=sizes["tp_rank"], tp_size=tp,
-                                           dp_rank=sizes["dp_rank"])
+                evaluated = eval_stage(
+                    job,
+                    model,
+                    lora,
+                    groups,
+                    adapters,
+                    sizes["tp_rank"],
+                    sequence_shards=tp if sp else 1,
+                )
+            states = gather_adapter_states(
+                lora, tp_rank=sizes["tp_rank"], tp_size=tp, dp_rank=sizes["dp_rank"]
+            )
             if rank == 0:
-                torch.save({"states": states, "losses": [r.losses for r in training[0]],
-                            "norms": norms, "eval": evaluated},
-                           os.path.join(casedir, "result.pt"))
+                torch.save(
+                    {
+                        "states": states,
+                        "losses": [r.losses for r in training[0]],
+                        "norms": norms,
+                        "eval": evaluated,
+                    },
+                    os.path.join(casedir, "result.pt"),
+                )
         except Exception:
             with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
                 f.write(traceback.format_exc())

@@ -52,8 +52,10 @@ def test_lemma_violation_is_refused_on_every_rank(tmp_path):
 def test_failed_rank_ends_every_rank_with_an_error(tmp_path, fault):
     world = 2
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=fault_worker, args=(r, world, str(tmp_path), fault,
-                                                    COMM_TIMEOUT_S)) for r in range(world)]
+    procs = [
+        ctx.Process(target=fault_worker, args=(r, world, str(tmp_path), fault, COMM_TIMEOUT_S))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + JOIN_S

@@ -26,13 +26,23 @@ from pipeline_testing import (
 # dtype -> tolerances; TP, PP and DP only reorder fp32 sums (partials over H, vocab, samples).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 # name -> (tp, pp, dp, sequence parallel)
-CASES = {"pp2": (1, 2, 1, False), "dp2": (1, 1, 2, False), "tp2": (2, 1, 1, False),
-         "tp2sp": (2, 1, 1, True), "pp4": (1, 4, 1, False), "pp2xdp2": (1, 2, 2, False),
-         "tp2xpp2": (2, 2, 1, False), "tp2xpp2sp": (2, 2, 1, True),
-         "tp2xdp2sp": (2, 1, 2, True), "pp4_defer_wgrad": (1, 4, 1, False),
-         "tp2xpp2_defer_wgrad": (2, 2, 1, False), "pp2_clip": (1, 2, 1, False),
-         "pp2xdp2_clip": (1, 2, 2, False), "tp2_clip": (2, 1, 1, False),
-         "tp2xpp2_clip": (2, 2, 1, False)}
+CASES = {
+    "pp2": (1, 2, 1, False),
+    "dp2": (1, 1, 2, False),
+    "tp2": (2, 1, 1, False),
+    "tp2sp": (2, 1, 1, True),
+    "pp4": (1, 4, 1, False),
+    "pp2xdp2": (1, 2, 2, False),
+    "tp2xpp2": (2, 2, 1, False),
+    "tp2xpp2sp": (2, 2, 1, True),
+    "tp2xdp2sp": (2, 1, 2, True),
+    "pp4_defer_wgrad": (1, 4, 1, False),
+    "tp2xpp2_defer_wgrad": (2, 2, 1, False),
+    "pp2_clip": (1, 2, 1, False),
+    "pp2xdp2_clip": (1, 2, 2, False),
+    "tp2_clip": (2, 1, 1, False),
+    "tp2xpp2_clip": (2, 2, 1, False),
+}
 # Cases that defer LoRA A's weight gradients (zero-bubble); with TP the row wrappers' deferred
 # dA draws its mask columns at the shard's offset.
 DEFER_WGRAD = {"pp4_defer_wgrad", "tp2xpp2_defer_wgrad"}
@@ -46,7 +56,8 @@ def parallel_runs(tmp_path_factory):
     by_world: dict[int, list] = {}
     for name, (tp, pp, dp, sp) in CASES.items():
         by_world.setdefault(tp * pp * dp, []).append(
-            (name, tp, pp, sp, name in DEFER_WGRAD, name in CLIP))
+            (name, tp, pp, sp, name in DEFER_WGRAD, name in CLIP)
+        )
     for world, cases in by_world.items():
         mp.spawn(parallel_worker, args=(world, str(workdir), cases), nprocs=world, join=True)
     return workdir
@@ -68,16 +79,20 @@ def test_parallel_run_matches_one_process(megatron_single_process, parallel_runs
         )
         if case in CLIP and adapter.max_grad_norm > 0:  # norms over every stage and TP shard
             assert result["norms"][a] == pytest.approx(expected["norms"][a], rel=1e-5), (
-                f"adapter {adapter.name}: gradient norms differ at {case}")
+                f"adapter {adapter.name}: gradient norms differ at {case}"
+            )
         assert result["states"][a].keys() == expected["states"][a].keys()
         (sums, counts), (ref_sums, ref_counts) = result["eval"], expected["eval"]
         assert counts[a].item() == ref_counts[a].item(), f"adapter {adapter.name}: eval tokens"
         loss, ref_loss = (sums[a] / counts[a]).item(), (ref_sums[a] / ref_counts[a]).item()
         assert loss == pytest.approx(ref_loss, rel=1e-5), (
-            f"adapter {adapter.name}: forward-only eval loss differs at {case}")
+            f"adapter {adapter.name}: forward-only eval loss differs at {case}"
+        )
         for name, value in expected["states"][a].items():
             torch.testing.assert_close(
-                result["states"][a][name], value, **TOL[torch.float32],
+                result["states"][a][name],
+                value,
+                **TOL[torch.float32],
                 msg=f"adapter {adapter.name} {name} after training at {case}",
             )
 
@@ -87,18 +102,27 @@ def test_clip_cases_clip(megatron_single_process):
     job = make_job(2)
     clipped, plain = (reference_run(job, adapters_for(2, clip)) for clip in (True, False))
     for a in (0, 2):
-        moved = max((clipped["states"][a][n] - v).abs().max().item()
-                    for n, v in plain["states"][a].items())
+        moved = max(
+            (clipped["states"][a][n] - v).abs().max().item() for n, v in plain["states"][a].items()
+        )
         assert moved > 10 * TOL[torch.float32]["atol"], f"adapter {a}: clipping moved {moved}"
     for name, value in plain["states"][1].items():
-        torch.testing.assert_close(clipped["states"][1][name], value, atol=0, rtol=0,
-                                   msg=f"adapter a1 (max_grad_norm 0) {name} changed")
+        torch.testing.assert_close(
+            clipped["states"][1][name],
+            value,
+            atol=0,
+            rtol=0,
+            msg=f"adapter a1 (max_grad_norm 0) {name} changed",
+        )
 
 
 def test_sequence_parallel_cases_pad_odd_microbatches():
     """Some SP case's plan has microbatches of odd T, so the padding runs end to end."""
-    odd = [name for name, (tp, pp, _, sp) in CASES.items() if sp and any(
-        sum(s.tokens for s in mb.samples) % tp for mb in make_job(pp).microbatches)]
+    odd = [
+        name
+        for name, (tp, pp, _, sp) in CASES.items()
+        if sp and any(sum(s.tokens for s in mb.samples) % tp for mb in make_job(pp).microbatches)
+    ]
     assert odd, "no sequence-parallel case pads a microbatch"
 
 

@@ -16,8 +16,9 @@ from megatron_lorafusion.planner import Microbatch, PlanProblem, Sample, plan_mi
 
 
 def _mb(*adapters, finishes=(), start=0):
-    return Microbatch(tuple(Sample(a, start + i, 5) for i, a in enumerate(adapters)),
-                      tuple(finishes))
+    return Microbatch(
+        tuple(Sample(a, start + i, 5) for i, a in enumerate(adapters)), tuple(finishes)
+    )
 
 
 def _ops(actions, stage):
@@ -115,8 +116,9 @@ def test_stream_check_agrees_with_every_stage_table(num_stages):
 def test_planner_plans_pass_and_every_stage_runs_each_microbatch_once(num_stages):
     rng = random.Random(0)
     lengths = [[rng.randint(3, 40) for _ in range(n)] for n in (12, 9, 20)]
-    plan = plan_microbatches(PlanProblem(lengths, [4, 3, 5], 64, num_stages=num_stages),
-                             solver="greedy")
+    plan = plan_microbatches(
+        PlanProblem(lengths, [4, 3, 5], 64, num_stages=num_stages), solver="greedy"
+    )
     table = schedule(num_stages, plan)
     m = len(plan.microbatches)
     for stage in range(num_stages):
@@ -127,8 +129,12 @@ def test_planner_plans_pass_and_every_stage_runs_each_microbatch_once(num_stages
 
 
 def test_data_parallel_shares_partition_the_microbatch_in_plan_order():
-    mb = Microbatch(tuple(Sample(a, i, t) for a, i, t in
-                          [(0, 0, 9), (0, 1, 2), (1, 0, 7), (1, 1, 7), (2, 0, 1)]), (1,))
+    mb = Microbatch(
+        tuple(
+            Sample(a, i, t) for a, i, t in [(0, 0, 9), (0, 1, 2), (1, 0, 7), (1, 1, 7), (2, 0, 1)]
+        ),
+        (1,),
+    )
     shares = [data_parallel_share(mb, r, 2) for r in range(2)]
     key = lambda s: (s.adapter, s.index)  # noqa: E731
     assert sorted((s for sh in shares for s in sh.samples), key=key) == list(mb.samples)

@@ -16,10 +16,20 @@ STEPS = 6
 def _job(tmp_path):
     # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early.
     adapters = [
-        {"task": "sort", "lr_schedule": "constant", "global_batch_size": 4,
-         "early_stopping_patience": 0},
-        {"task": "add", "name": "wild", "lr": 1.0, "lr_schedule": "constant",
-         "global_batch_size": 4, "early_stopping_patience": 1},
+        {
+            "task": "sort",
+            "lr_schedule": "constant",
+            "global_batch_size": 4,
+            "early_stopping_patience": 0,
+        },
+        {
+            "task": "add",
+            "name": "wild",
+            "lr": 1.0,
+            "lr_schedule": "constant",
+            "global_batch_size": 4,
+            "early_stopping_patience": 1,
+        },
     ]
     return eval_job(tmp_path, adapters, STEPS, seed=4, eval_every=1)
 

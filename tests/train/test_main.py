@@ -27,13 +27,30 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path):
     adapters = []
     for task, rank in tasks.items():
         path = write_task(task, tmp_path / f"{task}.jsonl", 200, seed=1)
-        adapters.append({"name": task, "rank": rank, "alpha": 16, "dropout": 0.1, "lr": 1e-2,
-                         "global_batch_size": 8, "dataset": {"path": str(path)}})
-    job = {"model": {"preset": "tiny", "num_layers": 1}, "adapters": adapters,
-           "data": {"max_seq_length": 64}, "planner": {"token_capacity": 256},
-           "train": {"steps": 30, "device": "cpu", "output_dir": str(tmp_path / "out"),
-                     "save_every": 10},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "rank": rank,
+                "alpha": 16,
+                "dropout": 0.1,
+                "lr": 1e-2,
+                "global_batch_size": 8,
+                "dataset": {"path": str(path)},
+            }
+        )
+    job = {
+        "model": {"preset": "tiny", "num_layers": 1},
+        "adapters": adapters,
+        "data": {"max_seq_length": 64},
+        "planner": {"token_capacity": 256},
+        "train": {
+            "steps": 30,
+            "device": "cpu",
+            "output_dir": str(tmp_path / "out"),
+            "save_every": 10,
+        },
+        "logging": {"progress_bar": False},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     losses = main(load_config(tmp_path / "job.yaml"))
 
@@ -77,18 +94,34 @@ def test_train_instruction_jsonl_with_template_masks_loss_to_responses(tmp_path,
     import megatron_lorafusion.train.main as main_module
 
     tok = save_tiny_tokenizer(tmp_path / "tok")
-    rows = [{"instruction": "Reverse the word.", "input": w, "output": w[::-1]}
-            for w in ("stone", "river", "cloud", "maple", "ember", "quartz", "lunar", "pixel")]
+    rows = [
+        {"instruction": "Reverse the word.", "input": w, "output": w[::-1]}
+        for w in ("stone", "river", "cloud", "maple", "ember", "quartz", "lunar", "pixel")
+    ]
     (tmp_path / "inst.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    job = {"model": {"preset": "tiny", "num_layers": 1},
-           "adapters": [{"name": "rev", "rank": 4, "global_batch_size": 4,
-                         "dataset": {"path": str(tmp_path / "inst.jsonl"), "template": "alpaca",
-                                     "response_field": "output"}}],
-           "data": {"tokenizer": str(tmp_path / "tok"), "max_seq_length": 256,
-                    "cache_dir": str(tmp_path / "cache")},
-           "planner": {"solver": "greedy", "token_capacity": 512},
-           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / "out")},
-           "logging": {"progress_bar": False}}
+    job = {
+        "model": {"preset": "tiny", "num_layers": 1},
+        "adapters": [
+            {
+                "name": "rev",
+                "rank": 4,
+                "global_batch_size": 4,
+                "dataset": {
+                    "path": str(tmp_path / "inst.jsonl"),
+                    "template": "alpaca",
+                    "response_field": "output",
+                },
+            }
+        ],
+        "data": {
+            "tokenizer": str(tmp_path / "tok"),
+            "max_seq_length": 256,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+        "planner": {"solver": "greedy", "token_capacity": 512},
+        "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / "out")},
+        "logging": {"progress_bar": False},
+    }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     packed = []
 
@@ -123,8 +156,7 @@ def test_checked_stream_lets_ranks_agree_on_the_plan_before_the_first_microbatch
     def payloads(lengths):
         problem = PlanProblem(lengths, (2, 2), 64, num_stages=1, seed=0)
         seen = []
-        stream = checked_stream(iter_plan_chunks(problem, 1, "greedy", 1.0), problem,
-                                seen.append)
+        stream = checked_stream(iter_plan_chunks(problem, 1, "greedy", 1.0), problem, seen.append)
         first = next(stream)
         assert len(seen) == 1, "agree must run once, before the first microbatch is yielded"
         assert first.samples, "the first microbatch"
@@ -136,7 +168,8 @@ def test_checked_stream_lets_ranks_agree_on_the_plan_before_the_first_microbatch
     lengths = ((5, 9, 12, 7), (8, 3, 6, 10))
     assert payloads(lengths) == payloads(lengths), "the same samples must give the same payload"
     assert payloads(((5, 9, 12, 7), (8, 3, 6, 11))) != payloads(lengths), (
-        "a rank with other sample lengths must disagree")
+        "a rank with other sample lengths must disagree"
+    )
 
 
 def test_train_recompute_modes_train_the_same_adapters(tmp_path):
@@ -145,22 +178,44 @@ def test_train_recompute_modes_train_the_same_adapters(tmp_path):
     adapters = []
     for task, rank in {"sort": 4, "add": 8}.items():
         path = write_task(task, tmp_path / f"{task}.jsonl", 24, seed=1)
-        adapters.append({"name": task, "rank": rank, "alpha": 16, "dropout": 0.1, "lr": 1e-2,
-                         "global_batch_size": 4, "dataset": {"path": str(path)}})
+        adapters.append(
+            {
+                "name": task,
+                "rank": rank,
+                "alpha": 16,
+                "dropout": 0.1,
+                "lr": 1e-2,
+                "global_batch_size": 4,
+                "dataset": {"path": str(path)},
+            }
+        )
     runs = {}
     for mode in ("none", "selective", "full"):
-        job = {"model": {"preset": "tiny"}, "adapters": adapters,
-               "data": {"max_seq_length": 64}, "planner": {"token_capacity": 128},
-               "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / mode),
-                         "recompute": mode},
-               "logging": {"progress_bar": False}}
+        job = {
+            "model": {"preset": "tiny"},
+            "adapters": adapters,
+            "data": {"max_seq_length": 64},
+            "planner": {"token_capacity": 128},
+            "train": {
+                "steps": 3,
+                "device": "cpu",
+                "output_dir": str(tmp_path / mode),
+                "recompute": mode,
+            },
+            "logging": {"progress_bar": False},
+        }
         (tmp_path / f"{mode}.yaml").write_text(yaml.safe_dump(job))
-        with mock.patch("megatron_lorafusion.mcore.recompute.apply_recompute",
-                        wraps=apply_recompute) as spy:
+        with mock.patch(
+            "megatron_lorafusion.mcore.recompute.apply_recompute", wraps=apply_recompute
+        ) as spy:
             losses = main(load_config(tmp_path / f"{mode}.yaml"))
         assert [c.args[2] for c in spy.call_args_list] == [mode], "main must apply the mode"
-        exported = {a["name"]: load_file(str(tmp_path / mode / "adapters" / a["name"]
-                                             / "adapter_model.safetensors")) for a in adapters}
+        exported = {
+            a["name"]: load_file(
+                str(tmp_path / mode / "adapters" / a["name"] / "adapter_model.safetensors")
+            )
+            for a in adapters
+        }
         runs[mode] = (losses, exported)
     want_losses, want_weights = runs["none"]
     for mode in ("selective", "full"):
@@ -168,5 +223,6 @@ def test_train_recompute_modes_train_the_same_adapters(tmp_path):
         assert losses == want_losses, f"{mode}: step losses differ from none"
         for name, tensors in want_weights.items():
             for key, value in tensors.items():
-                torch.testing.assert_close(weights[name][key], value, atol=0, rtol=0,
-                                           msg=f"{mode}: {name} {key}")
+                torch.testing.assert_close(
+                    weights[name][key], value, atol=0, rtol=0, msg=f"{mode}: {name} {key}"
+                )

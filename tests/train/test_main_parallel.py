@@ -34,23 +34,38 @@ TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
 TP_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
-def _job(tmp_path, out: str, *, recompute: str = "selective", dropout: float = 0.0,
-         **parallel) -> str:
+def _job(
+    tmp_path, out: str, *, recompute: str = "selective", dropout: float = 0.0, **parallel
+) -> str:
     adapters = []
     for i, (task, gbs) in enumerate({"sort": 3, "add": 4, "upper": 2}.items()):
         path = write_task(task, tmp_path / f"{task}.jsonl", 40, seed=1)
-        adapters.append({"name": task, "rank": 4 + 2 * i, "alpha": 8, "lr": 1e-2,
-                         "dropout": dropout, "global_batch_size": gbs,
-                         "dataset": {"path": str(path)},
-                         "max_grad_norm": 0.5})  # clips: norms span every rank's factors
-    job = {"model": {"preset": "tiny", "num_layers": 2, "hidden_size": 64,
-                     "ffn_hidden_size": 128},
-           "adapters": adapters, "data": {"max_seq_length": 48},
-           "planner": {"token_capacity": 96, "solver": "greedy"},
-           "parallel": parallel,
-           "train": {"steps": 3, "device": "cpu", "output_dir": str(tmp_path / out),
-                     "recompute": recompute},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "rank": 4 + 2 * i,
+                "alpha": 8,
+                "lr": 1e-2,
+                "dropout": dropout,
+                "global_batch_size": gbs,
+                "dataset": {"path": str(path)},
+                "max_grad_norm": 0.5,
+            }
+        )  # clips: norms span every rank's factors
+    job = {
+        "model": {"preset": "tiny", "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128},
+        "adapters": adapters,
+        "data": {"max_seq_length": 48},
+        "planner": {"token_capacity": 96, "solver": "greedy"},
+        "parallel": parallel,
+        "train": {
+            "steps": 3,
+            "device": "cpu",
+            "output_dir": str(tmp_path / out),
+            "recompute": recompute,
+        },
+        "logging": {"progress_bar": False},
+    }
     path = tmp_path / f"{out}.yaml"
     path.write_text(yaml.safe_dump(job))
     return str(path)
@@ -58,8 +73,18 @@ def _job(tmp_path, out: str, *, recompute: str = "selective", dropout: float = 0
 
 def _torchrun(job: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "megatron_lorafusion", "train", job]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_lorafusion",
+        "train",
+        job,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
 
@@ -75,14 +100,23 @@ def test_torchrun_dp2_tp2_and_pp2_train_and_export(tmp_path):
     _torchrun(_job(tmp_path, "tp2", tp=2))
     _torchrun(_job(tmp_path, "pp2", pp=2))
     for name in expected:
-        one, dp2, tp2, pp2 = (_exported(tmp_path, out, name)
-                              for out in ("one", "dp2", "tp2", "pp2"))
+        one, dp2, tp2, pp2 = (
+            _exported(tmp_path, out, name) for out in ("one", "dp2", "tp2", "pp2")
+        )
         assert one.keys() == dp2.keys() == tp2.keys() == pp2.keys(), f"{name}: keys differ"
         for key, value in one.items():
-            torch.testing.assert_close(dp2[key], value, **TOL[torch.float32],
-                                       msg=f"{name} {key}: DP = 2 export != one process")
-            torch.testing.assert_close(tp2[key], value, **TP_TOL[torch.float32],
-                                       msg=f"{name} {key}: TP = 2 (SP) export != one process")
+            torch.testing.assert_close(
+                dp2[key],
+                value,
+                **TOL[torch.float32],
+                msg=f"{name} {key}: DP = 2 export != one process",
+            )
+            torch.testing.assert_close(
+                tp2[key],
+                value,
+                **TP_TOL[torch.float32],
+                msg=f"{name} {key}: TP = 2 (SP) export != one process",
+            )
             assert pp2[key].shape == value.shape, f"{name} {key}: PP = 2 export shape"
             if "lora_B" in key:
                 assert torch.count_nonzero(pp2[key]) > 0, f"{name} {key}: B untrained at PP = 2"
@@ -99,8 +133,13 @@ def test_torchrun_pp2_full_recompute_exports_the_weights_of_none(tmp_path):
         none, full = (_exported(tmp_path, mode, name) for mode in ("none", "full"))
         assert none.keys() == full.keys(), f"{name}: keys differ"
         for key, value in none.items():
-            torch.testing.assert_close(full[key], value, atol=0, rtol=0,
-                                       msg=f"{name} {key}: full recompute != none at PP = 2")
+            torch.testing.assert_close(
+                full[key],
+                value,
+                atol=0,
+                rtol=0,
+                msg=f"{name} {key}: full recompute != none at PP = 2",
+            )
 
 
 def _evals(out) -> dict[str, list[tuple[int, float]]]:
@@ -119,10 +158,18 @@ def test_torchrun_dp2_tp2_and_pp2_evaluate_and_stop_early(tmp_path):
     exports the best weights its stages saved."""
     # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early
     # (one layer; test_evaluate's job).
-    adapters = [{"task": "sort", "lr_schedule": "constant", "global_batch_size": 4,
-                 "dropout": 0.0},
-                {"task": "add", "name": "wild", "lr": 1.0, "lr_schedule": "constant",
-                 "global_batch_size": 4, "dropout": 0.0, "early_stopping_patience": 1}]
+    adapters = [
+        {"task": "sort", "lr_schedule": "constant", "global_batch_size": 4, "dropout": 0.0},
+        {
+            "task": "add",
+            "name": "wild",
+            "lr": 1.0,
+            "lr_schedule": "constant",
+            "global_batch_size": 4,
+            "dropout": 0.0,
+            "early_stopping_patience": 1,
+        },
+    ]
     eval_job(tmp_path, adapters, 4, seed=4, eval_every=1)
     raw = yaml.safe_load((tmp_path / "job.yaml").read_text())
     jobs = {}
@@ -142,18 +189,24 @@ def test_torchrun_dp2_tp2_and_pp2_evaluate_and_stop_early(tmp_path):
         for name, expected in one.items():
             assert [s for s, _ in evals[name]] == [s for s, _ in expected], f"{out} {name}"
             assert [v for _, v in evals[name]] == pytest.approx(
-                [v for _, v in expected], rel=tol[torch.float32]["rtol"]), (
-                f"{name}: {out} eval losses != one process")
+                [v for _, v in expected], rel=tol[torch.float32]["rtol"]
+            ), f"{name}: {out} eval losses != one process"
             theirs = _exported(tmp_path, out, name)
             for key, value in _exported(tmp_path, "one", name).items():
-                torch.testing.assert_close(theirs[key], value, **tol[torch.float32],
-                                           msg=f"{name} {key}: {out} export != one process")
+                torch.testing.assert_close(
+                    theirs[key],
+                    value,
+                    **tol[torch.float32],
+                    msg=f"{name} {key}: {out} export != one process",
+                )
     assert [s for s, _ in pp2["sort"]] == [1, 2, 3, 4], pp2["sort"]
     steps = [s for s, _ in pp2["wild"]]
     assert steps == list(range(1, len(steps) + 1)), f"wild at PP = 2: {pp2['wild']}"
     best_step = min(pp2["wild"], key=lambda e: e[1])[0]
-    shards = [torch.load(tmp_path / "pp2" / "best" / f"wild_tp0_pp{p}.pt", weights_only=True)
-              for p in (0, 1)]
+    shards = [
+        torch.load(tmp_path / "pp2" / "best" / f"wild_tp0_pp{p}.pt", weights_only=True)
+        for p in (0, 1)
+    ]
     assert [s["step"] for s in shards] == [best_step] * 2, "each stage saves the best step"
     best = {k: v for s in shards for k, v in s["state"].items()}
     cfg = load_config(jobs["pp2"])

@@ -64,10 +64,15 @@ def test_job_summary_and_plan_summary_name_the_job(tmp_path):
     assert str(cfg.train.output_dir) in text, text
     for a, adapter in enumerate(cfg.adapters):
         row = next(line for line in text.splitlines() if line.startswith(adapter.name))
-        assert row.split()[1:] == [str(adapter.rank), f"{adapter.alpha:g}",
-                                   f"{adapter.dropout:g}", f"{adapter.lr:.1e}",
-                                   str(adapter.global_batch_size),
-                                   str(len(problem.lengths[a])), str(STEPS)], row
+        assert row.split()[1:] == [
+            str(adapter.rank),
+            f"{adapter.alpha:g}",
+            f"{adapter.dropout:g}",
+            f"{adapter.lr:.1e}",
+            str(adapter.global_batch_size),
+            str(len(problem.lengths[a])),
+            str(STEPS),
+        ], row
     plan = plan_microbatches(problem, solver="greedy")
     line = plan_summary(plan, problem, first_chunk=False)
     assert line.startswith(f"plan (whole): {len(plan.microbatches)} microbatches"), line

@@ -83,8 +83,13 @@ def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
     before = lora.weights.clone()
     with pytest.raises(DivergenceError, match=r"adapter 'a1': gradient norm nan at step 1"):
         opt.step([0, 1])
-    torch.testing.assert_close(lora.weights, before, atol=0, rtol=0,
-                               msg="no adapter may step when one gradient is not finite")
+    torch.testing.assert_close(
+        lora.weights,
+        before,
+        atol=0,
+        rtol=0,
+        msg="no adapter may step when one gradient is not finite",
+    )
     assert opt.steps == [0, 0, 0]
     with pytest.raises(DivergenceError, match=r"adapter 'a2': loss inf at step 1"):
         opt.check_losses({0: 1.5, 2: float("inf")})

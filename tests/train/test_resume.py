@@ -38,14 +38,32 @@ def _job(tmp_path, out: str, capacity: int = 96, **train) -> object:
         path = tmp_path / f"{task}.jsonl"
         if not path.exists():
             write_task(task, path, 40, seed=2)
-        adapters.append({"name": task, "rank": rank, "alpha": 8, "dropout": 0.1, "lr": 1e-2,
-                         "global_batch_size": gbs, "dataset": {"path": str(path)}})
-    job = {"model": {"preset": "tiny", "num_layers": 1}, "adapters": adapters,
-           "data": {"max_seq_length": 48},
-           "planner": {"solver": "greedy", "token_capacity": capacity},
-           "train": {"steps": 6, "device": "cpu", "output_dir": str(tmp_path / out),
-                     "save_every": 2, "keep_last": 0, **train},
-           "logging": {"progress_bar": False}}
+        adapters.append(
+            {
+                "name": task,
+                "rank": rank,
+                "alpha": 8,
+                "dropout": 0.1,
+                "lr": 1e-2,
+                "global_batch_size": gbs,
+                "dataset": {"path": str(path)},
+            }
+        )
+    job = {
+        "model": {"preset": "tiny", "num_layers": 1},
+        "adapters": adapters,
+        "data": {"max_seq_length": 48},
+        "planner": {"solver": "greedy", "token_capacity": capacity},
+        "train": {
+            "steps": 6,
+            "device": "cpu",
+            "output_dir": str(tmp_path / out),
+            "save_every": 2,
+            "keep_last": 0,
+            **train,
+        },
+        "logging": {"progress_bar": False},
+    }
     path = tmp_path / f"{out}.yaml"
     path.write_text(yaml.safe_dump(job))
     return load_config(path)
@@ -88,19 +106,29 @@ def test_resume_after_stop_equals_uninterrupted_run(tmp_path, monkeypatch, caplo
     assert checkpoint_problems(saved[-1]), "a truncated shard must be detected"
     with caplog.at_level(logging.INFO, logger="megatron_lorafusion.train.checkpoint"):
         resumed = main(_job(tmp_path, "cut"))
-    assert any("skipping incomplete checkpoint" in r.getMessage() and saved[-1].name
-               in r.getMessage() for r in caplog.records), "the damaged checkpoint must be warned"
+    assert any(
+        "skipping incomplete checkpoint" in r.getMessage() and saved[-1].name in r.getMessage()
+        for r in caplog.records
+    ), "the damaged checkpoint must be warned"
     assert f"resumed from {saved[0]}" in caplog.text, "resume falls back to the older checkpoint"
 
     assert resumed.keys() == full.keys()
     for name in full:
-        torch.testing.assert_close(torch.tensor(resumed[name]), torch.tensor(full[name]),
-                                   **TOL[torch.float32], msg=f"{name}: losses differ")
+        torch.testing.assert_close(
+            torch.tensor(resumed[name]),
+            torch.tensor(full[name]),
+            **TOL[torch.float32],
+            msg=f"{name}: losses differ",
+        )
     cut_tensors = _final_adapters(tmp_path / "cut")
     for name, tensors in full_tensors.items():
         for key, value in tensors.items():
-            torch.testing.assert_close(cut_tensors[name][key], value, **TOL[torch.float32],
-                                       msg=f"{name} {key} differs after resume")
+            torch.testing.assert_close(
+                cut_tensors[name][key],
+                value,
+                **TOL[torch.float32],
+                msg=f"{name} {key} differs after resume",
+            )
 
 
 def test_resume_explicit_damaged_checkpoint_is_refused(tmp_path):
@@ -122,8 +150,7 @@ def test_resume_with_another_plan_is_refused(tmp_path, monkeypatch):
 
 
 def _snapshot(folder):
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_resume_with_changed_job_exits_2_naming_keys_and_writes_nothing(tmp_path, capsys):
@@ -160,8 +187,11 @@ def test_resume_with_changed_job_exits_2_naming_keys_and_writes_nothing(tmp_path
 def test_resume_with_changed_logging_and_keep_last_continues(tmp_path, caplog):
     main(_job(tmp_path, "run", steps=2))
     with caplog.at_level(logging.INFO, logger="megatron_lorafusion.train.checkpoint"):
-        main(load_config(tmp_path / "run.yaml", ["train.steps=2", "train.keep_last=5",
-                                                 "logging.log_every=3"]))
+        main(
+            load_config(
+                tmp_path / "run.yaml", ["train.steps=2", "train.keep_last=5", "logging.log_every=3"]
+            )
+        )
     assert "resumed from" in caplog.text, "save and logging keys may change on resume"
 
 
@@ -170,7 +200,8 @@ def test_resume_may_change_recompute_but_not_steps():
     saved = {"train": {"recompute": "selective", "steps": 2}}
     assert resume.job_changes(saved, {"train": {"recompute": "full", "steps": 2}}) == []
     assert resume.job_changes(saved, {"train": {"recompute": "none", "steps": 4}}) == [
-        "train.steps (2 -> 4)"]
+        "train.steps (2 -> 4)"
+    ]
 
 
 @pytest.mark.slow
@@ -186,8 +217,18 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     raw["parallel"] = {"tp": 2}
     (tmp_path / "tp2.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "megatron_lorafusion", "train", str(tmp_path / "tp2.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_lorafusion",
+        "train",
+        str(tmp_path / "tp2.yaml"),
+    ]
 
     def launch() -> str:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -200,7 +241,9 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     assert len(saved) >= 3, f"expected several checkpoints, got {saved}"
     manifest = json.loads((saved[-1] / "manifest.json").read_text())
     assert (manifest["tp"], sorted(manifest["files"])) == (
-        2, ["job.json", "shard_tp0_pp0.pt", "shard_tp1_pp0.pt"])
+        2,
+        ["job.json", "shard_tp0_pp0.pt", "shard_tp1_pp0.pt"],
+    )
     full = full_adapter_tensors(saved[-1])
     for later in saved[1:]:
         shutil.rmtree(later)
@@ -208,11 +251,16 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     assert f"resumed from {saved[0]}" in log, "the rerun must resume, not start afresh"
     resumed = full_adapter_tensors(find_resume_checkpoint(root, "auto"))
     assert json.loads((find_resume_checkpoint(root, "auto") / "manifest.json").read_text())[
-        "steps"] == {a.name: 6 for a in cfg.adapters}
+        "steps"
+    ] == {a.name: 6 for a in cfg.adapters}
     for name, tensors in full.items():
         for key, value in tensors.items():
-            torch.testing.assert_close(resumed[name][key], value, **TOL[torch.float32],
-                                       msg=f"{name} {key} differs after a TP = 2 resume")
+            torch.testing.assert_close(
+                resumed[name][key],
+                value,
+                **TOL[torch.float32],
+                msg=f"{name} {key} differs after a TP = 2 resume",
+            )
 
 
 def _torchrun(job_yaml, nproc: int) -> str:
@@ -221,22 +269,45 @@ def _torchrun(job_yaml, nproc: int) -> str:
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), "-m", "megatron_lorafusion", "train", str(job_yaml)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "-m",
+        "megatron_lorafusion",
+        "train",
+        str(job_yaml),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
     return done.stderr
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("parallel", "nproc", "shards"), [
-    ({"pp": 2}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp1.pt"]),
-    ({}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp0_dp1.pt"]),
-    ({"pp": 2}, 4, ["shard_tp0_pp0.pt", "shard_tp0_pp0_dp1.pt", "shard_tp0_pp1.pt",
-                    "shard_tp0_pp1_dp1.pt"]),
-], ids=["pp2", "dp2", "pp2xdp2"])
-def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(tmp_path, parallel, nproc,
-                                                                   shards):
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "shards"),
+    [
+        ({"pp": 2}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp1.pt"]),
+        ({}, 2, ["shard_tp0_pp0.pt", "shard_tp0_pp0_dp1.pt"]),
+        (
+            {"pp": 2},
+            4,
+            [
+                "shard_tp0_pp0.pt",
+                "shard_tp0_pp0_dp1.pt",
+                "shard_tp0_pp1.pt",
+                "shard_tp0_pp1_dp1.pt",
+            ],
+        ),
+    ],
+    ids=["pp2", "dp2", "pp2xdp2"],
+)
+def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(
+    tmp_path, parallel, nproc, shards
+):
     """PP = 2, DP = 2 or both (pipelined runner): resumed from the first checkpoint, same result.
 
     The checkpoints after the first are deleted (as if the run had been killed right after
@@ -262,7 +333,8 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(tmp_path, para
     assert files == ["job.json", *shards], f"unexpected checkpoint files {files}"
     first = [read_shard(saved[0], name) for name in shards]
     assert any(entry["grads"] for shard in first for entry in shard["adapters"]), (
-        "the first checkpoint must cut a global batch (accumulated gradients saved)")
+        "the first checkpoint must cut a global batch (accumulated gradients saved)"
+    )
     full = {name: read_shard(saved[-1], name) for name in shards}
     full_tensors = full_adapter_tensors(saved[-1])
     for later in saved[1:]:
@@ -275,14 +347,22 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(tmp_path, para
     uncut = full_adapter_tensors(uncut_folder)
     for name, tensors in full_tensors.items():
         for key, value in tensors.items():
-            torch.testing.assert_close(value, uncut[name][key], **TOL[torch.float32],
-                                       msg=f"{name} {key}: the cut run differs from an uncut one")
+            torch.testing.assert_close(
+                value,
+                uncut[name][key],
+                **TOL[torch.float32],
+                msg=f"{name} {key}: the cut run differs from an uncut one",
+            )
     last = shard_name(0, parallel.get("pp", 1) - 1)  # the stage computing the losses
-    for entry, again in zip(full[last]["adapters"], read_shard(uncut_folder, last)["adapters"],
-                            strict=True):
-        torch.testing.assert_close(torch.tensor(entry["losses"]), torch.tensor(again["losses"]),
-                                   **TOL[torch.float32],
-                                   msg=f"{entry['name']}: the cut run's losses differ from uncut")
+    for entry, again in zip(
+        full[last]["adapters"], read_shard(uncut_folder, last)["adapters"], strict=True
+    ):
+        torch.testing.assert_close(
+            torch.tensor(entry["losses"]),
+            torch.tensor(again["losses"]),
+            **TOL[torch.float32],
+            msg=f"{entry['name']}: the cut run's losses differ from uncut",
+        )
 
     log = _torchrun(tmp_path / "run.yaml", nproc)  # resume: auto, from the first checkpoint
     assert f"resumed from {saved[0]}" in log, "the rerun must resume, not start afresh"
@@ -291,9 +371,16 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(tmp_path, para
     for name, shard in full.items():
         resumed = read_shard(final, name)
         for entry, again in zip(shard["adapters"], resumed["adapters"], strict=True):
-            torch.testing.assert_close(torch.tensor(again["losses"]),
-                                       torch.tensor(entry["losses"]), **TOL[torch.float32],
-                                       msg=f"{name} {entry['name']}: losses differ")
+            torch.testing.assert_close(
+                torch.tensor(again["losses"]),
+                torch.tensor(entry["losses"]),
+                **TOL[torch.float32],
+                msg=f"{name} {entry['name']}: losses differ",
+            )
             for key, value in entry["tensors"].items():
-                torch.testing.assert_close(again["tensors"][key], value, **TOL[torch.float32],
-                                           msg=f"{name} {entry['name']} {key} differs")
+                torch.testing.assert_close(
+                    again["tensors"][key],
+                    value,
+                    **TOL[torch.float32],
+                    msg=f"{name} {entry['name']} {key} differs",
+                )
