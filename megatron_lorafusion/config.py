@@ -299,7 +299,8 @@ class TrainConfig:
     seed: int = 1234
     """Seed of adapter init, shuffling and dropout."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Dtype of the frozen base and activations; adapters and optimizer states stay fp32."""
+    """Dtype of the frozen base and activations; adapters and optimizer states stay fp32.
+    fp16 is refused: it would need dynamic loss scaling, which is not implemented."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available."""
     output_dir: str = "runs/default"

@@ -249,6 +249,11 @@ def validate(cfg: JobConfig) -> list[str]:
             f"model.num_query_groups must divide model.num_attention_heads "
             f"({m.num_attention_heads}), got {m.num_query_groups}"
         )
+    if cfg.train.precision == "fp16":  # fp16 gradients underflow without a loss scale
+        p.append(
+            "train.precision must be 'bf16' or 'fp32' (fp16 would need dynamic loss scaling, "
+            "which is not implemented; bf16 takes the same memory), got 'fp16'"
+        )
     if cfg.data.tokenizer == "byte" and m.vocab_size < 259:
         p.append(f"model.vocab_size must be >= 259 for the byte tokenizer, got {m.vocab_size}")
     tokenizer = cfg.data.tokenizer

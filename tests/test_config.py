@@ -102,6 +102,13 @@ def test_config_capacity_below_one_sample_rejected(tmp_path):
     )
 
 
+def test_config_fp16_training_is_refused_without_loss_scaling(tmp_path):
+    errors = _errors(tmp_path, _job(tmp_path), ["train.precision=fp16"])
+    assert "train.precision must be 'bf16' or 'fp32'" in errors
+    assert "dynamic loss scaling" in errors
+    load_config(_write(tmp_path, _job(tmp_path)), ["train.precision=bf16"])  # bf16 stays
+
+
 def test_config_capacity_counts_tile_padding(tmp_path):
     job = _job(
         tmp_path, data={"max_seq_length": 200}, planner={"token_capacity": 200, "tile_height": 64}
