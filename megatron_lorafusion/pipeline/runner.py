@@ -495,7 +495,7 @@ def run_pipeline(
         activation_dtype: dtype of those activations (the model's compute dtype).
         device: where receive buffers live (the model's device).
         on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
-        record_events: time every operation (for `scripts/calibrate_simulator.py`); on a GPU
+        record_events: time every operation (the calibration study, docs/pipeline.md); on a GPU
             compute times are CUDA-event times on the compute stream, from after the
             operation's receive to its end (no host synchronisation).
         first_index: plan position of the stream's first microbatch (a segment of a run
