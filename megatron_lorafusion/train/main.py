@@ -419,7 +419,8 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     problem, orders, batch_tokens = prepare_problem(cfg, datasets)
     rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's; a plain run is rank 0
     if rank0:  # the first screen, before the model is built (seconds on a real model)
-        logger.info("%s", job_summary(cfg, problem, int(os.environ.get("WORLD_SIZE", "1"))))
+        for line in job_summary(cfg, problem, int(os.environ.get("WORLD_SIZE", "1"))).splitlines():
+            logger.info("%s", line)  # a record per line: every line names its logger
     # Planned while the model builds: the whole run is planned before its first chunk.
     planner = BackgroundPlanner(
         problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
@@ -555,12 +556,9 @@ def _train(
         def on_first(chunk: Plan) -> None:
             if rank0:
                 steps = sum(len(mb.finishes) for mb in chunk.microbatches)
-                logger.info(
-                    "%s",
-                    plan_summary(
-                        chunk, problem, first_chunk=steps < sum(len(t) for t in batch_tokens)
-                    ),
-                )
+                first_chunk = steps < sum(len(t) for t in batch_tokens)
+                for line in plan_summary(chunk, problem, first_chunk=first_chunk).splitlines():
+                    logger.info("%s", line)
 
         try:
             stream = checked_stream(planner, problem, agree, on_first)

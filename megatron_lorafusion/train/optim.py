@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_lorafusion.config import AdapterConfig
-from megatron_lorafusion.mcore.context import LoRAContext, load_views
 from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import HYPER_COLUMNS, adapter_adamw_
+
+if TYPE_CHECKING:  # mcore imports Megatron (~2 s): not before the job summary is printed
+    from megatron_lorafusion.mcore.context import LoRAContext
 
 _BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, as PEFT recipes use them
 _EPS = 1e-8
@@ -247,6 +250,8 @@ class AdapterAdamW:
         Raises:
             ValueError: naming every missing, unexpected or mis-shaped moment.
         """
+        from megatron_lorafusion.mcore.context import load_views
+
         name = self.adapters[adapter_id].name
         for key in ("exp_avg", "exp_avg_sq"):
             views = self.lora.adapter_views(getattr(self, key), adapter_id)
