@@ -211,11 +211,9 @@ class AdapterConfig:
     """AdamW decoupled weight decay."""
     global_batch_size: int = 8
     """Samples per optimizer step."""
-    max_grad_norm: float = 0.0
-    """Clip this adapter's gradient to this L2 norm (over all its factors) before each step;
-    0 (the default) does not clip. HF/TRL and torchtune clip at 1.0 by default; here it is
-    opt-in because clipping across pipeline stages is not implemented yet (parallel.pp > 1
-    refuses it), and every layout runs with the default job."""
+    max_grad_norm: float = 1.0
+    """Clip this adapter's gradient to this L2 norm (over all its factors, on every TP / PP /
+    DP rank) before each step, 1.0 as HF/TRL and torchtune; 0 does not clip."""
     eval_dataset: DatasetConfig | None = None
     """Held-out rows for evaluation (same keys as dataset); None: none, or eval_fraction."""
     eval_fraction: float = 0.0
