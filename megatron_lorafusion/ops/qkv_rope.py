@@ -17,6 +17,7 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
+from megatron_lorafusion.ops.rope import rope_ref
 
 if triton is not None:
     import triton.language as tl
@@ -231,9 +232,5 @@ def qkv_rope_ref(
     grouped = row.view(tokens, groups, q_per_group + 2, head_dim)
     query = grouped[:, :, :q_per_group].reshape(tokens, groups * q_per_group, head_dim)
     key, value = grouped[:, :, q_per_group], grouped[:, :, q_per_group + 1]
-
-    def rotate(t: torch.Tensor) -> torch.Tensor:
-        first, second = t.chunk(2, dim=-1)
-        return t * cos + torch.cat((-second, first), dim=-1) * sin
-
-    return rotate(query), rotate(key), value.contiguous()
+    query, key = rope_ref(query, key, cos, sin)
+    return query, key, value.contiguous()
