@@ -17,7 +17,7 @@ from megatron_lorafusion.mcore.attention import (
     varlen_causal_attention_ref,
 )
 from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
-from megatron_lorafusion.mcore.hf_import import HFCheckpoint, build_hf_gpt_model, load_hf_weights
+from megatron_lorafusion.mcore.hf_import import HFCheckpoint, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
 from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES, RecomputedLayer, apply_recompute
@@ -37,7 +37,6 @@ __all__ = [
     "apply_recompute",
     "attention_backend",
     "build_gpt_model",
-    "build_hf_gpt_model",
     "document_causal_block_mask",
     "get_gpt_lora_layer_spec",
     "load_hf_weights",

@@ -13,26 +13,17 @@ included) and RMSNorm, so no permutation of the query/key rows is needed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.hf_config import hf_model_fields
-from megatron_lorafusion.mcore.fused_base import LoRAFusionGPTModel
-from megatron_lorafusion.mcore.model import (
-    _gpt_block_spec,
-    _PortableRotaryEmbedding,
-    _transformer_config,
-    set_rotary_embedding,
-)
 
-__all__ = ["HFCheckpoint", "build_hf_gpt_model", "load_hf_weights"]
+__all__ = ["HFCheckpoint", "check_hf_config", "load_hf_weights"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _PER_LAYER = {
@@ -189,46 +180,15 @@ def load_hf_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int) -> No
             param.copy_(value.to(param.dtype))
 
 
-def build_hf_gpt_model(
-    model_cfg: ModelConfig,
-    *,
-    pre_process: bool = True,
-    post_process: bool = True,
-    params_dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    sequence_parallel: bool = False,
-) -> GPTModel:
-    """Build this rank's frozen `GPTModel` and load its shard of ``model_cfg.hf_path``.
-
-    Megatron's parallel state must be initialised (``parallel_state.initialize_model_parallel``);
-    TP and PP sizes and this stage's layers come from it, as in `build_gpt_model`.
-
-    Args:
-        model_cfg: the checkpoint's sizes (as set by ``load_config`` from ``hf_path``).
-        pre_process: build the embedding (first pipeline stage).
-        post_process: build the final norm and output layer (last pipeline stage).
-        params_dtype: dtype of the frozen base weights.
-        device: where the model is moved after loading.
-        sequence_parallel: Megatron sequence parallelism (only when TP > 1), as in
-            `build_gpt_model`.
-
-    Returns:
-        The model, in train mode, with every parameter's ``requires_grad`` False.
+def check_hf_config(model_cfg: ModelConfig) -> None:
+    """Refuse a ``model_cfg`` that the checkpoint at ``model_cfg.hf_path`` cannot fill.
 
     Raises:
+        ValueError: when ``hf_path`` is unset or ``model_cfg`` disagrees with its config.json.
         NotImplementedError: for an architecture or feature the import does not support.
-        ValueError: when ``model_cfg`` disagrees with the checkpoint's config.json.
-        RuntimeError: when Megatron's model-parallel state is not initialised.
     """
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError(
-            "build_hf_gpt_model needs Megatron's parallel state: call "
-            "parallel_state.initialize_model_parallel(tp, pp) first"
-        )
     if model_cfg.hf_path is None:
-        raise ValueError("build_hf_gpt_model needs model.hf_path, got None")
+        raise ValueError("check_hf_config needs model.hf_path, got None")
     fields, problems = hf_model_fields(model_cfg.hf_path)
     if problems:
         raise NotImplementedError("cannot import the checkpoint:\n  - " + "\n  - ".join(problems))
@@ -237,41 +197,3 @@ def build_hf_gpt_model(
         raise ValueError(
             f"model config disagrees with {model_cfg.hf_path}/config.json (ours, theirs): {wrong}"
         )
-    pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    config = _transformer_config(
-        model_cfg,
-        tp_size=pg_collection.tp.size(),
-        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        params_dtype=params_dtype,
-        sequence_parallel=sequence_parallel,
-        fused_loss=torch.device(device).type == "cuda",
-    )
-    config = dataclasses.replace(config, add_qkv_bias=model_cfg.add_qkv_bias)
-    with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
-        model = LoRAFusionGPTModel(
-            config=config,
-            transformer_layer_spec=_gpt_block_spec(config),
-            vocab_size=model_cfg.vocab_size,
-            max_sequence_length=model_cfg.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=False,  # frozen: two equal copies are exact
-            position_embedding_type="rope",
-            rotary_base=model_cfg.rope_theta,
-            pg_collection=pg_collection,
-        )
-        set_rotary_embedding(
-            model,
-            _PortableRotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=1.0,
-                rotary_base=model_cfg.rope_theta,
-                rope_scaling=model_cfg.rope_scaling_factor is not None,
-                rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
-                use_cpu_initialization=True,
-                cp_group=pg_collection.cp,
-            ),
-        )
-    load_hf_weights(model, model_cfg, pg_collection.tp.rank())
-    model.requires_grad_(False)
-    return model.to(device)

@@ -1,8 +1,9 @@
 """Build a Llama-like Megatron-Core `GPTModel` (RMSNorm, SwiGLU, RoPE, GQA) on the local spec.
 
 The local spec's core attention is swapped for `VarlenCoreAttention`, so packed (THD)
-microbatches never attend across sample boundaries. Base weights are random from a seed and
-frozen; adapters are added afterwards with `apply_lora`.
+microbatches never attend across sample boundaries. Base weights are random from a seed or a
+Hugging Face checkpoint's (`mcore.hf_import`), frozen; adapters are added afterwards with
+`apply_lora`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.mcore.attention import PackedSelfAttention, VarlenCoreAttention
 from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, LoRAFusionGPTModel
+from megatron_lorafusion.mcore.hf_import import check_hf_config, load_hf_weights
 
 
 class _PortableRotaryEmbedding(RotaryEmbedding):
@@ -132,7 +134,7 @@ def _transformer_config(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=False,
+        add_qkv_bias=model_cfg.add_qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp_size,
@@ -170,6 +172,10 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     1/sqrt(2·layers) as Megatron does) and this rank keeps its TP shard, split like
     Megatron's ``_initialize_affine_weight_cpu`` (chunks of ``partition_stride``). The model
     is therefore the same for every TP and PP size. Norm weights keep their ones.
+
+    Weights are drawn where they live: a CUDA model draws with CUDA generators (the 8B preset
+    in under a second instead of ~40 s of CPU sampling), so its values differ from a CPU
+    model's of the same seed, and are the same for every TP and PP size on one GPU model.
     """
     to_global = {
         str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
@@ -190,8 +196,9 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
         parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
         if parallel:
             shape[param.partition_dim] *= tp_size
-        generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
-        full = torch.randn(shape, generator=generator) * std
+        seed = _name_seed(model_cfg.init_seed, global_name)
+        generator = torch.Generator(device=param.device).manual_seed(seed)
+        full = torch.randn(shape, generator=generator, device=param.device) * std
         if parallel:
             chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
             full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
@@ -241,22 +248,24 @@ def build_gpt_model(
     device: torch.device | str = "cpu",
     sequence_parallel: bool = False,
 ) -> GPTModel:
-    """Build a frozen, randomly initialised Llama-like `GPTModel` on this rank.
+    """Build this rank's frozen Llama-like `GPTModel`: random weights, or ``model.hf_path``'s.
 
     Megatron's parallel state must be initialised by the caller
     (``parallel_state.initialize_model_parallel``); TP and PP sizes and this rank's layers are
-    taken from it at build time. Base weights are drawn on the CPU from generators keyed by
-    ``(model_cfg.init_seed, global parameter name)`` (the global RNG is left untouched): every
-    rank keeps its shard of the same full weights, so the model is identical for any TP and PP
-    size. Untied embeddings, no biases, no dropout, RoPE with ``model_cfg.rope_theta``. With
-    ``model_cfg.hf_path`` set, `build_hf_gpt_model` builds it from that checkpoint instead.
+    taken from it at build time. With ``model_cfg.hf_path`` set, this rank's shard of the
+    checkpoint is loaded (`mcore.hf_import`; Qwen2's q/k/v biases and Llama 3 RoPE scaling
+    included); otherwise every weight is drawn from a generator keyed by
+    ``(model_cfg.init_seed, global parameter name)`` (`_init_base_weights`; the global RNG is
+    left untouched), so the model is identical for any TP and PP size. Untied embeddings (a
+    tied checkpoint gets two equal frozen copies), no dropout, RoPE with
+    ``model_cfg.rope_theta``.
 
     Args:
-        model_cfg: sizes and seed of the model.
+        model_cfg: sizes and seed (or checkpoint) of the model.
         pre_process: build the embedding (first pipeline stage).
         post_process: build the final norm and output layer (last pipeline stage).
         params_dtype: dtype of the frozen base weights.
-        device: where the model is moved after building.
+        device: where the model lives.
         sequence_parallel: Megatron sequence parallelism (only when TP > 1): hidden states
             outside the TP linears are ``[T / tp, 1, H]``, and ``T`` must be a multiple of TP.
 
@@ -265,25 +274,18 @@ def build_gpt_model(
 
     Raises:
         RuntimeError: when Megatron's model-parallel state is not initialised.
+        ValueError: when ``model_cfg`` disagrees with the checkpoint's config.json.
+        NotImplementedError: for a checkpoint architecture or feature the import lacks.
     """
     from megatron.core import parallel_state
 
-    if model_cfg.hf_path is not None:  # the checkpoint's weights, not random ones
-        from megatron_lorafusion.mcore.hf_import import build_hf_gpt_model
-
-        return build_hf_gpt_model(
-            model_cfg,
-            pre_process=pre_process,
-            post_process=post_process,
-            params_dtype=params_dtype,
-            device=device,
-            sequence_parallel=sequence_parallel,
-        )
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_model needs Megatron's parallel state: call "
             "parallel_state.initialize_model_parallel(tp, pp) first"
         )
+    if model_cfg.hf_path is not None:
+        check_hf_config(model_cfg)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     config = _transformer_config(
         model_cfg,
@@ -301,9 +303,9 @@ def build_gpt_model(
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
-            share_embeddings_and_output_weights=False,
+            share_embeddings_and_output_weights=False,  # frozen: two equal copies are exact
             position_embedding_type="rope",
-            rotary_base=int(model_cfg.rope_theta),
+            rotary_base=model_cfg.rope_theta,
             pg_collection=pg_collection,
         )
         set_rotary_embedding(
@@ -311,11 +313,18 @@ def build_gpt_model(
             _PortableRotaryEmbedding(
                 kv_channels=config.kv_channels,
                 rotary_percent=1.0,
-                rotary_base=int(model_cfg.rope_theta),
+                rotary_base=model_cfg.rope_theta,
+                rope_scaling=model_cfg.rope_scaling_factor is not None,
+                rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
                 use_cpu_initialization=True,
                 cp_group=pg_collection.cp,
             ),
         )
-    _init_base_weights(model, model_cfg, pg_collection.tp.rank(), pg_collection.tp.size())
     model.requires_grad_(False)
-    return model.to(device)
+    tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
+    if model_cfg.hf_path is not None:
+        load_hf_weights(model, model_cfg, tp_rank)
+        return model.to(device)
+    model.to(device)
+    _init_base_weights(model, model_cfg, tp_rank, tp_size)
+    return model

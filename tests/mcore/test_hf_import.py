@@ -46,7 +46,7 @@ def _our_logits(model, samples) -> torch.Tensor:
 def test_hf_import_logits_match_transformers(
     megatron_single_process, tmp_path, kind, tie, shard, llama3_rope
 ):
-    from megatron_lorafusion.mcore import build_hf_gpt_model
+    from megatron_lorafusion.mcore import build_gpt_model
 
     hf = save_tiny_hf_model(kind, tmp_path, tie=tie, shard=shard, llama3_rope=llama3_rope)
     if shard:
@@ -55,7 +55,7 @@ def test_hf_import_logits_match_transformers(
     assert cfg.add_qkv_bias == (kind == "qwen2")
     assert cfg.tie_word_embeddings == tie
     assert cfg.rope_scaling_factor == (8.0 if llama3_rope else None)
-    model = build_hf_gpt_model(cfg).eval()
+    model = build_gpt_model(cfg).eval()
     samples = _samples(cfg.vocab_size)
     torch.testing.assert_close(
         _our_logits(model, samples),
@@ -75,7 +75,7 @@ def test_hf_import_refuses_unsupported_architecture(tmp_path):
 
 
 def test_hf_import_refuses_rope_scaling(megatron_single_process, tmp_path):
-    from megatron_lorafusion.mcore import build_hf_gpt_model
+    from megatron_lorafusion.mcore import build_gpt_model
 
     save_tiny_hf_model("llama", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -83,13 +83,13 @@ def test_hf_import_refuses_rope_scaling(megatron_single_process, tmp_path):
     config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="rope type must be 'default' or 'llama3'"):
-        build_hf_gpt_model(cfg)
+        build_gpt_model(cfg)
 
 
 def _tp2_worker(rank: int, workdir: str) -> None:
     from megatron.core import parallel_state
 
-    from megatron_lorafusion.mcore import build_hf_gpt_model
+    from megatron_lorafusion.mcore import build_gpt_model
 
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(workdir, "store"), 2)
@@ -98,7 +98,7 @@ def _tp2_worker(rank: int, workdir: str) -> None:
         parallel_state.initialize_model_parallel(2, 1)
         ref = torch.load(os.path.join(workdir, "ref.pt"))
         for kind in ("llama", "qwen2"):
-            model = build_hf_gpt_model(model_config(os.path.join(workdir, kind))).eval()
+            model = build_gpt_model(model_config(os.path.join(workdir, kind))).eval()
             ours = _our_logits(model, ref["samples"][kind])
             vocab = ours.shape[-1]
             torch.testing.assert_close(

@@ -78,3 +78,19 @@ def test_packed_forward_returns_per_token_loss(tiny_model):
         **TOL[torch.float32],
         msg="loss is not the per-token cross-entropy of the logits",
     )
+
+
+@pytest.mark.gpu
+def test_cuda_build_draws_on_the_gpu_deterministically(megatron_single_process):
+    """A CUDA model draws its weights there: the same for the same seed, std as on the CPU."""
+    model = build_gpt_model(TINY, device="cuda")
+    again = build_gpt_model(TINY, device="cuda")
+    for (name, value), other in zip(
+        model.state_dict().items(), again.state_dict().values(), strict=True
+    ):
+        if isinstance(value, torch.Tensor):
+            assert value.device.type == "cuda", f"{name} is on {value.device}"
+            torch.testing.assert_close(other, value, atol=0, rtol=0, msg=f"{name} differs")
+    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+    cpu_fc1 = build_gpt_model(TINY).decoder.layers[0].mlp.linear_fc1.weight
+    assert abs(fc1.float().std().item() / cpu_fc1.std().item() - 1) < 0.1, "std differs"

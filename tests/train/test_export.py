@@ -182,7 +182,7 @@ def _imported_lora_logits(cfg, run_dir, lengths):
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_lorafusion.mcore import apply_lora, build_hf_gpt_model
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.ops import AdapterLayout
     from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
 
@@ -193,7 +193,7 @@ def _imported_lora_logits(cfg, run_dir, lengths):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         parallel_state.initialize_model_parallel(1, 1)
-        model = build_hf_gpt_model(cfg.model)
+        model = build_gpt_model(cfg.model)
         lora = apply_lora(model, cfg.adapters, seed=cfg.train.seed)
         tensors = full_adapter_tensors(find_resume_checkpoint(run_dir / "checkpoints", "auto"))
         for a, adapter in enumerate(cfg.adapters):

@@ -54,10 +54,10 @@ def _our_run(model_cfg, ids, weights):
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_lorafusion.mcore import apply_lora, build_hf_gpt_model
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.ops import AdapterLayout
 
-    model = build_hf_gpt_model(model_cfg).train()
+    model = build_gpt_model(model_cfg).train()
     lora = apply_lora(model, ADAPTERS, seed=7)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
