@@ -28,9 +28,10 @@ from megatron_lorafusion.mcore.lora import (
 )
 from megatron_lorafusion.mcore.recompute import RecomputedLayer
 from megatron_lorafusion.mcore.wgrad import WgradQueue
-from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.ops import AdapterLayout, cast_table
 
 # target -> (parent attribute in the layer, wrapper class); the order numbers the layer seeds.
+_SLOT_ALIGN = 16  # elements: each wrapper's factors start 64-byte aligned (32 in bf16)
 _TARGETS: dict[str, tuple[str, type[nn.Module]]] = {
     "linear_qkv": ("self_attention", LoRAColumnParallelLinear),
     "linear_proj": ("self_attention", LoRARowParallelLinear),
@@ -50,7 +51,8 @@ class LoRAContext:
     slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R). Each wrapper's
     ``lora_A`` / ``lora_B`` is a strided view of its columns of ``weights``, and its
     ``lora_A_grad`` / ``lora_B_grad`` the same view of ``grads``: backward adds into the
-    table in place, and one kernel steps any subset of adapters (`ops.adapter_adamw_`).
+    table in place, and one kernel steps any subset of adapters (`ops.adapter_adamw_`). A
+    forward reads the factors from one compute-dtype copy of the table (`compute_weights`).
     ``weights`` requires grad (it connects the wrappers' factors to autograd) but never
     receives a ``.grad``; write it only under ``torch.no_grad()``.
 
@@ -79,6 +81,7 @@ class LoRAContext:
         self.grads = torch.zeros(len(adapters), 0)
         # (factor name, 'lora_A' | 'lora_B', wrapper, first column, rows, columns) per slot
         self._slots: list[tuple[str, str, LoRAWrapper, int, int, int]] = []
+        self._compute: tuple[tuple, torch.Tensor] | None = None  # `compute_weights`' cache
 
     def pack(self) -> None:
         """Move every wrapper's factors into ``weights`` and point them (and grads) there.
@@ -87,10 +90,12 @@ class LoRAContext:
         """
         slots, width = [], 0
         for name, wrapper in self.wrappers.items():
+            wrapper.lora_column = width  # its lora_A slot; lora_B's follows (`ops.packed_factors`)
             for factor in ("lora_A", "lora_B"):
                 _, rows, cols = getattr(wrapper, factor).shape
                 slots.append((f"{name}.{factor}", factor, wrapper, width, rows, cols))
                 width += rows * cols
+            width += -width % _SLOT_ALIGN  # the next wrapper's factors start aligned
         device = next(iter(self.wrappers.values())).lora_A.device
         weights = torch.zeros(self.num_adapters, width, device=device)
         self.grads = torch.zeros_like(weights)
@@ -107,6 +112,21 @@ class LoRAContext:
         # the views above (read by the wrappers, written by the optimizer) stay plain tensors.
         self.weights = weights.detach().requires_grad_()
         self._slots = slots
+        self._compute = None
+
+    def compute_weights(self, dtype: torch.dtype) -> torch.Tensor:
+        """(A, S) copy of ``weights`` in the compute ``dtype``, one per version of the weights.
+
+        Every layer of a forward takes its factors as views of this copy (`ops.packed_factors`):
+        one cast per microbatch instead of one per factor and layer. A new copy is made when
+        ``weights`` changed in place since the last one (its version counter: torch's in-place
+        ops and `ops.adapter_adamw_` advance it); copies that a pending backward still uses
+        stay alive through its saved views.
+        """
+        key = (dtype, self.weights._version)
+        if self._compute is None or self._compute[0] != key:
+            self._compute = (key, cast_table(self.weights.detach(), dtype))
+        return self._compute[1]
 
     @property
     def num_adapters(self) -> int:

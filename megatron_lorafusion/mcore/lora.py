@@ -35,7 +35,7 @@ from torch import nn
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
 from megatron_lorafusion.mcore.fused_base import input_rebuild
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
-from megatron_lorafusion.ops import AdapterLayout, lora_down, lora_linear, lora_up, packed_factor
+from megatron_lorafusion.ops import AdapterLayout, lora_down, lora_linear, lora_up, packed_factors
 from megatron_lorafusion.ops.lora_linear import InputRebuild
 
 
@@ -145,6 +145,7 @@ def _init_factors(
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
+    wrapper.lora_column = -1  # first column of its factors in the tables, once packed
     off = _off_block_mask(row_blocks, wrapper.ranks, len(adapters), out_local, wrapper.max_rank)
     wrapper.lora_B_off = None if off is None else off.to(device)
     on = set(targeted)
@@ -153,23 +154,31 @@ def _init_factors(
 
 
 def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R), contiguous, in ``dtype``.
+    """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R) in ``dtype``.
 
-    One copy per factor and layer whatever the number of adapters; in backward one in-place
-    add per factor into the context's gradient table (`ops.packed_factor`). Off-block entries
-    of per-projection adapters (``lora_B_off``) are zeroed here, so their gradient that
-    lands in the table is exactly zero (one masked fill of B, A × N_local × R elements).
+    Views of the context's compute-dtype table (`LoRAContext.compute_weights`, one cast per
+    microbatch whatever the number of adapters and layers); in backward one launch adds both
+    gradients into the context's gradient table (`ops.packed_factors`). Off-block entries of
+    per-projection adapters (``lora_B_off``) are zeroed here, so their gradient that lands in
+    the table is exactly zero (one masked fill of B, A × N_local × R elements).
     """
     if wrapper.lora_A_grad is None:
         raise RuntimeError(
             f"{type(wrapper).__name__}: its factors are not packed; build "
             "wrappers through apply_lora"
         )
-    table = wrapper.context.weights
-    lora_b = packed_factor(table, wrapper.lora_B, wrapper.lora_B_grad, dtype)
+    context = wrapper.context
+    lora_a, lora_b = packed_factors(
+        context.weights,
+        context.compute_weights(dtype),
+        context.grads,
+        wrapper.lora_column,
+        tuple(wrapper.lora_A.shape[1:]),
+        tuple(wrapper.lora_B.shape[1:]),
+    )
     if wrapper.lora_B_off is not None:
         lora_b = lora_b.masked_fill(wrapper.lora_B_off, 0.0)
-    return packed_factor(table, wrapper.lora_A, wrapper.lora_A_grad, dtype), lora_b
+    return lora_a, lora_b
 
 
 def _current_layout(wrapper: nn.Module, tokens: int) -> AdapterLayout:

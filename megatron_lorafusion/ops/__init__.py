@@ -41,9 +41,10 @@ from megatron_lorafusion.ops.lora_split import (
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 from megatron_lorafusion.ops.packed_factor import (
-    PackedFactorFunction,
-    packed_factor,
-    packed_factor_ref,
+    PackedFactorsFunction,
+    cast_table,
+    cast_table_ref,
+    packed_factors,
 )
 from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
@@ -56,12 +57,14 @@ __all__ = [
     "LoRADownFunction",
     "LoRALinearFunction",
     "LoRAUpFunction",
-    "PackedFactorFunction",
+    "PackedFactorsFunction",
     "QKVRoPEFunction",
     "RoPEFunction",
     "SwiGLUFunction",
     "adapter_adamw_",
     "adapter_adamw_ref",
+    "cast_table",
+    "cast_table_ref",
     "copy_to_device",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
@@ -84,8 +87,7 @@ __all__ = [
     "lora_up_ref",
     "lora_wgrad",
     "lora_wgrad_ref",
-    "packed_factor",
-    "packed_factor_ref",
+    "packed_factors",
     "qkv_rope",
     "qkv_rope_ref",
     "rope",

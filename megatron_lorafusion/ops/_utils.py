@@ -112,10 +112,12 @@ def check_tensor(
     shape: Sequence[int | None],
     dtypes: Sequence[torch.dtype],
     device: torch.device,
+    contiguous: bool = True,
 ) -> None:
     """Raise a ValueError naming ``name`` unless ``t`` has the shape, dtype and device given.
 
-    ``None`` in ``shape`` accepts any size. Tensors must also be contiguous.
+    ``None`` in ``shape`` accepts any size. Tensors must also be contiguous unless
+    ``contiguous`` is False (operands the kernels read through their strides).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -128,7 +130,7 @@ def check_tensor(
         raise ValueError(f"{name} has dtype {t.dtype}, expected one of {tuple(dtypes)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
-    if not t.is_contiguous():
+    if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
 
 

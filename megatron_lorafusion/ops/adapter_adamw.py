@@ -124,6 +124,8 @@ def adapter_adamw_(
     with torch.no_grad():  # ``weights`` may be an autograd leaf (`LoRAContext.weights`)
         if triton_usable(weights):
             adapter_adamw_fwd(weights, grads, exp_avg, exp_avg_sq, hyper)
+            for table in (weights, grads, exp_avg, exp_avg_sq):  # as torch's in-place ops do
+                torch.autograd.graph.increment_version(table)
         else:
             adapter_adamw_ref(weights, grads, exp_avg, exp_avg_sq, hyper)
 

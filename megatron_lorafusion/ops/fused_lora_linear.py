@@ -56,9 +56,10 @@ def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
     tokens, hidden = x.shape
     _utils.check_tensor("weight", weight, (None, hidden), (x.dtype,), x.device)
     out = weight.shape[0]
-    _utils.check_tensor("lora_a", lora_a, (layout.num_adapters, None, hidden), (x.dtype,), x.device)
+    adapters = layout.num_adapters  # the factors may be strided views (`ops.packed_factors`)
+    _utils.check_tensor("lora_a", lora_a, (adapters, None, hidden), (x.dtype,), x.device, False)
     rank = lora_a.shape[1]
-    _utils.check_tensor("lora_b", lora_b, (layout.num_adapters, out, rank), (x.dtype,), x.device)
+    _utils.check_tensor("lora_b", lora_b, (adapters, out, rank), (x.dtype,), x.device, False)
     if bias is not None:
         _utils.check_tensor("bias", bias, (out,), _utils.KERNEL_DTYPES, x.device)
     _utils.padded_rank(rank)
@@ -154,8 +155,9 @@ def fused_lora_linear(
         weight: (N, H) frozen base weight, ``x``'s dtype.
         bias: (N,) base bias or None.
         lora_a: (A, R, H) down-projections, zero-padded beyond each adapter's rank
-            (R in 1..256; an adapter not targeting this layer has all-zero A and B).
-        lora_b: (A, N, R) up-projections.
+            (R in 1..256; an adapter not targeting this layer has all-zero A and B); any
+            strides (the kernels read it through them).
+        lora_b: (A, N, R) up-projections, any strides.
         scalings: (A,) LoRA scale per adapter.
         dropouts: (A,) dropout probability per adapter, in [0, 1).
         layout: the microbatch's adapter layout.

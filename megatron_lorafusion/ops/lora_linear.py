@@ -254,8 +254,8 @@ def lora_linear(
             x.contiguous(),
             weight.contiguous(),
             bias,
-            lora_a.contiguous(),
-            lora_b.contiguous(),
+            lora_a,  # read through their strides: views of the packed table stay views
+            lora_b,
             scalings,
             dropouts,
             layout,

@@ -1,12 +1,13 @@
-"""A layer's packed LoRA factor out of the adapters' weight table, and its gradient back in.
+"""A layer's packed LoRA factors out of the adapters' weight table, their gradients back in.
 
-Every adapter factor of a rank is row ``a`` of one (A, S) fp32 table, so a layer's packed
-factor is a strided (A, R, C) view whose adapter stride is ``S``. A forward needs it
-contiguous in the compute dtype (`packed_factor_fwd`), and its backward adds the (A, R, C)
-gradient into the same view of the gradient table (`packed_factor_bwd`). torch's copy and
-add index such a view in 32 bits and split into several launches once ``A·S`` passes 2³¹
-bytes (16 adapters of rank 64 on a 1B model, 64 of rank 8 on an 8B one: +28 launches per
-linear measured at A = 64, r = 64, 1B); these kernels are one launch each with 64-bit offsets.
+Every adapter factor of a rank is row ``a`` of one (A, S) fp32 table; a layer's ``lora_A``
+(A, R, H) and ``lora_B`` (A, N, R) are adjacent column ranges of it. The forward needs them in
+the compute dtype: `cast_table` copies the whole table once per version of the weights (one
+launch for every layer and adapter), and `packed_factors` hands each layer views of that copy
+(no launch). Backward adds the layer's two gradients into its columns of the fp32 gradient
+table in one launch (`packed_factors_bwd`). The kernels use 64-bit offsets: torch's copy and
+add index a strided view in 32 bits and split into several launches once ``A·S`` passes 2³¹
+bytes (16 adapters of rank 64 on a 1B model, 64 of rank 8 on an 8B one).
 """
 
 from __future__ import annotations
@@ -18,112 +19,153 @@ from megatron_lorafusion.ops._utils import tl, triton, triton_usable
 if triton is not None:
 
     @triton.jit
-    def _packed_factor_fwd_kernel(table_ptr, out_ptr, row_stride, width, BLOCK: tl.constexpr):
+    def _cast_table_kernel(table_ptr, out_ptr, width, BLOCK: tl.constexpr):
         adapter = tl.program_id(1).to(tl.int64)
         cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width
-        value = tl.load(table_ptr + adapter * row_stride + cols, mask=mask)
+        value = tl.load(table_ptr + adapter * width + cols, mask=mask)
         tl.store(out_ptr + adapter * width + cols, value.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _packed_factor_bwd_kernel(table_ptr, grad_ptr, row_stride, width, BLOCK: tl.constexpr):
+    def _packed_factors_bwd_kernel(
+        table_ptr, grad_a_ptr, grad_b_ptr, row_stride, width_a, width_b, BLOCK: tl.constexpr
+    ):
         adapter = tl.program_id(1).to(tl.int64)
         cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
+        in_a = cols < width_a
+        in_b = (cols >= width_a) & (cols < width_a + width_b)
+        grad_a = tl.load(grad_a_ptr + adapter * width_a + cols, mask=in_a, other=0.0)
+        grad_b = tl.load(grad_b_ptr + adapter * width_b + (cols - width_a), mask=in_b, other=0.0)
         offs = table_ptr + adapter * row_stride + cols
-        grad = tl.load(grad_ptr + adapter * width + cols, mask=mask).to(tl.float32)
-        tl.store(offs, tl.load(offs, mask=mask) + grad, mask=mask)
+        mask = in_a | in_b
+        total = tl.load(offs, mask=mask) + grad_a.to(tl.float32) + grad_b.to(tl.float32)
+        tl.store(offs, total, mask=mask)
 
 
 _BLOCK = 4096  # elements per program
 
 
-def _check_view(name: str, view: torch.Tensor) -> None:
-    """Refuse anything but an (A, R, C) fp32 view with contiguous (R, C) blocks."""
-    if view.dim() != 3 or view.dtype != torch.float32:
+def _check_table(name: str, table: torch.Tensor) -> None:
+    if table.dim() != 2 or table.dtype != torch.float32 or not table.is_contiguous():
         raise ValueError(
-            f"{name} must be an (A, R, C) fp32 view, got shape {tuple(view.shape)} {view.dtype}"
+            f"{name} must be a contiguous (A, S) fp32 table, got shape {tuple(table.shape)} "
+            f"{table.dtype}, strides {table.stride()}"
         )
-    if view.stride(2) != 1 or view.stride(1) != view.shape[2]:
-        raise ValueError(f"{name} must have contiguous (R, C) blocks, got strides {view.stride()}")
 
 
-def _grid(view: torch.Tensor) -> tuple[int, int]:
-    return (triton.cdiv(view.shape[1] * view.shape[2], _BLOCK), view.shape[0])
-
-
-def packed_factor_fwd(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``factor`` (A, R, C) fp32 strided view -> a contiguous copy in ``dtype`` (one launch)."""
-    _check_view("factor", factor)
-    out = torch.empty(factor.shape, dtype=dtype, device=factor.device)
-    if factor.numel():
-        _packed_factor_fwd_kernel[_grid(factor)](
-            factor, out, factor.stride(0), factor.shape[1] * factor.shape[2], BLOCK=_BLOCK
-        )
+def cast_table(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(A, S) contiguous copy of the fp32 ``table`` in ``dtype`` (one launch on CUDA)."""
+    _check_table("table", table)
+    if not triton_usable(table):
+        return cast_table_ref(table, dtype)
+    out = torch.empty(table.shape, dtype=dtype, device=table.device)
+    if table.numel():
+        grid = (triton.cdiv(table.shape[1], _BLOCK), table.shape[0])
+        _cast_table_kernel[grid](table, out, table.shape[1], BLOCK=_BLOCK)
     return out
 
 
-def packed_factor_bwd(grad_table_view: torch.Tensor, grad: torch.Tensor) -> None:
-    """``grad_table_view += grad`` in place: (A, R, C) fp32 view, (A, R, C) contiguous grad."""
-    _check_view("grad_table_view", grad_table_view)
-    if grad.shape != grad_table_view.shape or grad.device != grad_table_view.device:
-        raise ValueError(
-            f"grad has shape {tuple(grad.shape)} on {grad.device}, expected "
-            f"{tuple(grad_table_view.shape)} on {grad_table_view.device}"
-        )
-    grad = grad.contiguous()
-    if grad.numel():
-        _packed_factor_bwd_kernel[_grid(grad)](
-            grad_table_view,
-            grad,
-            grad_table_view.stride(0),
-            grad.shape[1] * grad.shape[2],
-            BLOCK=_BLOCK,
-        )
+def cast_table_ref(table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Torch reference of `cast_table` (always a copy, also in fp32)."""
+    return table.detach().to(dtype, copy=True)
 
 
-class PackedFactorFunction(torch.autograd.Function):
-    """A packed factor copied contiguous in ``dtype``; backward adds into its grad view.
-
-    ``table`` (the (A, S) weight table, which requires grad) is an input only so autograd
-    reaches this node; no gradient flows to it: backward adds into ``grad_view`` in place.
-    """
-
-    @staticmethod
-    def forward(ctx, table, factor, grad_view, dtype):
-        """(A, R, C) contiguous copy of ``factor`` in ``dtype``."""
-        ctx.grad_view = grad_view
-        if triton_usable(factor):
-            return packed_factor_fwd(factor, dtype)
-        return packed_factor_ref(factor, dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        """Add ``grad_out`` into the gradient view; nothing flows to the inputs."""
-        if triton_usable(grad_out):
-            packed_factor_bwd(ctx.grad_view, grad_out)
-        else:
-            ctx.grad_view.add_(grad_out)
-        return None, None, None, None
+def _slot(table: torch.Tensor, column: int, shape: tuple[int, int]) -> torch.Tensor:
+    """(A, rows, cols) view of ``table``'s columns ``column ..`` (one factor's slot)."""
+    rows, cols = shape
+    return table[:, column : column + rows * cols].view(table.shape[0], rows, cols)
 
 
-def packed_factor(
-    table: torch.Tensor, factor: torch.Tensor, grad_view: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """One layer's packed factor, contiguous in ``dtype``, its gradient added to ``grad_view``.
+def packed_factors_bwd(
+    grads: torch.Tensor,
+    column: int,
+    grad_a: torch.Tensor,
+    grad_b: torch.Tensor,
+) -> None:
+    """Add ``[grad_a | grad_b]`` into ``grads``' columns ``column ..`` in place (one launch).
 
     Args:
-        table: (A, S) fp32 weight table requiring grad (connects the graph, gets no grad).
-        factor: (A, R, C) fp32 view of ``table`` (a wrapper's ``lora_A`` or ``lora_B``).
-        grad_view: the same view of the gradient table; backward adds into it in place.
-        dtype: the compute dtype.
+        grads: (A, S) fp32 gradient table.
+        column: first column of the layer's ``lora_A`` slot; ``lora_B``'s follows it.
+        grad_a: (A, R, H) gradient of ``lora_A``, any float dtype.
+        grad_b: (A, N, R) gradient of ``lora_B``.
+    """
+    _check_table("grads", grads)
+    width_a, width_b = grad_a[0].numel(), grad_b[0].numel()
+    if grad_a.shape[0] != grads.shape[0] or grad_b.shape[0] != grads.shape[0]:
+        raise ValueError(
+            f"grad_a {tuple(grad_a.shape)} and grad_b {tuple(grad_b.shape)} must have "
+            f"A = {grads.shape[0]} rows"
+        )
+    if column < 0 or column + width_a + width_b > grads.shape[1]:
+        raise ValueError(
+            f"columns {column}..{column + width_a + width_b} lie outside the table's "
+            f"{grads.shape[1]}"
+        )
+    if not triton_usable(grads):
+        grads[:, column : column + width_a] += grad_a.reshape(grads.shape[0], -1)
+        grads[:, column + width_a : column + width_a + width_b] += grad_b.reshape(
+            grads.shape[0], -1
+        )
+        return
+    grid = (triton.cdiv(width_a + width_b, _BLOCK), grads.shape[0])
+    _packed_factors_bwd_kernel[grid](
+        grads[:, column:],
+        grad_a.contiguous(),
+        grad_b.contiguous(),
+        grads.stride(0),
+        width_a,
+        width_b,
+        BLOCK=_BLOCK,
+    )
+
+
+class PackedFactorsFunction(torch.autograd.Function):
+    """A layer's (A, R, H) and (A, N, R) factors as views of the compute-dtype table.
+
+    ``weights`` (the fp32 table, which requires grad) is an input only so autograd reaches
+    this node; no gradient flows to it: backward adds into ``grads`` in place.
+    """
+
+    @staticmethod
+    def forward(ctx, weights, compute, grads, column, shape_a, shape_b):
+        """Views of ``compute``: ``lora_A`` at ``column``, ``lora_B`` right after it."""
+        ctx.grads, ctx.column = grads, column
+        ctx.shape_a, ctx.shape_b = shape_a, shape_b
+        width_a = shape_a[0] * shape_a[1]
+        return _slot(compute, column, shape_a), _slot(compute, column + width_a, shape_b)
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b):
+        """Both gradients into the fp32 table; nothing flows to the inputs."""
+        adapters = ctx.grads.shape[0]
+        if grad_a is None:
+            grad_a = ctx.grads.new_zeros(adapters, *ctx.shape_a)
+        if grad_b is None:
+            grad_b = ctx.grads.new_zeros(adapters, *ctx.shape_b)
+        packed_factors_bwd(ctx.grads, ctx.column, grad_a, grad_b)
+        return None, None, None, None, None, None
+
+
+def packed_factors(
+    weights: torch.Tensor,
+    compute: torch.Tensor,
+    grads: torch.Tensor,
+    column: int,
+    shape_a: tuple[int, int],
+    shape_b: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's ``lora_A`` and ``lora_B`` in the compute dtype, their gradients into ``grads``.
+
+    Args:
+        weights: (A, S) fp32 weight table requiring grad (connects the graph, gets no grad).
+        compute: `cast_table` of ``weights`` (A, S) in the compute dtype.
+        grads: (A, S) fp32 gradient table; backward adds into it in place.
+        column: first column of the layer's ``lora_A`` slot; ``lora_B``'s follows it.
+        shape_a: ``(R, H)`` of ``lora_A[a]``.
+        shape_b: ``(N, R)`` of ``lora_B[a]``.
 
     Returns:
-        (A, R, C) contiguous tensor in ``dtype``.
+        (A, R, H) and (A, N, R) views of ``compute`` (adapter stride S).
     """
-    return PackedFactorFunction.apply(table, factor, grad_view, dtype)
-
-
-def packed_factor_ref(factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Torch reference of the forward: a contiguous copy of ``factor`` in ``dtype``."""
-    return factor.to(dtype, memory_format=torch.contiguous_format, copy=True)
+    return PackedFactorsFunction.apply(weights, compute, grads, column, shape_a, shape_b)

@@ -276,8 +276,12 @@ def test_model_on_cuda_matches_cpu(megatron_single_process, dtype):
     batch = make_packed_batch([0, 0, 2], [40, 23, 31], 3, seed=9)
     labels = torch.roll(batch.input_ids, -1, dims=1)
     results = {}
+    cpu_weights = list(build_gpt_model(TINY).parameters())  # a CUDA build draws others
     for device, params_dtype in (("cpu", torch.float32), ("cuda", dtype)):
         model = build_gpt_model(TINY, device=device, params_dtype=params_dtype).eval()
+        with torch.no_grad():
+            for param, weight in zip(model.parameters(), cpu_weights, strict=True):
+                param.copy_(weight)
         context = apply_lora(model, ADAPTERS, seed=2)
         randomize_lora_b(context, seed=3)
         on_device = make_packed_batch(
@@ -329,3 +333,40 @@ def test_wrapper_rebuilds_a_fused_base_output_and_keeps_any_other_input(tiny_mod
         assert kept != (rebuild and marked), (
             f"rebuild_inputs={rebuild}, marked={marked}: X saved={kept}"
         )
+
+
+def test_factors_are_views_of_one_cast_per_version_of_the_weights(tiny_model):
+    """Every wrapper reads its factors from one compute-dtype copy of the table, made again
+    only after the weights change in place (here: as the optimizer's kernel marks them)."""
+    from megatron_lorafusion.mcore.lora import _compute_factors
+
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    compute = context.compute_weights(torch.float16)
+    start, end = compute.data_ptr(), compute.data_ptr() + compute.nbytes
+    for name, wrapper in context.wrappers.items():
+        lora_a, lora_b = _compute_factors(wrapper, torch.float16)
+        for factor, fp32 in ((lora_a, wrapper.lora_A), (lora_b, wrapper.lora_B)):
+            assert start <= factor.data_ptr() < end, f"{name}: a copy, not a view of the cast"
+            torch.testing.assert_close(factor, fp32.half(), atol=0, rtol=0, msg=name)
+    assert context.compute_weights(torch.float16) is compute, "cast again without a change"
+    torch.autograd.graph.increment_version(context.weights)  # what ops.adapter_adamw_ does
+    assert context.compute_weights(torch.float16) is not compute, "stale after a step"
+    with torch.no_grad():
+        next(iter(context.adapter_tensors(0).values())).add_(1.0)
+    again = context.compute_weights(torch.float16)
+    assert again is not context.compute_weights(torch.float32), "one cast per dtype"
+
+
+@pytest.mark.gpu
+def test_cuda_wrapper_forward_copies_no_factor(megatron_single_process):
+    """The fused path reads the factors through their strides: no per-layer copy of them."""
+    model = build_gpt_model(TINY, device="cuda", params_dtype=torch.bfloat16).train()
+    context = apply_lora(model, ADAPTERS, seed=2)
+    context.layout = AdapterLayout.from_samples([0, 2], [40, 24], 3, "cuda")
+    wrapper = model.decoder.layers[0].mlp.linear_fc1
+    x = torch.randn(64, 1, TINY.hidden_size, device="cuda", dtype=torch.bfloat16)
+    wrapper(x)  # compiles, casts the table once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        wrapper(x)
+    copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
+    assert not copies, f"the wrapper's forward copied: {copies}"

@@ -1,75 +1,79 @@
-"""`packed_factor` (Triton copy out of / add into the adapters' table) against the torch path.
+"""`cast_table` and `packed_factors` (a layer's factors out of / gradients into the adapters'
+tables) against the torch path.
 
-CPU: the Triton interpreter. The copy is exact in fp32 and a rounding in fp16; the backward's
+CPU: the Triton interpreter. The cast is exact in fp32 and a rounding in fp16; the backward's
 add is one fp32 addition per element, so it is compared exactly.
 """
 
 import pytest
 import torch
 
-from megatron_lorafusion.ops import packed_factor, packed_factor_ref
-from megatron_lorafusion.ops.packed_factor import packed_factor_bwd, packed_factor_fwd
-
-TOL = {torch.float32: (0.0, 0.0), torch.float16: (0.0, 0.0)}  # a cast: exact per element
+from megatron_lorafusion.ops import cast_table, cast_table_ref, packed_factors
+from megatron_lorafusion.ops.packed_factor import packed_factors_bwd
 
 
-def _table(adapters, rows, cols, extra, device, seed=0):
-    """An (A, S) table with the factor's (R, C) slot at column ``extra`` of each row."""
+def _table(adapters: int, width: int, device, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    width = extra + rows * cols + 5  # slot neither first nor last in its row
-    table = torch.randn(adapters, width, generator=gen).to(device)
-    view = table[:, extra : extra + rows * cols].view(adapters, rows, cols)
-    return table, view
+    return torch.randn(adapters, width, generator=gen).to(device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("adapters", "rows", "cols"), [(1, 16, 64), (5, 3, 1000), (3, 7, 1)])
-def test_packed_factor_matches_reference(adapters, rows, cols, dtype, device):
-    table, view = _table(adapters, rows, cols, extra=11, device=device)
-    grads = torch.zeros_like(table)
-    grad_view = grads[:, 11 : 11 + rows * cols].view(adapters, rows, cols)
-    got = packed_factor_fwd(view, dtype)
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(
-        got, packed_factor_ref(view, dtype), atol=atol, rtol=rtol, msg="copy of the strided factor"
-    )
+@pytest.mark.parametrize(("adapters", "width"), [(1, 64), (5, 5000), (3, 1)])
+def test_cast_table_matches_reference(adapters, width, dtype, device):
+    table = _table(adapters, width, device)
+    got = cast_table(table, dtype)
+    torch.testing.assert_close(got, cast_table_ref(table, dtype), atol=0, rtol=0)
     assert got.is_contiguous()
-    upstream = torch.randn(adapters, rows, cols, generator=torch.Generator().manual_seed(1))
-    upstream = upstream.to(device, dtype)
-    grad_view.fill_(0.5)
-    packed_factor_bwd(grad_view, upstream)
-    torch.testing.assert_close(
-        grad_view, 0.5 + upstream.float(), atol=0, rtol=0, msg="gradient added into the table"
-    )
-    outside = torch.ones_like(grads, dtype=torch.bool)
-    outside[:, 11 : 11 + rows * cols] = False
-    assert not grads[outside].any(), "the add wrote outside the factor's slot"
+    assert got.dtype == dtype
+    assert got.data_ptr() != table.data_ptr(), "the cast must be a copy, also in fp32"
 
 
-def test_packed_factor_autograd_adds_into_grad_view_only(device):
-    table, view = _table(4, 2, 8, extra=3, device=device)
-    table.requires_grad_()
-    grads = torch.zeros(table.shape, device=device)
-    grad_view = grads[:, 3:19].view(4, 2, 8)
-    with torch.no_grad():
-        factor_view = table.detach()[:, 3:19].view(4, 2, 8)
-    out = packed_factor(table, factor_view, grad_view, torch.float32)
-    weights = torch.randn(4, 2, 8, device=device)
-    (out * weights).sum().backward()
-    (packed_factor(table, factor_view, grad_view, torch.float32) * weights).sum().backward()
-    torch.testing.assert_close(
-        grad_view,
-        2 * weights,
-        atol=0,
-        rtol=0,
-        msg="two backwards must accumulate into the grad view",
-    )
-    assert table.grad is None, "no gradient may flow to the table itself"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("adapters", "shape_a", "shape_b"),
+    [(1, (16, 64), (48, 16)), (5, (3, 1000), (7, 3)), (3, (1, 1), (2, 1))],
+)
+def test_packed_factors_bwd_adds_both_gradients_into_their_columns_only(
+    adapters, shape_a, shape_b, dtype, device
+):
+    column = 11  # slot neither first nor last in its row
+    width_a, width_b = shape_a[0] * shape_a[1], shape_b[0] * shape_b[1]
+    grads = torch.full((adapters, column + width_a + width_b + 5), 0.5, device=device)
+    gen = torch.Generator().manual_seed(1)
+    grad_a = torch.randn(adapters, *shape_a, generator=gen).to(device, dtype)
+    grad_b = torch.randn(adapters, *shape_b, generator=gen).to(device, dtype)
+    packed_factors_bwd(grads, column, grad_a, grad_b)
+    want = torch.full_like(grads, 0.5)
+    want[:, column : column + width_a] += grad_a.float().reshape(adapters, -1)
+    want[:, column + width_a : column + width_a + width_b] += grad_b.float().reshape(adapters, -1)
+    torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="gradients added into the table")
 
 
-def test_packed_factor_names_bad_view(device):
-    table, view = _table(2, 4, 8, extra=0, device=device)
-    with pytest.raises(ValueError, match=r"factor must have contiguous \(R, C\) blocks"):
-        packed_factor_fwd(view.transpose(1, 2), torch.float32)
-    with pytest.raises(ValueError, match="grad has shape"):
-        packed_factor_bwd(view, torch.zeros(2, 4, 7, device=device))
+def test_packed_factors_are_views_and_accumulate_into_the_grad_table_only(device):
+    weights = _table(4, 40, device).requires_grad_()
+    grads = torch.zeros(weights.shape, device=device)
+    compute = cast_table(weights.detach(), torch.float32)
+    column, shape_a, shape_b = 3, (2, 8), (5, 2)
+    upstream_a = torch.randn(4, *shape_a, device=device)
+    upstream_b = torch.randn(4, *shape_b, device=device)
+    for _ in range(2):
+        lora_a, lora_b = packed_factors(weights, compute, grads, column, shape_a, shape_b)
+        ((lora_a * upstream_a).sum() + (lora_b * upstream_b).sum()).backward()
+    torch.testing.assert_close(lora_a, weights.detach()[:, 3:19].view(4, 2, 8), atol=0, rtol=0)
+    torch.testing.assert_close(lora_b, weights.detach()[:, 19:29].view(4, 5, 2), atol=0, rtol=0)
+    assert lora_a.data_ptr() == compute.data_ptr() + 3 * compute.element_size(), "not a view"
+    want = torch.zeros_like(grads)
+    want[:, 3:19] = 2 * upstream_a.reshape(4, -1)
+    want[:, 19:29] = 2 * upstream_b.reshape(4, -1)
+    torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="two backwards must accumulate")
+    assert weights.grad is None, "no gradient may flow to the weight table itself"
+
+
+def test_packed_factor_ops_name_bad_input(device):
+    table = _table(2, 32, device)
+    with pytest.raises(ValueError, match=r"table must be a contiguous \(A, S\) fp32 table"):
+        cast_table(table.t(), torch.float16)
+    with pytest.raises(ValueError, match="lie outside the table's 32"):
+        packed_factors_bwd(table, 20, torch.zeros(2, 2, 4), torch.zeros(2, 3, 2))
+    with pytest.raises(ValueError, match="must have A = 2 rows"):
+        packed_factors_bwd(table, 0, torch.zeros(3, 2, 4), torch.zeros(2, 3, 2))
