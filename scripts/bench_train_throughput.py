@@ -6,6 +6,7 @@
     python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix \
         --compare-attention flex   # issue 15's cell on FlexAttention too, in the same process
     python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
+    python -m scripts.bench_train_throughput --shapes llama3.2-1b --microbatches 24 --passes 3
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
 dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
@@ -26,18 +27,23 @@ from the microbatch's index, so every cell of a shape sees the same lengths; sam
 adapters round-robin over the whole stream, adapter-major inside a microbatch. With 64 adapters
 an 8192-token microbatch holds ~7 samples, so ``--microbatches`` is a minimum, extended until
 every adapter has a sample. Time: CUDA-synchronised wall clock of every microbatch (host
-included) after a warm-up pass over the same ones. A cell out of memory prints the reason;
+included) after a warm-up pass over the same ones, the median of ``--passes`` timed passes; each
+cell reports the SM clock after its timing (clocks drop under sustained load, so cells compare
+only at like clocks). A cell out of memory prints the reason;
 each result is logged on stderr as it lands, the tables follow at the end.
 ``--device cpu``: an fp32 dry run on tiny sizes (hidden 64; PEFT runs too, Liger cannot).
 """
 
 import argparse
+import bisect
 import csv
 import gc
 import importlib.metadata
 import itertools
+import json
 import random
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -70,17 +76,23 @@ PEFT_LORA = dict(target_modules=HF_TARGETS, task_type="CAUSAL_LM")
 LIGER = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
 KEY = ("shape", "what", "rank", "dropout", "adapters")  # of every result row
 SPECS = dict(
-    tokens_s=",.0f", launches=",", opt_launches=",", opt_ms=".2f", peak_gib=".1f", loss=".4f"
+    tokens_s=",.0f",
+    launches=",",
+    opt_launches=",",
+    opt_ms=".2f",
+    peak_gib=".1f",
+    loss=".4f",
+    sm_mhz="d",
 )
 FIELDS = ["device", "attention", *KEY, "layers", "tokens", "microbatches", *SPECS, "note"]
 MATRIX = (
     "model=shape;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;× 1 adapter=x_one;"
     "launches / mb=launches;opt launches=opt_launches;opt round ms=opt_ms;peak GiB=peak_gib;"
-    "loss=loss;ours / PEFT=x_peft;note=note"
+    "loss=loss;SM MHz=sm_mhz;ours / PEFT=x_peft;note=note"
 )
 COMPARISON = (
     "model=shape;what=what;r=rank;p=dropout;adapters=adapters;tokens/s=tokens_s;"
-    "peak GiB=peak_gib;loss=loss;ours 4 adapters / this=x_ours;note=note"
+    "peak GiB=peak_gib;loss=loss;SM MHz=sm_mhz;ours 4 adapters / this=x_ours;note=note"
 )
 
 
@@ -123,19 +135,41 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _sm_clock_mhz(device) -> int | None:
+    """The GPU's current SM clock (nvidia-smi), None off CUDA or without nvidia-smi."""
+    if device.type != "cuda":
+        return None
+    query = ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i"]
+    try:
+        out = subprocess.run([*query, str(torch.cuda.current_device())], capture_output=True)
+        return int(out.stdout.decode().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _measure(train, batches, args) -> dict:
-    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same, the
-    peak memory since the last reset, and the mean of the losses ``train`` returns (if any)."""
+    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same (the
+    median of ``args.passes`` timed passes), the SM clock right after them, the peak memory
+    since the last reset, and the mean of the losses ``train`` returns in the first pass."""
     for batch in batches:  # warm-up: every kernel compiled and autotuned
         train(batch)
-    _sync(args.device)
-    start = time.perf_counter()
-    losses = [train(batch) for batch in batches]  # 0-dim tensors: no host sync
-    _sync(args.device)
-    seconds = time.perf_counter() - start
+    seconds, losses = [], None
+    for _ in range(args.passes):
+        _sync(args.device)
+        start = time.perf_counter()
+        returned = [train(batch) for batch in batches]  # 0-dim tensors: no host sync
+        _sync(args.device)
+        seconds.append(time.perf_counter() - start)
+        losses = losses or returned
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device.type == "cuda" else None
     loss = None if None in losses else torch.stack(losses).mean().item()
-    return {"tokens_s": args.tokens * len(batches) / seconds, "peak_gib": peak, "loss": loss}
+    tokens_s = args.tokens * len(batches) / statistics.median(seconds)
+    return {
+        "tokens_s": tokens_s,
+        "sm_mhz": _sm_clock_mhz(args.device),
+        "peak_gib": peak,
+        "loss": loss,
+    }
 
 
 def _launches(fn, device) -> int | None:
@@ -173,6 +207,93 @@ def _kernel_profile(label: str, fn, device, top: int = 25) -> None:
     print("| kernel | ms | calls |\n|---|---|---|")
     for name, (ms, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"| {name.replace('|', '/')} | {ms:.2f} | {calls} |")
+
+
+_GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+_OURS = "megatron_lorafusion/"
+
+
+def _innermost(frames: list[tuple[float, float, str]], starts: list[float], t: float) -> str:
+    """Name of the innermost of ``frames`` ((start, end, name), sorted by start) around ``t``."""
+    for i in range(
+        bisect.bisect_right(starts, t) - 1, max(-1, bisect.bisect_right(starts, t) - 5000), -1
+    ):
+        if frames[i][1] >= t:
+            return frames[i][2]
+    return "(outside our code)"
+
+
+def host_waits(trace: dict, min_gap_us: float = 5.0, top: int = 10) -> str:
+    """Where the GPU waited on the host in one chrome trace (``torch.profiler`` with
+    ``with_stack=True``): idle gaps between GPU activities longer than ``min_gap_us``,
+    each charged to the innermost frame of our package that launched the activity after it,
+    and the host's synchronising calls (stream/device/event syncs, blocking copies) by frame.
+    Returns markdown (two tables)."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    gpu = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e.get("args", {}).get("correlation"))
+        for e in events
+        if e.get("cat") in _GPU_CATEGORIES
+    )
+    launch_ts = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    frames = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0), e["name"].split(_OURS, 1)[1])
+        for e in events
+        if e.get("cat") == "python_function" and _OURS in e["name"]
+    )
+    starts = [f[0] for f in frames]
+    idle: dict[str, list[float]] = {}
+    busy_until = gpu[0][1] if gpu else 0.0
+    for start, end, correlation in gpu[1:]:
+        if start - busy_until > min_gap_us:
+            where = _innermost(frames, starts, launch_ts.get(correlation, start))
+            entry = idle.setdefault(where, [0.0, 0])
+            entry[0] += (start - busy_until) / 1e3
+            entry[1] += 1
+        busy_until = max(busy_until, end)
+    syncs: dict[str, list[float]] = {}
+    for e in events:
+        blocking = e["name"] in _SYNC_CALLS or (
+            e["name"].startswith("cudaMemcpy") and not e["name"].endswith("Async")
+        )
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and blocking:
+            entry = syncs.setdefault(
+                f"{e['name']} in {_innermost(frames, starts, e['ts'])}", [0.0, 0]
+            )
+            entry[0] += e.get("dur", 0) / 1e3
+            entry[1] += 1
+    total = sum(ms for ms, _ in idle.values())
+    gaps = sum(n for _, n in idle.values())
+    lines = [
+        f"GPU idle {total:.1f} ms in {gaps} gaps > {min_gap_us:g} us, by the code launching "
+        "the next GPU work:",
+        "| launched from | idle ms | gaps |",
+        "|---|---|---|",
+    ]
+    for where, (ms, n) in sorted(idle.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {where} | {ms:.2f} | {n} |")
+    lines += ["", "| host sync | ms | calls |", "|---|---|---|"]
+    for where, (ms, n) in sorted(syncs.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"| {where} | {ms:.2f} | {n} |")
+    return "\n".join(lines)
+
+
+def _host_profile(label: str, fn, path: Path) -> None:
+    """Print `host_waits` of one ``fn()`` under the Python tracer (it slows the host, so the
+    idle times are inflated; where they fall is what this shows); the trace goes to ``path``."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    print(f"\n## host waits of one microbatch: {label} (trace {path})")
+    print(host_waits(json.loads(path.read_text())))
 
 
 def _step_ms(step, device, rounds: int = 21) -> float:
@@ -253,6 +374,9 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
         row = _measure(train, batches, args)
         if args.profile and (rank, dropout, count) == COMPARE:
             _kernel_profile(f"ours, {count} adapters", lambda: train(batches[0]), args.device)
+            if args.device.type == "cuda":
+                trace = args.profile_dir / f"ours_{count}_adapters.json"
+                _host_profile(f"ours, {count} adapters", lambda: train(batches[0]), trace)
         row["launches"] = _launches(lambda: _forward_backward(model, lora, batches[0]), args.device)
         # The step after a real backward, then on the zeroed gradients: the fused step's work
         # does not depend on their values.
@@ -270,6 +394,9 @@ def _floor(train, batches, embedding, args, label: str) -> dict:
         row = _measure(train, batches, args)
         if args.profile:
             _kernel_profile(label, lambda: train(batches[0]), args.device)
+            if args.device.type == "cuda":
+                trace = args.profile_dir / f"{label.replace(' ', '_').replace('+', '_')}.json"
+                _host_profile(label, lambda: train(batches[0]), trace)
         return row
     finally:
         hook.remove()
@@ -462,12 +589,20 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--layers", type=int, help="override the preset's layer count")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per microbatch")
     parser.add_argument("--microbatches", type=int, default=8, help="timed microbatches (min)")
+    parser.add_argument(
+        "--passes", type=int, default=1, help="timed passes per cell (tokens/s of the median)"
+    )
     parser.add_argument("--matrix", action=on_off, default=True, help="issue 21's matrix")
     parser.add_argument("--compare", action=on_off, default=True, help="issue 15's table")
     parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
-    parser.add_argument("--profile", action="store_true", help="kernel tables of issue 15's rows")
+    parser.add_argument(
+        "--profile", action="store_true", help="kernel and host-wait tables of issue 15's rows"
+    )
+    parser.add_argument(
+        "--profile-dir", type=Path, default=Path("."), help="where --profile writes its traces"
+    )
     parser.add_argument(
         "--attention",
         choices=["flash", "flex"],
@@ -484,8 +619,8 @@ def _parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     if args.tokens < 16 or args.tokens % 4:
         parser.error(f"--tokens must be a multiple of 4 and >= 16, got {args.tokens}")
-    if min(args.microbatches, *args.adapters, *args.ranks, args.layers or 1) < 1:
-        parser.error("--microbatches, --adapters, --ranks and --layers must be positive")
+    if min(args.microbatches, args.passes, *args.adapters, *args.ranks, args.layers or 1) < 1:
+        parser.error("--microbatches, --passes, --adapters, --ranks and --layers must be positive")
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     args.backend = args.attention if args.device.type == "cuda" else "loop"
     return args

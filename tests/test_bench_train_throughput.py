@@ -103,3 +103,31 @@ def test_bench_attention_option_forces_the_backend_on_cuda_only(bench):
     assert bench._parse_args([]).backend == "flash"
     with pytest.raises(SystemExit):
         bench._parse_args(["--attention", "sdpa"])
+
+
+def test_host_waits_charges_each_gap_to_the_frame_that_launched_the_next_kernel(bench):
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {
+        "traceEvents": [
+            x("python_function", "megatron_lorafusion/mcore/lora.py(10): forward", 0, 100),
+            x("python_function", "megatron_lorafusion/ops/lora_shrink.py(5): launch", 40, 10),
+            x("python_function", "megatron_lorafusion/train/loop.py(7): step", 200, 100),
+            x("python_function", "torch/nn/modules/module.py(1): _call_impl", 41, 2),
+            x("cuda_runtime", "cudaLaunchKernel", 1, 1, correlation=1),
+            x("cuda_driver", "cuLaunchKernelEx", 42, 1, correlation=2),
+            x("cuda_runtime", "cudaLaunchKernel", 210, 1, correlation=3),
+            x("cuda_runtime", "cudaStreamSynchronize", 220, 30),
+            x("cuda_runtime", "cudaMemcpyAsync", 230, 50),  # async: not a sync
+            x("kernel", "gemm", 2, 20, correlation=1),
+            x("kernel", "shrink", 60, 10, correlation=2),  # 38 us after gemm: a gap
+            x("kernel", "adam", 72, 5, correlation=3),  # 2 us: below the threshold
+        ]
+    }
+    out = bench.host_waits(trace, min_gap_us=5.0)
+    idle, syncs = out.split("\n\n")
+    assert idle.startswith("GPU idle 0.0 ms in 1 gaps > 5 us"), out
+    assert "| ops/lora_shrink.py(5): launch | 0.04 | 1 |" in idle, out
+    assert "| cudaStreamSynchronize in train/loop.py(7): step | 0.03 | 1 |" in syncs, out
+    assert "cudaMemcpyAsync" not in syncs, out
