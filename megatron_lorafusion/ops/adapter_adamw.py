@@ -7,12 +7,14 @@ updated with its own learning rate, betas, epsilon, weight decay and bias correc
 ``hyper[a, STEP]`` is set, and left untouched (not even read) otherwise. The update is
 torch's AdamW (decoupled weight decay, Loshchilov & Hutter 2019)::
 
+    g ← c·g                          (c: the adapter's gradient-clipping factor, or 1)
     p ← p·(1 − lr·wd)
     m ← β1·m + (1 − β1)·g            v ← β2·v + (1 − β2)·g²
     p ← p − (lr / bc1)·m / (√v / √bc2 + ε)          bc_i = 1 − β_i^step
     g ← 0
 
-so 64 adapters step in one kernel instead of 64 optimizers of one tensor per factor.
+so 64 adapters step in one kernel instead of 64 optimizers of one tensor per factor, and
+clipping costs no pass of its own over the gradients.
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ import torch
 from megatron_lorafusion.ops._utils import tl, triton, triton_usable
 
 # Columns of the (A, HYPER_COLUMNS) fp32 hyper-parameter table, one row per adapter.
-LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2, STEP = range(8)
-HYPER_COLUMNS = 8
+LR, BETA1, BETA2, EPS, WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2, STEP, GRAD_SCALE = range(9)
+HYPER_COLUMNS = 9
 
 if triton is not None:
 
     @triton.jit
-    def _adapter_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, S, BLOCK: tl.constexpr):
+    def _adapter_adamw_kernel(
+        p_ptr, g_ptr, m_ptr, v_ptr, hyper_ptr, S, HYPER: tl.constexpr, BLOCK: tl.constexpr
+    ):
         adapter = tl.program_id(1)
-        row = hyper_ptr + adapter * 8
+        row = hyper_ptr + adapter * HYPER
         if tl.load(row + 7) == 0.0:  # this adapter does not step: its row is not touched
             return
         lr = tl.load(row + 0)
@@ -44,7 +48,7 @@ if triton is not None:
         mask = cols < S
         offs = adapter.to(tl.int64) * S + cols  # A·S passes 2**31 at 8B scale
         p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask) * tl.load(row + 8)  # clipped (1.0: exact)
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
         m = beta1 * m + (1.0 - beta1) * g
@@ -94,6 +98,7 @@ def adapter_adamw_fwd(weights, grads, exp_avg, exp_avg_sq, hyper) -> None:
         exp_avg_sq,
         hyper.contiguous(),
         width,
+        HYPER=HYPER_COLUMNS,
         BLOCK=_BLOCK,
         num_warps=_NUM_WARPS,
     )
@@ -114,8 +119,9 @@ def adapter_adamw_(
         exp_avg: (A, S) fp32 first moments; updated in place.
         exp_avg_sq: (A, S) fp32 second moments; updated in place.
         hyper: (A, HYPER_COLUMNS) fp32, per adapter ``LR, BETA1, BETA2, EPS, WEIGHT_DECAY,
-            BIAS_CORRECTION1, BIAS_CORRECTION2`` (``1 − β^step`` of this step) and ``STEP``
-            (1: step this adapter, 0: leave its row as it is), on the tensors' device.
+            BIAS_CORRECTION1, BIAS_CORRECTION2`` (``1 − β^step`` of this step), ``STEP``
+            (1: step this adapter, 0: leave its row as it is) and ``GRAD_SCALE`` (the factor
+            its gradient is multiplied by first: clipping's, or 1.0), on the tensors' device.
 
     Raises:
         ValueError: naming the tensor of the wrong shape, dtype, layout or device.
@@ -135,6 +141,7 @@ def adapter_adamw_ref(weights, grads, exp_avg, exp_avg_sq, hyper) -> None:
     rows = torch.nonzero(hyper[:, STEP]).flatten()  # the stepping adapters
     col = hyper[rows].unsqueeze(-1).unbind(1)  # each (k, 1)
     p, g, m, v = (t[rows] for t in (weights, grads, exp_avg, exp_avg_sq))  # (k, S) copies
+    g = g * col[GRAD_SCALE]
     m = col[BETA1] * m + (1.0 - col[BETA1]) * g
     v = col[BETA2] * v + (1.0 - col[BETA2]) * g * g
     denom = v.sqrt() / col[BIAS_CORRECTION2].sqrt() + col[EPS]

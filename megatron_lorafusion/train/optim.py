@@ -21,7 +21,7 @@ import torch
 
 from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.ops import copy_to_device
-from megatron_lorafusion.ops.adapter_adamw import HYPER_COLUMNS, adapter_adamw_
+from megatron_lorafusion.ops.adapter_adamw import GRAD_SCALE, HYPER_COLUMNS, adapter_adamw_
 
 if TYPE_CHECKING:  # mcore imports Megatron (~2 s): not before the job summary is printed
     from megatron_lorafusion.mcore.context import LoRAContext
@@ -171,7 +171,7 @@ class AdapterAdamW:
         stepping -= self.stopped
         if not stepping:
             return
-        self._clip(stepping, squared_norms)
+        grad_scale = self._clip(stepping, squared_norms)
         rows = []
         for a in range(self.lora.num_adapters):
             if a not in stepping:
@@ -190,20 +190,27 @@ class AdapterAdamW:
                     1.0 - beta1**step,
                     1.0 - beta2**step,
                     1.0,
+                    1.0,
                 ]
             )
         hyper = copy_to_device(torch.tensor(rows, dtype=torch.float32), self.lora.weights.device)
+        if grad_scale is not None:
+            hyper[:, GRAD_SCALE] = grad_scale
         adapter_adamw_(self.lora.weights, self.lora.grads, self.exp_avg, self.exp_avg_sq, hyper)
         for a in stepping:
             self.steps[a] += 1
 
-    def _clip(self, stepping: set[int], squared: torch.Tensor | None) -> None:
-        """Norms of every row; rows of clipping adapters about to step scaled to their max."""
+    def _clip(self, stepping: set[int], squared: torch.Tensor | None) -> torch.Tensor | None:
+        """Norms of every row, and the (A,) factors the step's kernel scales gradients by.
+
+        A clipping adapter about to step gets ``max_norm / norm`` (at most 1), the others 1.0;
+        None when no stepping adapter clips.
+        """
         grads = self.lora.grads
         clipping = any(self.adapters[a].max_grad_norm > 0 for a in stepping)
         if not (clipping or self._track_grad_norms):
             self._norms, self._norms_host = None, None
-            return
+            return None
         norms = (self.squared_norms() if squared is None else squared).sqrt()  # (A,)
         self._norms, self._norms_host = norms, norms.tolist()
         for a in sorted(stepping):  # never step on a NaN/inf gradient
@@ -213,14 +220,13 @@ class AdapterAdamW:
                     f"at step {self.steps[a] + 1}; training stopped before that step"
                 )
         if not clipping:
-            return
+            return None
         device = grads.device
         mask = torch.zeros(self.lora.num_adapters, dtype=torch.bool)
         mask[sorted(a for a in stepping if self.adapters[a].max_grad_norm > 0)] = True
         max_norms = copy_to_device(self._max_norms, device)
         coef = (max_norms / (norms + _CLIP_EPS)).clamp(max=1.0)
-        coef = torch.where(copy_to_device(mask, device), coef, torch.ones_like(coef))
-        grads.mul_(coef[:, None])  # rows at 1.0 stay bit-identical
+        return torch.where(copy_to_device(mask, device), coef, torch.ones_like(coef))
 
     def grad_norm(self, adapter_id: int) -> float:
         """Gradient norm (before clipping) of the adapter at the last `step` (a host read)."""

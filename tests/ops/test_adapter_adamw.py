@@ -15,6 +15,7 @@ from megatron_lorafusion.ops.adapter_adamw import (
     BIAS_CORRECTION1,
     BIAS_CORRECTION2,
     EPS,
+    GRAD_SCALE,
     HYPER_COLUMNS,
     LR,
     STEP,
@@ -34,6 +35,7 @@ def _hyper(lrs, steps, weight_decays, stepping, device, betas=(0.9, 0.999), eps=
         row[BIAS_CORRECTION1] = 1 - betas[0] ** step
         row[BIAS_CORRECTION2] = 1 - betas[1] ** step
         row[STEP] = 1.0 if a in stepping else 0.0
+        row[GRAD_SCALE] = 1.0
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
@@ -132,3 +134,20 @@ def test_adapter_adamw_names_bad_tensor(device):
         adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, hyper[:1])
     with pytest.raises(ValueError, match="weights must be a contiguous"):
         adapter_adamw_(weights.t(), grads, exp_avg, exp_avg_sq, hyper)
+
+
+def test_grad_scale_steps_as_the_scaled_gradient(device):
+    """The GRAD_SCALE column (gradient clipping) equals stepping on ``c·g``, bit for bit."""
+    weights, grads, exp_avg, exp_avg_sq = _tables(3, 3001, device, seed=5)
+    hyper = _hyper([1e-3] * 3, [2] * 3, [0.01] * 3, {0, 1, 2}, device)
+    scale = torch.tensor([0.25, 1.0, 0.7], device=device)
+    hyper[:, GRAD_SCALE] = scale
+    tables = [t.clone() for t in (weights, grads, exp_avg, exp_avg_sq)]
+    adapter_adamw_(*tables, hyper)
+    prescaled = [weights.clone(), grads * scale[:, None], exp_avg.clone(), exp_avg_sq.clone()]
+    hyper[:, GRAD_SCALE] = 1.0
+    adapter_adamw_(*prescaled, hyper)
+    for name, got, want in zip(
+        ("weights", "grads", "exp_avg", "exp_avg_sq"), tables, prescaled, strict=True
+    ):
+        torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
