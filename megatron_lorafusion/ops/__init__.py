@@ -12,6 +12,14 @@ Dimension letters used throughout `ops` (and the rest of the package):
 
 from megatron_lorafusion.ops._utils import copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
+from megatron_lorafusion.ops.dora_scale import (
+    DoRAScaleFunction,
+    dora_scale,
+    dora_scale_ref,
+    dora_weight_norm,
+    dora_weight_norm_ref,
+    weight_sq_norm,
+)
 from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.linear_cross_entropy import (
@@ -51,6 +59,7 @@ from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
     "AdapterLayout",
+    "DoRAScaleFunction",
     "InputRebuild",
     "LinearCrossEntropyFunction",
     "LoRADownFunction",
@@ -63,6 +72,10 @@ __all__ = [
     "adapter_adamw_",
     "adapter_adamw_ref",
     "copy_to_device",
+    "dora_scale",
+    "dora_scale_ref",
+    "dora_weight_norm",
+    "dora_weight_norm_ref",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
     "fused_lora_down",
@@ -92,4 +105,5 @@ __all__ = [
     "rope_ref",
     "swiglu",
     "swiglu_ref",
+    "weight_sq_norm",
 ]
