@@ -77,7 +77,7 @@ class LoRAContext:
         self.wrappers = wrappers
         self.weights = torch.zeros(len(adapters), 0)  # (A, S) once `pack` ran
         self.grads = torch.zeros(len(adapters), 0)
-        # (factor name, 'lora_A' | 'lora_B', wrapper, first column, rows, columns) per slot
+        # (name, 'lora_A' | 'lora_B' | row vector, wrapper, first column, rows, columns) per slot
         self._slots: list[tuple[str, str, LoRAWrapper, int, int, int]] = []
 
     def pack(self) -> None:
@@ -87,7 +87,8 @@ class LoRAContext:
         """
         slots, width = [], 0
         for name, wrapper in self.wrappers.items():
-            for factor in ("lora_A", "lora_B"):
+            vector = () if wrapper.row_vector is None else (wrapper.row_vector,)
+            for factor in ("lora_A", "lora_B", *vector):
                 _, rows, cols = getattr(wrapper, factor).shape
                 slots.append((f"{name}.{factor}", factor, wrapper, width, rows, cols))
                 width += rows * cols
@@ -122,7 +123,9 @@ class LoRAContext:
 
         Names are ``<linear>.lora_A`` (r, H_local) and ``<linear>.lora_B`` (N_local, r), for
         the linears this adapter targets, with ``r`` its rank there: its own rank, times its
-        blocks with per-projection targets (A stacked, B block-diagonal; docs/adapters.md).
+        blocks with per-projection targets (A stacked, B block-diagonal; docs/adapters.md);
+        a DoRA adapter also has ``<linear>.lora_magnitude`` (N_local,) (its variant's row
+        vector, `adapter_types.AdapterType.row_vector`).
         ``table`` is ``weights``, ``grads`` or anything shaped like them (the optimizer's
         moments).
         """
@@ -137,8 +140,24 @@ class LoRAContext:
             if rank == 0:
                 continue
             slot = table[adapter_id, col : col + rows * cols].view(rows, cols)
-            views[name] = slot[:rank] if factor == "lora_A" else slot[:, :rank]
+            if factor == "lora_A":
+                views[name] = slot[:rank]
+            elif factor == "lora_B":
+                views[name] = slot[:, :rank]
+            elif wrapper.types[adapter_id].row_vector == factor:
+                views[name] = slot[0]
         return views
+
+    def loraplus_columns(self) -> torch.Tensor:
+        """(S,) bool on the tables' device: the columns LoRA+ steps at ``lr × ratio``.
+
+        Every ``lora_B`` slot and every row-vector slot (DoRA's magnitude): PEFT's
+        ``create_loraplus_optimizer`` puts B and every 1-D parameter in B's group.
+        """
+        columns = torch.zeros(self.weights.shape[1], dtype=torch.bool)
+        for _, factor, _, col, rows, cols in self._slots:
+            columns[col : col + rows * cols] = factor != "lora_A"
+        return columns.to(self.weights.device)
 
     def adapter_tensors(self, adapter_id: int) -> dict[str, torch.Tensor]:
         """Views of one adapter's factors on this rank (TP shards, fp32), writable in place.
@@ -159,7 +178,7 @@ class LoRAContext:
         """
         out = {}
         for name, factor, wrapper, *_ in self._slots:
-            if factor == "lora_B" and wrapper.is_column:
+            if factor != "lora_A" and wrapper.is_column:  # B (N_local, r), a vector (N_local,)
                 out[name] = (0, int(getattr(wrapper.base.weight, "partition_stride", 1)))
             elif factor == "lora_A" and not wrapper.is_column:
                 out[name] = (1, 1)

@@ -1,0 +1,92 @@
+"""DoRA adapters in the LoRA wrappers (TP = 1): fresh = base, magnitudes packed, merge, grads.
+
+A DoRA adapter on the four fused linears, one on q/v only (per-projection rows: k rows keep
+scale 1 and their magnitude entries stay 0 with zero gradient) and a plain LoRA adapter
+share every wrapper. PEFT's numbers are checked in `tests/ops/test_dora_scale.py` (one
+linear) and `tests/train/test_export_dora.py` (the whole model).
+"""
+
+import torch
+from mcore_testing import TINY, make_packed_batch, randomize_lora_b, run_model
+
+from megatron_lorafusion.config import AdapterConfig
+from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}  # as tests/mcore/test_lora.py
+
+ADAPTERS = [
+    AdapterConfig(name="dora", rank=4, alpha=8.0, use_dora=True),
+    AdapterConfig(name="lora", rank=2, alpha=4.0),
+    AdapterConfig(name="qv", rank=2, alpha=2.0, use_dora=True, target_modules=["q_proj", "v_proj"]),
+]
+
+
+def _perturb_magnitudes(context, seed):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for a in range(context.num_adapters):
+            for name, m in context.adapter_tensors(a).items():
+                if name.endswith("lora_magnitude"):
+                    m.mul_(1 + 0.2 * torch.randn(m.shape, generator=generator)).mul_(m != 0)
+
+
+def test_dora_fresh_adapter_is_the_base_and_magnitude_is_row_norm(tiny_model):
+    batch = make_packed_batch([0, 1, 2], [6, 5, 7], 3, seed=1)
+    with torch.no_grad():
+        base = run_model(tiny_model, None, batch)
+        context = apply_lora(tiny_model, ADAPTERS, seed=3)
+        fresh = run_model(tiny_model, context, batch)
+    torch.testing.assert_close(fresh, base, **TOL[torch.float32], msg="fresh DoRA != base")
+    names = context.adapter_tensors(0)
+    qkv = "decoder.layers.0.self_attention.linear_qkv"
+    weight = tiny_model.decoder.layers[0].self_attention.linear_qkv.weight
+    torch.testing.assert_close(names[f"{qkv}.lora_magnitude"], weight.norm(dim=1), msg="m init")
+    assert not any(n.endswith("lora_magnitude") for n in context.adapter_tensors(1)), "LoRA"
+    qv = context.adapter_tensors(2)
+    assert set(qv) == {
+        f"decoder.layers.{i}.self_attention.linear_qkv.{f}"
+        for i in (0, 1)
+        for f in ("lora_A", "lora_B", "lora_magnitude")
+    }
+    k_rows = context.wrappers[qkv].row_vector_on[2] == 0
+    assert k_rows.sum() == 2 * 16, "k rows of the two query groups (head dim 16)"
+    assert not qv[f"{qkv}.lora_magnitude"][k_rows].any(), "k rows carry no magnitude"
+
+
+def test_dora_merged_weights_reproduce_the_output(tiny_model):
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3, std=0.2)
+    _perturb_magnitudes(context, seed=4)
+    batch = make_packed_batch([0, 1, 2, 2], [7, 4, 6, 5], 3, seed=5)
+    with torch.no_grad():
+        logits = run_model(tiny_model, context, batch)[0]
+        for a in range(len(ADAPTERS)):
+            merged = build_gpt_model(TINY).eval()
+            for name, weight in context.merged_weights(a).items():
+                merged.get_submodule(name.removesuffix(".weight")).weight.copy_(weight)
+            merged_logits = run_model(merged, None, batch)[0]
+            for i in (i for i, ad in enumerate(batch.adapters) if ad == a):
+                torch.testing.assert_close(
+                    logits[batch.sample(i)],
+                    merged_logits[batch.sample(i)],
+                    **TOL[torch.float32],
+                    msg=f"sample {i}: output differs from adapter {a}'s merged weights",
+                )
+
+
+def test_dora_magnitudes_get_gradients_only_where_they_scale(tiny_model):
+    context = apply_lora(tiny_model.train(), ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3)
+    batch = make_packed_batch([0, 1, 2], [7, 4, 6], 3, seed=5)
+    run_model(tiny_model, context, batch).square().mean().backward()
+    for a, adapter in enumerate(ADAPTERS):
+        for name, grad in context.adapter_grads(a).items():
+            if not name.endswith("lora_magnitude"):
+                continue
+            on = context.wrappers[name.removesuffix(".lora_magnitude")].row_vector_on[a]
+            assert grad[on].abs().min() > 0, f"{adapter.name} {name}: a live magnitude got 0"
+            assert not grad[~on].any(), f"{adapter.name} {name}: an off-block row got a grad"
+    for name in context.wrappers:
+        if context.wrappers[name].row_vector is not None:
+            view = context.adapter_views(context.grads, 1)
+            assert f"{name}.lora_magnitude" not in view, "the LoRA adapter has no magnitude"
