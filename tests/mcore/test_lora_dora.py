@@ -6,6 +6,7 @@ share every wrapper. PEFT's numbers are checked in `tests/ops/test_dora_scale.py
 linear) and `tests/train/test_export_dora.py` (the whole model).
 """
 
+import pytest
 import torch
 from mcore_testing import TINY, make_packed_batch, randomize_lora_b, run_model
 
@@ -13,6 +14,7 @@ from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.mcore import apply_lora, build_gpt_model
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}  # as tests/mcore/test_lora.py
+GPU_TOL = dict(atol=5e-3, rtol=5e-3)  # CUDA fp32: the fused kernels' tl.dot runs in TF32
 
 ADAPTERS = [
     AdapterConfig(name="dora", rank=4, alpha=8.0, use_dora=True),
@@ -90,3 +92,31 @@ def test_dora_magnitudes_get_gradients_only_where_they_scale(tiny_model):
         if context.wrappers[name].row_vector is not None:
             view = context.adapter_views(context.grads, 1)
             assert f"{name}.lora_magnitude" not in view, "the LoRA adapter has no magnitude"
+
+
+@pytest.mark.gpu
+def test_dora_on_cuda_matches_cpu(megatron_single_process):
+    """CUDA runs the fused `lora_linear` then `dora_scale`'s kernels (TP = 1); CPU references."""
+    batch = make_packed_batch([0, 1, 2], [40, 23, 31], 3, seed=9)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = build_gpt_model(TINY, device=device, params_dtype=torch.float32).eval()
+        context = apply_lora(model, ADAPTERS, seed=2)
+        randomize_lora_b(context, seed=3, std=0.2)
+        _perturb_magnitudes(context, seed=4)
+        on_device = make_packed_batch(
+            batch.adapters, batch.lengths, 3, input_ids=batch.input_ids.to(device), device=device
+        )
+        loss = run_model(model, context, on_device, labels=labels.to(device))
+        loss.sum().backward()
+        grads = {n: g.cpu() for a in range(3) for n, g in context.adapter_grads(a).items()}
+        results[device] = (loss.detach().cpu(), grads)
+    torch.testing.assert_close(
+        results["cuda"][0], results["cpu"][0], **GPU_TOL, msg="DoRA loss on CUDA != CPU"
+    )
+    for name, grad in results["cpu"][1].items():
+        scale = grad.abs().max().clamp_min(1e-12)
+        torch.testing.assert_close(
+            results["cuda"][1][name] / scale, grad / scale, **GPU_TOL, msg=f"grad of {name}"
+        )
