@@ -120,3 +120,33 @@ def test_dora_on_cuda_matches_cpu(megatron_single_process):
         torch.testing.assert_close(
             results["cuda"][1][name] / scale, grad / scale, **GPU_TOL, msg=f"grad of {name}"
         )
+
+
+@pytest.mark.parametrize("wrapped", ["self_attention.linear_qkv", "mlp.linear_fc2"])
+def test_dora_wrapper_matches_its_adapter_type_reference(tiny_model, wrapped):
+    """One wrapper on an unpacked [s, b, h] batch: each sample as its variant's reference."""
+    from megatron_lorafusion.adapter_types import adapter_type
+    from megatron_lorafusion.ops import AdapterLayout
+
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=4, std=0.2)
+    _perturb_magnitudes(context, seed=5)
+    wrapper = tiny_model.decoder.layers[0].get_submodule(wrapped)
+    name = f"decoder.layers.0.{wrapped}"
+    seq = 5
+    x = torch.randn(seq, 2, wrapper.weight.shape[1])  # sample b is x[:, b]
+    context.layout = AdapterLayout.from_samples([0, 1], [seq, seq], 3)
+    with torch.no_grad():
+        out, _ = wrapper(x)
+        for b, a in enumerate((0, 1)):
+            merged = wrapper.merged_weight(a)  # per-projection B masked as the forward does
+            factors = context.adapter_tensors(a)
+            lora_a, lora_b = factors[f"{name}.lora_A"], factors[f"{name}.lora_B"]
+            vector = factors.get(f"{name}.lora_magnitude")
+            want = adapter_type(ADAPTERS[a]).reference(
+                x[:, b], wrapper.weight, None, lora_a, lora_b, wrapper.scalings[a], vector
+            )
+            torch.testing.assert_close(out[:, b], want, **TOL[torch.float32], msg=f"adapter {a}")
+            torch.testing.assert_close(
+                out[:, b], x[:, b] @ merged.t(), **TOL[torch.float32], msg=f"merged {a}"
+            )
