@@ -47,7 +47,8 @@ class LoRAContext:
 
     Every adapter factor of this rank lives in one row per adapter of two fp32 tables,
     ``weights`` and ``grads`` (A, S): row ``a`` holds, wrapper after wrapper, the packed
-    slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R). Each wrapper's
+    slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R), and on a linear with
+    a DoRA adapter ``lora_magnitude[a]`` (1 × N_local; `adapter_types`). Each wrapper's
     ``lora_A`` / ``lora_B`` is a strided view of its columns of ``weights``, and its
     ``lora_A_grad`` / ``lora_B_grad`` the same view of ``grads``: backward adds into the
     table in place, and one kernel steps any subset of adapters (`ops.adapter_adamw_`).

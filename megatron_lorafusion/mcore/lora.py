@@ -8,6 +8,10 @@ all-reduces the partial ``S`` in forward, with B replicated. Under sequence para
 collectives on the small ``S`` (T × R) become an all-gather (column) or a reduce-scatter
 (row) over the sequence, matching the base's own (``docs/pipeline.md``).
 
+A DoRA adapter (`adapter_types.DORA`, TP = 1) also scales its tokens' output columns by
+``m / ‖W + s·B·A‖_row`` (`ops.dora_scale` on the fused output, before the bias), its
+magnitudes ``m`` packed with the factors.
+
 With the context's ``rebuild_inputs`` on (selective recompute), a wrapper whose input a
 fused-base norm or SwiGLU produced (`fused_base.input_rebuild`) does not keep that input for
 ``dA = dSᵀ·drop(X)``: its LoRA op saves the producer's input, which the producer's backward
@@ -205,9 +209,8 @@ def _init_row_vectors(
         vectors[a, 0] = torch.where(on[a], init, 0.0)
     wrapper.row_vector_on = on
     setattr(wrapper, wrapper.row_vector, vectors)
-    setattr(
-        wrapper, f"{wrapper.row_vector}_grad", None
-    )  # a view of the gradient table, once packed
+    # its gradient: a view of the context's gradient table, once packed
+    setattr(wrapper, f"{wrapper.row_vector}_grad", None)
 
 
 def _adapter_factors(wrapper: nn.Module, a: int) -> tuple[torch.Tensor, torch.Tensor]:
