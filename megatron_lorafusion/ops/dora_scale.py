@@ -209,9 +209,16 @@ def dora_scale(out: torch.Tensor, scale: torch.Tensor, layout: AdapterLayout) ->
 
 
 def dora_scale_ref(out: torch.Tensor, scale: torch.Tensor, layout: AdapterLayout) -> torch.Tensor:
-    """Torch reference of `dora_scale` (autograd through indexing), any device and dtype."""
-    rows = layout.row_adapter(out.device)  # (T,)
-    return (out.float() * scale[rows]).to(out.dtype)
+    """Torch reference of `dora_scale`, any device and dtype, deterministic.
+
+    One broadcast product per adapter segment, so ``dScale[a]`` is a plain column sum (an
+    index gather's backward accumulates in a varying order on the CPU, and resume must
+    reproduce a run bit for bit).
+    """
+    parts = [
+        (out[start:end].float() * scale[a]).to(out.dtype) for a, start, end in layout.segments()
+    ]
+    return torch.cat(parts) if parts else out.clone()
 
 
 def dora_weight_norm(
@@ -231,6 +238,11 @@ def dora_weight_norm(
         scaling: the LoRA scale ``s``.
     """
     with torch.no_grad():
+        # Fresh (aligned) copies: CPU matmul rounds differently at another 16-byte alignment
+        # of its input, so a view into the packed table would make the norm depend on where
+        # the adapter's slot sits in it.
+        lora_a = lora_a.clone(memory_format=torch.contiguous_format)
+        lora_b = lora_b.clone(memory_format=torch.contiguous_format)
         wa = (weight @ lora_a.to(weight.dtype).t()).float()  # (N, R)
         gram = lora_a @ lora_a.t()  # (R, R)
         sq = (
