@@ -150,3 +150,17 @@ def test_dora_wrapper_matches_its_adapter_type_reference(tiny_model, wrapped):
             torch.testing.assert_close(
                 out[:, b], x[:, b] @ merged.t(), **TOL[torch.float32], msg=f"merged {a}"
             )
+
+
+def test_apply_lora_refuses_dora_above_tp_one_naming_the_adapter(tiny_model):
+    """DoRA is tp = 1 only (docs/adapters.md); a TP group of 2 is refused before any wrap."""
+
+    class TwoRanks:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 0
+
+    with pytest.raises(NotImplementedError, match="adapter 'dora' uses dora .* tp = 1 only"):
+        apply_lora(tiny_model, ADAPTERS, seed=1, tp_group=TwoRanks())
