@@ -193,6 +193,14 @@ class AdapterConfig:
     where PEFT draws one per module (equal at 0 and in evaluation; docs/adapters.md)."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
+    use_dora: bool = False
+    """DoRA (PEFT's ``use_dora``): each adapted linear's output rows are rescaled by a
+    trainable magnitude m over the detached row norm of W + scale·B·A (m starts at the norm
+    of W's row, so a fresh adapter is the base model); parallel.tp = 1 only."""
+    loraplus_lr_ratio: float = 1.0
+    """LoRA+ (PEFT's ``create_loraplus_optimizer`` ratio): the learning rate of B, and of
+    DoRA magnitudes as PEFT groups them, is lr × this; A keeps lr. 1 = plain AdamW (the
+    LoRA+ paper suggests 16)."""
     target_modules: list[str] = field(default_factory=lambda: list(FUSED_LINEARS))
     """Modules to adapt. Megatron's linear_qkv, linear_proj, linear_fc1, linear_fc2: one LoRA
     per fused linear (one A shared by q, k and v, or by gate and up); Hugging Face's q_proj,
@@ -394,8 +402,6 @@ ADAPTER_ALIASES = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"
 """PEFT's names of adapter keys; the resolved job holds only ours (the values)."""
 
 _PEFT_HINTS = {
-    "use_dora": "DoRA is not supported yet (issue 19)",
-    "loraplus_lr_ratio": "LoRA+ is not supported yet (issue 19)",
     "task_type": "PEFT's task type: every adapter here is a causal LM (CAUSAL_LM); drop it",
     "bias": "biases are never trained here (PEFT's bias: none); drop it",
     "modules_to_save": "only LoRA factors are trained here; drop it",

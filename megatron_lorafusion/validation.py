@@ -14,6 +14,7 @@ import re
 import string
 from pathlib import Path
 
+from megatron_lorafusion.adapter_types import adapter_type
 from megatron_lorafusion.config import (
     TARGET_MODULES,
     AdapterConfig,
@@ -277,6 +278,7 @@ def validate(cfg: JobConfig) -> list[str]:
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
         p.extend(_validate_adapter(a, f"adapters.{i}", seen))
+        p.extend(adapter_type(a).problems(a, f"adapters.{i}", cfg.parallel.tp))
         p.extend(_validate_dataset(a.dataset, cfg.data, f"adapters.{i}.dataset", a.name))
         p.extend(_validate_eval(a, cfg, f"adapters.{i}"))
     if cfg.data.max_seq_length <= 0:
@@ -465,6 +467,11 @@ def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]
         p.append(f"{where}.global_batch_size must be > 0, got {a.global_batch_size}")
     if a.max_grad_norm < 0:
         p.append(f"{where}.max_grad_norm must be >= 0 (0 = no clipping), got {a.max_grad_norm}")
+    if not 0 < a.loraplus_lr_ratio <= 1e4:
+        p.append(
+            f"{where}.loraplus_lr_ratio must be in (0, 1e4] (B's lr over A's; 1 = off), "
+            f"got {a.loraplus_lr_ratio}"
+        )
     return p
 
 

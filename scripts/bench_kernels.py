@@ -1,9 +1,14 @@
 """Benchmark of the fused multi-LoRA linear on one GPU: correctness first, then timings.
 
 Run as ``python -m scripts.bench_kernels`` (``--quick`` for one shape, ``--csv PATH`` to append
-rows). Forward + backward, W frozen, bf16, r = 16. Prints markdown tables headed by the GPU
-name and the torch / triton versions; docs/kernels.md quotes them. The TMA GEMM alone was
-benchmarked by the bench_lora_gemm study (in git history, see docs/kernels.md).
+rows, ``--variants-only`` for the adapter-variant table alone). Forward + backward, W frozen,
+bf16, r = 16. Prints markdown tables headed by the GPU name and the torch / triton versions;
+docs/kernels.md quotes them. The TMA GEMM alone was benchmarked by the bench_lora_gemm study
+(in git history, see docs/kernels.md). The adapter-variant table (issue 19) times, on the
+Llama-3.1-8B linear_qkv, the per-forward work of the LoRA wrapper for plain LoRA, DoRA (row
+norms of W + sBA, then `dora_scale` on the fused output) and per-projection q/v targets
+(rank 2r stacked, B's off-block entries masked each forward). Without CUDA every table is
+skipped with the reason.
 """
 
 import argparse
@@ -18,9 +23,13 @@ import triton.testing
 
 from megatron_lorafusion.ops import (
     AdapterLayout,
+    dora_scale,
+    dora_scale_ref,
+    dora_weight_norm,
     fused_dropout_keep_mask,
     fused_lora_linear,
     lora_linear_ref,
+    weight_sq_norm,
 )
 from megatron_lorafusion.ops.lora_expand import lora_expand
 from megatron_lorafusion.ops.lora_gemm import lora_gemm
@@ -42,7 +51,7 @@ QUANTILES = [0.5, 0.2, 0.8]
 REP_MS = 300  # per timing; run-to-run spread on the H200 was ~3-5% at the default 100 ms
 
 
-def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0):
+def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0, rank=RANK):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     counts = [tokens // adapters] * adapters
     counts[-1] += tokens - sum(counts)
@@ -51,10 +60,10 @@ def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0)
     )
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dtype)
     weight = (torch.randn(out, hidden, device="cuda", generator=gen) / hidden**0.5).to(dtype)
-    lora_a = (torch.randn(adapters, RANK, hidden, device="cuda", generator=gen) / hidden**0.5).to(
+    lora_a = (torch.randn(adapters, rank, hidden, device="cuda", generator=gen) / hidden**0.5).to(
         dtype
     )
-    lora_b = (torch.randn(adapters, out, RANK, device="cuda", generator=gen) / RANK**0.5).to(dtype)
+    lora_b = (torch.randn(adapters, out, rank, device="cuda", generator=gen) / rank**0.5).to(dtype)
     grad_y = torch.randn(tokens, out, device="cuda", generator=gen).to(dtype)
     return {
         "layout": layout,
@@ -515,6 +524,128 @@ def memory(tokens=8192, hidden=4096, out=4096):
         print(f"| {name} | {saved_bytes_per_token(prob, fn, lora):.0f} |")
 
 
+QKV = (4096, 8, 4, 128)  # Llama-3.1-8B linear_qkv: H, query groups, q heads per group, head dim
+
+
+def _qv_off_mask(adapters: int, rank: int, device: torch.device) -> torch.Tensor:
+    """(A, N, 2r) bool: True off the q / v blocks of a per-projection q/v adapter's B.
+
+    Rows follow Megatron's QKV order, per group ``[q heads | k | v]``; q rows own rank
+    columns ``0..r``, v rows ``r..2r``, k rows none (as `mcore.lora._off_block_mask`).
+    """
+    _, groups, per_group, head = QKV
+    group = torch.tensor([0] * per_group * head + [-1] * head + [1] * head)
+    block_of_row = group.repeat(groups)  # (N,)
+    block_of_col = torch.arange(2 * rank) // rank  # (2r,)
+    off = block_of_row[:, None] != block_of_col[None, :]
+    return off.expand(adapters, -1, -1).contiguous().to(device)
+
+
+def variant_fns(prob):
+    """``{name: fn(x, lora_a, lora_b)}``: the wrapper's work per forward for each variant.
+
+    ``prob`` holds rank-2r factors; plain LoRA and DoRA read their first r ranks as strided
+    views, q/v all 2r with B masked (one fill of B per forward), as the wrapper reads them
+    from the packed table (`ops.packed_factors`).
+    """
+    weight, layout = prob["weight"], prob["layout"]
+    adapters, rank = prob["lora_a"].shape[0], prob["lora_a"].shape[1] // 2
+    off = _qv_off_mask(adapters, rank, weight.device)
+    w_sq = weight_sq_norm(weight)
+    magnitude = w_sq.sqrt().expand(adapters, -1).clone().requires_grad_()
+
+    def lora(x, lora_a, lora_b):
+        return fused_lora_linear(
+            x,
+            weight,
+            None,
+            lora_a[:, :rank],
+            lora_b[:, :, :rank],
+            prob["scalings"],
+            prob["dropouts"],
+            layout,
+            layer_seed=3,
+        )
+
+    def dora(x, lora_a, lora_b):
+        out = lora(x, lora_a, lora_b)
+        norms = torch.stack(
+            [
+                dora_weight_norm(
+                    weight, w_sq, lora_a[a, :rank].float(), lora_b[a, :, :rank].float(), 2.0
+                )
+                for a in range(adapters)
+            ]
+        )
+        return dora_scale(out, magnitude / norms, layout)
+
+    def qv(x, lora_a, lora_b):
+        return fused_lora_linear(
+            x,
+            weight,
+            None,
+            lora_a,
+            lora_b.masked_fill(off, 0.0),
+            prob["scalings"],
+            prob["dropouts"],
+            layout,
+            layer_seed=3,
+        )
+
+    return {"lora": lora, "dora": dora, "qv": qv}, magnitude
+
+
+def check_dora(prob) -> bool:
+    """DoRA's fused scale against its torch reference on the same fused output (bf16)."""
+    fns, magnitude = variant_fns(prob)
+    out = fns["lora"](prob["x"], prob["lora_a"], prob["lora_b"]).detach()
+    scale = magnitude.detach() * 1.1
+    err = rel_err(
+        dora_scale(out, scale, prob["layout"]), dora_scale_ref(out, scale, prob["layout"])
+    )
+    print(f"DoRA scale vs reference: relative error {err:.1e}")
+    return err < REL_ERR_MAX
+
+
+def variants(tokens=8192, p=0.1):
+    """Forward + backward ms of plain LoRA, DoRA and per-projection q/v on linear_qkv."""
+    hidden, groups, per_group, head = QKV
+    out = groups * (per_group + 2) * head
+    print(
+        f"\n## Adapter variants on linear_qkv (T={tokens}, H={hidden}, N={out}, r={RANK}, "
+        f"p={p}; q/v: rank {2 * RANK} stacked, B masked), median ms (p20–p80)\n"
+    )
+    print(
+        "| A | frozen | LoRA | DoRA | q/v per-projection | DoRA/LoRA | q/v/LoRA | graphed LoRA "
+        "| graphed DoRA | graphed q/v |"
+    )
+    print("|" + "---|" * 10)
+    ok = True
+    for adapters in ADAPTERS:
+        prob = make_problem(tokens, hidden, out, adapters, p, rank=2 * RANK)
+        ok &= check_dora(prob)
+        frozen = bench(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))[0]
+        fns, magnitude = variant_fns(prob)
+        times, graphed = {}, {}
+        for name, fn in fns.items():
+            step, leaves = fwd_bwd(prob, fn)
+            leaves = leaves + [magnitude] if name == "dora" else leaves
+            times[name] = bench(step, leaves)
+            graphed[name] = bench_graph(step, leaves)
+        cells = " | ".join(f"{t[0]:.3f} ({t[1]:.3f}–{t[2]:.3f})" for t in times.values())
+        lora = times["lora"][0]
+        print(
+            f"| {adapters} | {frozen:.3f} | {cells} | {times['dora'][0] / lora:.3f} "
+            f"| {times['qv'][0] / lora:.3f} | "
+            + " | ".join(f"{graphed[n]:.3f}" for n in fns)
+            + " |",
+            flush=True,
+        )
+        del prob
+        torch.cuda.empty_cache()
+    return ok
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one token count, one shape")
@@ -525,9 +656,16 @@ def main(argv=None):
         action="store_true",
         help="only the per-kernel times, at T=16384 and every (H, N)",
     )
+    parser.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="only the adapter-variant table (LoRA, DoRA, per-projection q/v on linear_qkv)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("bench_kernels needs a CUDA device")
+        for table in ("correctness", "components", "memory", "timings", "adapter variants"):
+            print(f"skipped {table}: needs a CUDA device (Triton kernels, CUDA-timed)")
+        return
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
         f"triton {triton.__version__}"
@@ -538,12 +676,17 @@ def main(argv=None):
         for hidden, out in shapes:
             components(tokens_list[-1], hidden, out)
         return
+    if args.variants_only:
+        if not variants(tokens_list[0]):
+            sys.exit("correctness check failed")
+        return
     ok = all([check_correctness(tokens, shapes) for tokens in tokens_list])
     if not args.skip_components:
         for hidden, out in shapes:
             components(tokens_list[-1], hidden, out)
     memory()
     timings(tokens_list, shapes, args.csv)
+    ok &= variants(tokens_list[0])
     if not ok:
         sys.exit("correctness check failed")
 

@@ -489,7 +489,7 @@ def test_config_peft_name_and_ours_together_is_named(tmp_path):
             "adapters.0.target_modules",
         ),
         ("linear_fc1", "'linear_fc1' is a target module: list it in adapters.0.target_modules"),
-        ("use_dora", "DoRA is not supported yet (issue 19)"),
+        ("modules_to_save", "only LoRA factors are trained here; drop it"),
         ("lora_r", "write 'rank' (or PEFT's 'r')"),
         ("lora_alph", "did you mean 'lora_alpha'?"),
     ],
@@ -561,3 +561,29 @@ def test_config_fused_rank_limit_counts_projections_of_one_linear(tmp_path):
     job = _job(tmp_path)
     job["adapters"][0].update(target_modules=["q_proj", "v_proj", "up_proj"], rank=128)
     assert load_config(_write(tmp_path, job)).adapters[0].rank == 128, "2 x 128 <= 256"
+
+
+def test_config_dora_and_loraplus_keys_load(tmp_path):
+    job = _job(tmp_path)
+    job["adapters"][0].update(use_dora=True, loraplus_lr_ratio=16)
+    adapter = load_config(_write(tmp_path, job)).adapters[0]
+    assert (adapter.use_dora, adapter.loraplus_lr_ratio) == (True, 16.0)
+
+
+def test_config_dora_above_tp_one_is_refused_naming_the_adapter(tmp_path):
+    job = _job(tmp_path, parallel={"tp": 2})
+    job["adapters"][0]["use_dora"] = True
+    assert (
+        "adapters.0.use_dora must be false with parallel.tp > 1 (adapter 'a'): DoRA supports "
+        "tp = 1 only"
+    ) in _errors(tmp_path, job)
+
+
+@pytest.mark.parametrize("ratio", [0, -2.0])
+def test_config_loraplus_ratio_must_be_positive(tmp_path, ratio):
+    job = _job(tmp_path)
+    job["adapters"][0]["loraplus_lr_ratio"] = ratio
+    assert (
+        f"adapters.0.loraplus_lr_ratio must be in (0, 1e4] (B's lr over A's; 1 = off), "
+        f"got {float(ratio)}"
+    ) in _errors(tmp_path, job)

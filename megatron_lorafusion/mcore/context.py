@@ -48,7 +48,8 @@ class LoRAContext:
 
     Every adapter factor of this rank lives in one row per adapter of two fp32 tables,
     ``weights`` and ``grads`` (A, S): row ``a`` holds, wrapper after wrapper, the packed
-    slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R). Each wrapper's
+    slots ``lora_A[a]`` (R × H_local) and ``lora_B[a]`` (N_local × R), and on a linear with
+    a DoRA adapter ``lora_magnitude[a]`` (1 × N_local; `adapter_types`). Each wrapper's
     ``lora_A`` / ``lora_B`` is a strided view of its columns of ``weights``, and its
     ``lora_A_grad`` / ``lora_B_grad`` the same view of ``grads``: backward adds into the
     table in place, and one kernel steps any subset of adapters (`ops.adapter_adamw_`). A
@@ -79,7 +80,7 @@ class LoRAContext:
         self.wrappers = wrappers
         self.weights = torch.zeros(len(adapters), 0)  # (A, S) once `pack` ran
         self.grads = torch.zeros(len(adapters), 0)
-        # (factor name, 'lora_A' | 'lora_B', wrapper, first column, rows, columns) per slot
+        # (name, 'lora_A' | 'lora_B' | row vector, wrapper, first column, rows, columns) per slot
         self._slots: list[tuple[str, str, LoRAWrapper, int, int, int]] = []
         self._compute: tuple[tuple, torch.Tensor] | None = None  # `compute_weights`' cache
 
@@ -91,7 +92,8 @@ class LoRAContext:
         slots, width = [], 0
         for name, wrapper in self.wrappers.items():
             wrapper.lora_column = width  # its lora_A slot; lora_B's follows (`ops.packed_factors`)
-            for factor in ("lora_A", "lora_B"):
+            vector = () if wrapper.row_vector is None else (wrapper.row_vector,)
+            for factor in ("lora_A", "lora_B", *vector):
                 _, rows, cols = getattr(wrapper, factor).shape
                 slots.append((f"{name}.{factor}", factor, wrapper, width, rows, cols))
                 width += rows * cols
@@ -108,7 +110,7 @@ class LoRAContext:
                 f"{factor}_grad",
                 self.grads[:, col : col + rows * cols].view(-1, rows, cols),
             )
-        # The autograd leaf of every `ops.packed_factor`: the same storage under another tensor, so
+        # The autograd leaf of every `ops.packed_factors`: the same storage under another tensor, so
         # the views above (read by the wrappers, written by the optimizer) stay plain tensors.
         self.weights = weights.detach().requires_grad_()
         self._slots = slots
@@ -142,7 +144,9 @@ class LoRAContext:
 
         Names are ``<linear>.lora_A`` (r, H_local) and ``<linear>.lora_B`` (N_local, r), for
         the linears this adapter targets, with ``r`` its rank there: its own rank, times its
-        blocks with per-projection targets (A stacked, B block-diagonal; docs/adapters.md).
+        blocks with per-projection targets (A stacked, B block-diagonal; docs/adapters.md);
+        a DoRA adapter also has ``<linear>.lora_magnitude`` (N_local,) (its variant's row
+        vector, `adapter_types.AdapterType.row_vector`).
         ``table`` is ``weights``, ``grads`` or anything shaped like them (the optimizer's
         moments).
         """
@@ -157,8 +161,24 @@ class LoRAContext:
             if rank == 0:
                 continue
             slot = table[adapter_id, col : col + rows * cols].view(rows, cols)
-            views[name] = slot[:rank] if factor == "lora_A" else slot[:, :rank]
+            if factor == "lora_A":
+                views[name] = slot[:rank]
+            elif factor == "lora_B":
+                views[name] = slot[:, :rank]
+            elif wrapper.types[adapter_id].row_vector == factor:
+                views[name] = slot[0]
         return views
+
+    def loraplus_columns(self) -> torch.Tensor:
+        """(S,) bool on the tables' device: the columns LoRA+ steps at ``lr × ratio``.
+
+        Every ``lora_B`` slot and every row-vector slot (DoRA's magnitude): PEFT's
+        ``create_loraplus_optimizer`` puts B and every 1-D parameter in B's group.
+        """
+        columns = torch.zeros(self.weights.shape[1], dtype=torch.bool)
+        for _, factor, _, col, rows, cols in self._slots:
+            columns[col : col + rows * cols] = factor != "lora_A"
+        return columns.to(self.weights.device)
 
     def adapter_tensors(self, adapter_id: int) -> dict[str, torch.Tensor]:
         """Views of one adapter's factors on this rank (TP shards, fp32), writable in place.
@@ -179,7 +199,7 @@ class LoRAContext:
         """
         out = {}
         for name, factor, wrapper, *_ in self._slots:
-            if factor == "lora_B" and wrapper.is_column:
+            if factor != "lora_A" and wrapper.is_column:  # B (N_local, r), a vector (N_local,)
                 out[name] = (0, int(getattr(wrapper.base.weight, "partition_stride", 1)))
             elif factor == "lora_A" and not wrapper.is_column:
                 out[name] = (1, 1)

@@ -8,6 +8,10 @@ all-reduces the partial ``S`` in forward, with B replicated. Under sequence para
 collectives on the small ``S`` (T × R) become an all-gather (column) or a reduce-scatter
 (row) over the sequence, matching the base's own (``docs/pipeline.md``).
 
+A DoRA adapter (`adapter_types.DORA`, TP = 1) also scales its tokens' output columns by
+``m / ‖W + s·B·A‖_row`` (`ops.dora_scale` on the fused output, before the bias), its
+magnitudes ``m`` packed with the factors.
+
 With the context's ``rebuild_inputs`` on (selective recompute), a wrapper whose input a
 fused-base norm or SwiGLU produced (`fused_base.input_rebuild`) does not keep that input for
 ``dA = dSᵀ·drop(X)``: its LoRA op saves the producer's input, which the producer's backward
@@ -32,10 +36,20 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import nn
 
+from megatron_lorafusion.adapter_types import LORA, adapter_type
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
 from megatron_lorafusion.mcore.fused_base import input_rebuild
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
-from megatron_lorafusion.ops import AdapterLayout, lora_down, lora_linear, lora_up, packed_factors
+from megatron_lorafusion.ops import (
+    AdapterLayout,
+    dora_scale,
+    lora_down,
+    lora_linear,
+    lora_up,
+    packed_factors,
+    packed_slot,
+    weight_sq_norm,
+)
 from megatron_lorafusion.ops.lora_linear import InputRebuild
 
 
@@ -151,6 +165,102 @@ def _init_factors(
     on = set(targeted)
     wrapper.scalings = [adapter_scaling(ad) if i in on else 0.0 for i, ad in enumerate(adapters)]
     wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
+    wrapper.types = [adapter_type(ad) if i in on else LORA for i, ad in enumerate(adapters)]
+    _init_row_vectors(wrapper, adapters, row_blocks, out_local, device)
+
+
+def _init_row_vectors(
+    wrapper: nn.Module,
+    adapters: Sequence[AdapterConfig],
+    row_blocks: RowBlocks,
+    out_local: int,
+    device: torch.device,
+) -> None:
+    """The per-output-row vectors of the variants that have one (DoRA's magnitude).
+
+    Sets ``wrapper.row_vector`` (the vector's name, e.g. ``lora_magnitude``, or None), the
+    (A, 1, N_local) fp32 tensor of that name (packed by `LoRAContext.pack` like the factors),
+    ``row_vector_on`` (A, N_local) bool (True on the rows an adapter's vector scales: all
+    rows, or a per-projection adapter's block rows; elsewhere the scale is 1 and the vector
+    stays 0 with zero gradient) and ``weight_sq`` (N_local,) fp32 ``‖W_n‖²`` of the frozen
+    base weight, computed once.
+
+    Raises:
+        NotImplementedError: for a vector adapter under TP > 1, or two kinds on one linear.
+    """
+    ids = [a for a, t in enumerate(wrapper.types) if t.row_vector is not None]
+    wrapper.row_vector = wrapper.row_vector_on = wrapper.weight_sq = None
+    if not ids:
+        return
+    names = {wrapper.types[a].row_vector for a in ids}
+    if len(names) > 1:
+        raise NotImplementedError(f"one linear takes one kind of row vector, got {sorted(names)}")
+    if wrapper.tp_size > 1:
+        raise NotImplementedError(
+            f"adapter {adapters[ids[0]].name!r} uses {wrapper.types[ids[0]].name} "
+            f"(use_dora), which supports tp = 1 only, got tp = {wrapper.tp_size}"
+        )
+    wrapper.row_vector = names.pop()
+    wrapper.weight_sq = weight_sq_norm(wrapper.base.weight)  # (N_local,) fp32
+    on = torch.zeros(len(adapters), out_local, dtype=torch.bool, device=device)
+    vectors = torch.zeros(len(adapters), 1, out_local, device=device)
+    for a in ids:
+        rows = row_blocks[a][1].to(device) >= 0 if a in row_blocks else True
+        on[a] = rows
+        init = wrapper.types[a].init_row_vector(wrapper.weight_sq)
+        vectors[a, 0] = torch.where(on[a], init, 0.0)
+    wrapper.row_vector_on = on
+    setattr(wrapper, wrapper.row_vector, vectors)
+    # its gradient: a view of the context's gradient table, once packed
+    setattr(wrapper, f"{wrapper.row_vector}_grad", None)
+
+
+def _adapter_factors(wrapper: nn.Module, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapter ``a``'s fp32 ``A`` (r, H_local) and ``B`` (N_local, r) views, off-block zeroed."""
+    rank = wrapper.ranks[a]
+    factor_b = wrapper.lora_B[a, :, :rank]
+    if wrapper.lora_B_off is not None:
+        factor_b = factor_b.masked_fill(wrapper.lora_B_off[a, :, :rank], 0.0)
+    return wrapper.lora_A[a, :rank], factor_b
+
+
+def _column_scale(wrapper: nn.Module, layout: AdapterLayout) -> torch.Tensor | None:
+    """(A, N_local) fp32 scale of each adapter's output columns (DoRA), None without one.
+
+    Computed for the adapters with a scale and tokens in this microbatch (1 elsewhere); the
+    vectors' gradient reaches the context's table through `ops.packed_slot`.
+    """
+    if wrapper.row_vector is None:
+        return None
+    table = wrapper.context.weights
+    vectors = getattr(wrapper, wrapper.row_vector)
+    grads = getattr(wrapper, f"{wrapper.row_vector}_grad")
+    vectors = packed_slot(table, vectors, grads, torch.float32)[:, 0]  # (A, N_local)
+    weight = wrapper.base.weight.detach()
+    counts = layout.token_counts()
+    scales = []
+    for a, kind in enumerate(wrapper.types):
+        if kind.column_scale is None or not counts[a] or not wrapper.ranks[a]:
+            scales.append(torch.ones_like(vectors[a]))
+            continue
+        factor_a, factor_b = _adapter_factors(wrapper, a)
+        scales.append(
+            kind.column_scale(
+                weight, wrapper.weight_sq, factor_a, factor_b, wrapper.scalings[a], vectors[a]
+            )
+        )
+    return torch.where(wrapper.row_vector_on, torch.stack(scales), 1.0)
+
+
+def _scale_columns(
+    wrapper: nn.Module, y: torch.Tensor, scale: torch.Tensor, layout, bias_included: bool
+) -> torch.Tensor:
+    """``scale[a(t)] ⊙ (y − b) + b`` on [s, b, N] ``y`` (``b``: the bias ``y`` holds, if any)."""
+    bias = wrapper.base.bias if bias_included else None
+    seq, batch = y.shape[0], y.shape[1]
+    rows = _tokens_major(y if bias is None else y - bias)
+    out = _sequence_major(dora_scale(rows, scale, layout), seq, batch)
+    return out if bias is None else out + bias
 
 
 def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,13 +474,15 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     queue = getattr(wrapper.context, "wgrad_queue", None)
     defer = queue is not None and wrapper.training and torch.is_grad_enabled()
     rebuild = _input_rebuild(wrapper, input_, defer)
+    scale = _column_scale(wrapper, layout)  # (A, N_local), None without DoRA
     if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs and not defer:
-        # One fused multi-LoRA linear (the Triton path behind `lora_linear`).
+        # One fused multi-LoRA linear (the Triton path behind `lora_linear`), DoRA's scale
+        # on its output before the bias.
         bias = None if base.skip_bias_add else base.bias
         out = lora_linear(
             x,
             base.weight,
-            bias,
+            bias if scale is None else None,
             lora_a,
             lora_b,
             wrapper.scalings,
@@ -380,6 +492,9 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
             training=wrapper.training,
             rebuild=rebuild,
         )
+        if scale is not None:
+            out = dora_scale(out, scale, layout)
+            out = out if bias is None else out + bias
         return _sequence_major(out, seq, batch), (base.bias if base.skip_bias_add else None)
     out, out_bias = base(input_, *args, **kwargs)
     if wrapper.is_column:
@@ -388,7 +503,11 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
             delta = gather_from_tensor_model_parallel_region(delta, group=wrapper.tp_group)
     else:
         delta = _row_delta(wrapper, x, lora_a, lora_b, layout, rebuild)  # (T, N), (T/tp, N) SP
-    return out + _sequence_major(delta, out.shape[0], out.shape[1]), out_bias
+    out = out + _sequence_major(delta, out.shape[0], out.shape[1])
+    if scale is not None:  # tp = 1 (`_init_row_vectors`): out holds every token's full row
+        has_bias = base.bias is not None and not base.skip_bias_add
+        out = _scale_columns(wrapper, out, scale, layout, has_bias)
+    return out, out_bias
 
 
 class _LoRAWrapper(nn.Module):
@@ -443,15 +562,22 @@ class _LoRAWrapper(nn.Module):
         if not 0 <= adapter_id < self.num_adapters:
             raise ValueError(f"adapter_id must lie in [0, {self.num_adapters}), got {adapter_id}")
         weight = self.base.weight.detach()
-        rank = self.ranks[adapter_id]
-        if rank == 0:
+        if self.ranks[adapter_id] == 0:
             return weight.clone()
-        factor_b = self.lora_B[adapter_id, :, :rank]  # (N_local, r)
-        if self.lora_B_off is not None:
-            factor_b = factor_b.masked_fill(self.lora_B_off[adapter_id, :, :rank], 0.0)
-        factor_a = self.lora_A[adapter_id, :rank]  # (r, H_local)
-        delta = self.scalings[adapter_id] * (factor_b @ factor_a)
-        return (weight.float() + delta.detach()).to(weight.dtype)  # fp32 arithmetic
+        factor_a, factor_b = _adapter_factors(self, adapter_id)  # (r, H_local), (N_local, r)
+        kind = self.types[adapter_id]
+        vector = None
+        if kind.row_vector is not None:
+            vector = getattr(self, kind.row_vector)[adapter_id, 0]
+        with torch.no_grad():
+            merged = kind.merged_weight(
+                weight, factor_a, factor_b, self.scalings[adapter_id], vector
+            )  # fp32
+            if kind.row_vector is not None:  # rows outside its blocks keep W
+                merged = torch.where(
+                    self.row_vector_on[adapter_id, :, None], merged, weight.float()
+                )
+        return merged.to(weight.dtype)
 
 
 class LoRAColumnParallelLinear(_LoRAWrapper):

@@ -12,6 +12,14 @@ Dimension letters used throughout `ops` (and the rest of the package):
 
 from megatron_lorafusion.ops._utils import copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
+from megatron_lorafusion.ops.dora_scale import (
+    DoRAScaleFunction,
+    dora_scale,
+    dora_scale_ref,
+    dora_weight_norm,
+    dora_weight_norm_ref,
+    weight_sq_norm,
+)
 from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.linear_cross_entropy import (
@@ -42,9 +50,11 @@ from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_ref
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad, lora_wgrad_ref
 from megatron_lorafusion.ops.packed_factor import (
     PackedFactorsFunction,
+    PackedSlotFunction,
     cast_table,
     cast_table_ref,
     packed_factors,
+    packed_slot,
 )
 from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
@@ -52,12 +62,14 @@ from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
     "AdapterLayout",
+    "DoRAScaleFunction",
     "InputRebuild",
     "LinearCrossEntropyFunction",
     "LoRADownFunction",
     "LoRALinearFunction",
     "LoRAUpFunction",
     "PackedFactorsFunction",
+    "PackedSlotFunction",
     "QKVRoPEFunction",
     "RoPEFunction",
     "SwiGLUFunction",
@@ -66,6 +78,10 @@ __all__ = [
     "cast_table",
     "cast_table_ref",
     "copy_to_device",
+    "dora_scale",
+    "dora_scale_ref",
+    "dora_weight_norm",
+    "dora_weight_norm_ref",
     "dropout_keep_mask",
     "fused_dropout_keep_mask",
     "fused_lora_down",
@@ -88,10 +104,12 @@ __all__ = [
     "lora_wgrad",
     "lora_wgrad_ref",
     "packed_factors",
+    "packed_slot",
     "qkv_rope",
     "qkv_rope_ref",
     "rope",
     "rope_ref",
     "swiglu",
     "swiglu_ref",
+    "weight_sq_norm",
 ]

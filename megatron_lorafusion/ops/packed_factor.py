@@ -169,3 +169,40 @@ def packed_factors(
         (A, R, H) and (A, N, R) views of ``compute`` (adapter stride S).
     """
     return PackedFactorsFunction.apply(weights, compute, grads, column, shape_a, shape_b)
+
+
+class PackedSlotFunction(torch.autograd.Function):
+    """A contiguous copy of one slot of the weight table; backward adds into its grad view.
+
+    For the small per-linear vectors a variant keeps beside the factors (DoRA's magnitudes,
+    (A, 1, N)), read in fp32: a copy, so an optimizer step between a forward and its backward
+    changes nothing autograd saved.
+    """
+
+    @staticmethod
+    def forward(ctx, weights, slot, grad_view, dtype):
+        """(A, R, C) contiguous copy of ``slot`` in ``dtype``."""
+        ctx.grad_view = grad_view
+        return slot.detach().to(dtype, memory_format=torch.contiguous_format, copy=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        """Add ``grad_out`` into the gradient view; nothing flows to the inputs."""
+        ctx.grad_view.add_(grad_out)
+        return None, None, None, None
+
+
+def packed_slot(
+    weights: torch.Tensor, slot: torch.Tensor, grad_view: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """One (A, R, C) slot of the table, copied contiguous in ``dtype``.
+
+    Its gradient is added to ``grad_view``, the same view of the gradient table.
+
+    Args:
+        weights: (A, S) fp32 weight table requiring grad (connects the graph, gets no grad).
+        slot: (A, R, C) fp32 view of ``weights``.
+        grad_view: the same view of the gradient table; backward adds into it in place.
+        dtype: the dtype of the copy.
+    """
+    return PackedSlotFunction.apply(weights, slot, grad_view, dtype)

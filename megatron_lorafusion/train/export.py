@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from megatron_lorafusion.adapter_types import LORA, AdapterType, adapter_type
 from megatron_lorafusion.config import (
     PROJECTIONS,
     AdapterConfig,
@@ -73,6 +74,18 @@ def _block_pieces(
         ValueError: when the rank does not split into ``blocks``, or ``B`` is non-zero
             outside its blocks (not a per-projection adapter of these targets).
     """
+    if factor != "lora_A" and factor != "lora_B":  # a row vector (N,), e.g. DoRA's magnitude
+        rows = _split_b(module, tensor[:, None], model)
+        out = {}
+        for hf, piece in zip(PROJECTIONS[module], rows, strict=True):
+            if any(hf in block for block in blocks):
+                out[hf] = piece[:, 0]
+            elif bool(piece.any()):
+                raise ValueError(
+                    f"adapter tensor {key!r} is non-zero on {hf} rows, which its "
+                    f"target_modules do not adapt"
+                )
+        return out
     dim = 0 if factor == "lora_A" else 1
     if tensor.shape[dim] % len(blocks):
         raise ValueError(
@@ -100,27 +113,40 @@ def _block_pieces(
     return out
 
 
+def _peft_key(layer: str, module: str, hf: str, factor: str, kind: AdapterType) -> str:
+    """PEFT's name of one tensor: ``...{hf}.lora_A.weight``, or the row vector's own key."""
+    tail = kind.peft_row_vector if factor == kind.row_vector else f"{factor}.weight"
+    return f"{_PREFIX}.{layer}.{_HF_BLOCK[module]}.{hf}.{tail}"
+
+
 def peft_state_dict(
-    megatron_state: dict[str, torch.Tensor], model: ModelConfig, target_modules: list[str]
+    megatron_state: dict[str, torch.Tensor],
+    model: ModelConfig,
+    target_modules: list[str],
+    kind: AdapterType = LORA,
 ) -> dict[str, torch.Tensor]:
     """Map an adapter's full (unsharded) Megatron tensors to PEFT names.
 
     Args:
         megatron_state: ``decoder.layers.{i}.{self_attention|mlp}.{module}.lora_A``
             (k·r, H_in) and ``...lora_B`` (N, k·r) tensors, ``k`` the adapter's LoRA blocks
-            on that module (1 but for per-projection targets; `config.lora_blocks`).
+            on that module (1 but for per-projection targets; `config.lora_blocks`), and for
+            a variant with a row vector (DoRA) ``...{module}.<its name>`` (N,).
         model: the base model's sizes.
         target_modules: the adapter's ``target_modules``.
+        kind: the adapter's variant (`adapter_types.adapter_type`).
 
     Returns:
         ``base_model.model.model.layers.{i}.{self_attn|mlp}.{hf}.lora_{A|B}.weight`` tensors:
-        ``A`` (r, H_in), ``B`` (out, r) per Hugging Face module the adapter targets.
+        ``A`` (r, H_in), ``B`` (out, r) per Hugging Face module the adapter targets, and
+        DoRA's ``...{hf}.lora_magnitude_vector`` (out,).
 
     Raises:
         ValueError: for a key that names no LoRA module the targets adapt, or weights that
             are not block-structured as the targets say.
     """
     blocks = lora_blocks(target_modules)
+    factors = ("lora_A", "lora_B") + (() if kind.row_vector is None else (kind.row_vector,))
     out: dict[str, torch.Tensor] = {}
     for key, tensor in megatron_state.items():
         parts = key.split(".")
@@ -130,11 +156,11 @@ def peft_state_dict(
                 f"{list(target_modules)}"
             )
         layer, module, factor = parts[2], parts[4], parts[5]
-        if factor not in ("lora_A", "lora_B"):
-            raise ValueError(f"adapter tensor {key!r} must end in lora_A or lora_B")
+        if factor not in factors:
+            raise ValueError(f"adapter tensor {key!r} must end in one of {list(factors)}")
         pieces = _block_pieces(key, module, factor, tensor, blocks[module], model)
         for hf, piece in pieces.items():
-            name = f"{_PREFIX}.{layer}.{_HF_BLOCK[module]}.{hf}.{factor}.weight"
+            name = _peft_key(layer, module, hf, factor, kind)
             out[name] = piece.detach().to(torch.float32).contiguous().clone()
     return out
 
@@ -163,6 +189,8 @@ def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict
         "inference_mode": True,
         "init_lora_weights": True,
         "modules_to_save": None,
+        "use_dora": False,
+        **adapter_type(adapter).peft_config,
     }
 
 
@@ -206,7 +234,7 @@ def write_peft_folder(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(
-        peft_state_dict(megatron_state, model, adapter.target_modules),
+        peft_state_dict(megatron_state, model, adapter.target_modules, adapter_type(adapter)),
         str(tmp / "adapter_model.safetensors"),
     )
     (tmp / "adapter_config.json").write_text(
@@ -219,20 +247,21 @@ def write_peft_folder(
     return folder
 
 
-def _merged_deltas(
-    adapter: AdapterConfig, peft_state: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """``scale·B·A`` (fp32) of each adapted Hugging Face module, keyed by its weight name."""
-    scale = adapter_scaling(adapter)
-    deltas = {}
+def _merge_factors(
+    kind: AdapterType, peft_state: dict[str, torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``(A, B, row vector or None)`` of each adapted Hugging Face module, by its weight name."""
+    factors = {}
     for key, lora_a in peft_state.items():
         if not key.endswith(".lora_A.weight"):
             continue
         module = key.removesuffix(".lora_A.weight")
-        lora_b = peft_state[f"{module}.lora_B.weight"]
+        vector = None
+        if kind.row_vector is not None:
+            vector = peft_state[f"{module}.{kind.peft_row_vector}"]
         name = module.removeprefix("base_model.model.") + ".weight"
-        deltas[name] = scale * (lora_b.float() @ lora_a.float())  # (out, in)
-    return deltas
+        factors[name] = (lora_a, peft_state[f"{module}.lora_B.weight"], vector)
+    return factors
 
 
 def write_merged_checkpoint(
@@ -244,7 +273,8 @@ def write_merged_checkpoint(
     """Write the base checkpoint ``model.hf_path`` with ``adapter`` merged in, atomically.
 
     Every file of the base folder is copied; each safetensors file (one at a time, so memory
-    stays at one shard) gets ``W + scale·B·A`` on the adapted modules, in ``W``'s dtype.
+    stays at one shard) gets the variant's merged weight on the adapted modules (``W +
+    scale·B·A``; DoRA's rescaled by ``m / ‖W + scale·B·A‖_row``), in ``W``'s dtype.
 
     Raises:
         ValueError: when the run's base is not a Hugging Face checkpoint, or a module to merge
@@ -256,7 +286,11 @@ def write_merged_checkpoint(
             "trained on a random base, which has no checkpoint to merge into"
         )
     check_finite_weights(adapter, megatron_state)
-    deltas = _merged_deltas(adapter, peft_state_dict(megatron_state, model, adapter.target_modules))
+    kind = adapter_type(adapter)
+    factors = _merge_factors(
+        kind, peft_state_dict(megatron_state, model, adapter.target_modules, kind)
+    )
+    scale = adapter_scaling(adapter)
     source, folder = Path(model.hf_path), Path(folder)
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -269,12 +303,14 @@ def write_merged_checkpoint(
             shutil.copy2(path, tmp / path.name)
             continue
         tensors = load_file(str(path))
-        for name in tensors.keys() & deltas.keys():
+        for name in tensors.keys() & factors.keys():
             weight = tensors[name]
-            tensors[name] = (weight.float() + deltas[name]).to(weight.dtype).contiguous()
+            lora_a, lora_b, vector = factors[name]
+            new_weight = kind.merged_weight(weight, lora_a, lora_b, scale, vector)  # fp32
+            tensors[name] = new_weight.to(weight.dtype).contiguous()
             merged.add(name)
         save_file(tensors, str(tmp / path.name), metadata={"format": "pt"})
-    missing = sorted(deltas.keys() - merged)
+    missing = sorted(factors.keys() - merged)
     if missing:
         shutil.rmtree(tmp)
         raise ValueError(f"base checkpoint {str(source)!r} lacks the adapted weights {missing}")

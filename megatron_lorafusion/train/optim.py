@@ -6,6 +6,11 @@ together in one `ops.adapter_adamw_` launch, each with its own learning rate (it
 its own step count), betas, epsilon and weight decay. Each adapter's state stays its own:
 step count and moments are saved and restored per adapter (`adapter_state`).
 
+An adapter with ``loraplus_lr_ratio`` k != 1 (LoRA+) steps its B factors and DoRA magnitudes
+at k × its learning rate (PEFT's ``create_loraplus_optimizer`` groups: B and every 1-D
+parameter at ``lr × k``, A at ``lr``; weight decay the same for both): one per-column mask of
+the table (`LoRAContext.loraplus_columns`) in the same launch.
+
 Before the launch each stepping adapter's gradient row is clipped to its ``max_grad_norm``
 (``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1):
 one norm over the table's rows and one row scaling, both on the device.
@@ -78,7 +83,8 @@ class AdapterAdamW:
     Attributes:
         stopped: adapters that no longer step (early stopping): `step` zeroes their
             gradients and leaves their weights, moments and step counts as they are.
-        last_lr: per adapter, the learning rate of its last step (0.0 before any).
+        last_lr: per adapter, the learning rate of its last step (0.0 before any); with
+            LoRA+ that of its A factors (B's is ``last_lr × loraplus_lr_ratio``).
 
     Raises:
         ValueError: when ``adapters`` or ``total_steps`` do not match the context's adapters.
@@ -109,6 +115,8 @@ class AdapterAdamW:
         self._squared_norms = squared_norms
         self._track_grad_norms = track_grad_norms
         self._max_norms = torch.tensor([a.max_grad_norm for a in adapters], dtype=torch.float32)
+        plus = any(a.loraplus_lr_ratio != 1.0 for a in adapters)
+        self._lr_groups = lora.loraplus_columns() if plus else None  # (S,) bool, B's columns
         self._norms: torch.Tensor | None = None  # (A,) device, of the last step's gradients
         self._norms_host: list[float] | None = None
 
@@ -190,13 +198,21 @@ class AdapterAdamW:
                     1.0 - beta1**step,
                     1.0 - beta2**step,
                     1.0,
+                    self.last_lr[a] * self.adapters[a].loraplus_lr_ratio,
                     1.0,
                 ]
             )
         hyper = copy_to_device(torch.tensor(rows, dtype=torch.float32), self.lora.weights.device)
         if grad_scale is not None:
             hyper[:, GRAD_SCALE] = grad_scale
-        adapter_adamw_(self.lora.weights, self.lora.grads, self.exp_avg, self.exp_avg_sq, hyper)
+        adapter_adamw_(
+            self.lora.weights,
+            self.lora.grads,
+            self.exp_avg,
+            self.exp_avg_sq,
+            hyper,
+            self._lr_groups,
+        )
         for a in stepping:
             self.steps[a] += 1
 

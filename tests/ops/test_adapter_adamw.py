@@ -18,6 +18,7 @@ from megatron_lorafusion.ops.adapter_adamw import (
     GRAD_SCALE,
     HYPER_COLUMNS,
     LR,
+    LR_B,
     STEP,
     WEIGHT_DECAY,
     adapter_adamw_fwd,
@@ -151,3 +152,39 @@ def test_grad_scale_steps_as_the_scaled_gradient(device):
         ("weights", "grads", "exp_avg", "exp_avg_sq"), tables, prescaled, strict=True
     ):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+
+
+def test_adapter_adamw_lr_groups_step_only_their_columns_at_lr_b(device):
+    """LoRA+: marked columns step exactly as a plain step at LR_B, the others as at LR."""
+    adapters, width = 3, 2500
+    lrs, ratios = [1e-3, 2e-3, 5e-4], [16.0, 1.0, 4.0]
+    steps, decays, stepping = [1, 3, 2], [0.0, 0.1, 0.01], {0, 1, 2}
+    groups = (torch.arange(width) % 7 < 3).to(device)  # B's columns, say
+    hyper = _hyper(lrs, steps, decays, stepping, device)
+    hyper[:, LR_B] = torch.tensor([lr * k for lr, k in zip(lrs, ratios, strict=True)])
+    plain = _hyper(lrs, steps, decays, stepping, device)
+    boosted = _hyper(
+        [lr * k for lr, k in zip(lrs, ratios, strict=True)], steps, decays, stepping, device
+    )
+    tables = _tables(adapters, width, device, seed=5)
+    results = {}
+    for name, h, g in (("plus", hyper, groups), ("plain", plain, None), ("boosted", boosted, None)):
+        t = [x.clone() for x in tables]
+        adapter_adamw_(*t, h, lr_groups=g)
+        results[name] = t
+    ref = [x.clone() for x in tables]
+    adapter_adamw_ref(*ref, hyper, groups)
+    for i, name in enumerate(("weights", "grads", "exp_avg", "exp_avg_sq")):
+        got = results["plus"][i]
+        assert torch.equal(got[:, ~groups], results["plain"][i][:, ~groups]), f"{name}: A moved"
+        assert torch.equal(got[:, groups], results["boosted"][i][:, groups]), f"{name}: B's lr"
+        atol, rtol = TOL[torch.float32]
+        torch.testing.assert_close(got, ref[i], atol=atol, rtol=rtol, msg=f"{name} != reference")
+    assert not torch.equal(results["plus"][0], results["plain"][0]), "the ratio had no effect"
+
+
+def test_adapter_adamw_refuses_bad_lr_groups(device):
+    weights, grads, exp_avg, exp_avg_sq = _tables(2, 8, device, seed=0)
+    hyper = _hyper([1e-3] * 2, [1, 1], [0.0] * 2, {0}, device)
+    with pytest.raises(ValueError, match=r"lr_groups must be bool of shape \(8,\)"):
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, hyper, torch.ones(7, dtype=torch.bool))

@@ -176,8 +176,9 @@ def _fresh(transformers, base):
     return transformers.LlamaForCausalLM.from_pretrained(str(base)).eval()
 
 
-def _imported_lora_logits(cfg, run_dir, lengths):
-    """Our imported model with the run's trained adapters: logits of one packed microbatch."""
+def _imported_lora_logits(cfg, run_dir, lengths, owners=(0, 0, 1, 1)):
+    """Our imported model with the run's trained adapters: logits of one packed microbatch
+    of samples ``lengths`` of adapters ``owners`` (adapter-major)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -186,7 +187,7 @@ def _imported_lora_logits(cfg, run_dir, lengths):
     from megatron_lorafusion.ops import AdapterLayout
     from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
 
-    owners = [0, 0, 1, 1]
+    owners = list(owners)
     ids = torch.randint(
         0, cfg.model.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(5)
     )

@@ -47,10 +47,11 @@ def _hf_targets(adapter: AdapterConfig) -> list[str]:
     )
 
 
-def _our_run(model_cfg, ids, weights):
+def _our_run(model_cfg, ids, weights, adapters=ADAPTERS, owners=OWNERS, lengths=LENGTHS):
     """Our LoRA model on one packed microbatch: logits, and every adapter's weights and grads.
 
-    B is random (zero off its blocks), so every factor matters; the loss is ``Σ logits·w``.
+    B is random (zero off its blocks) and DoRA magnitudes are moved off their init, so every
+    factor matters; the loss is ``Σ logits·w``.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -58,28 +59,32 @@ def _our_run(model_cfg, ids, weights):
     from megatron_lorafusion.ops import AdapterLayout
 
     model = build_gpt_model(model_cfg).train()
-    lora = apply_lora(model, ADAPTERS, seed=7)
+    lora = apply_lora(model, adapters, seed=7)
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for wrapper in lora.wrappers.values():
             wrapper.lora_B.copy_(torch.randn(wrapper.lora_B.shape, generator=generator) * 0.3)
             if wrapper.lora_B_off is not None:
                 wrapper.lora_B.masked_fill_(wrapper.lora_B_off, 0.0)
-    layout = AdapterLayout.from_samples(OWNERS, LENGTHS, len(ADAPTERS))
+        for wrapper in lora.wrappers.values():
+            if wrapper.row_vector is not None:  # DoRA's magnitude, 0 where it does not scale
+                vector = getattr(wrapper, wrapper.row_vector)
+                vector.mul_(1 + 0.2 * torch.randn(vector.shape, generator=generator))
+    layout = AdapterLayout.from_samples(owners, lengths, len(adapters))
     lora.layout = layout
     cu = layout.cu_seqlens
     params = PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
-        max_seqlen_q=max(LENGTHS),
-        max_seqlen_kv=max(LENGTHS),
+        max_seqlen_q=max(lengths),
+        max_seqlen_kv=max(lengths),
     )
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
     logits = model(ids[None], positions, None, packed_seq_params=params)[0]  # (T, V)
     (logits * weights).sum().backward()
-    states = [lora.adapter_state_dict(a) for a in range(len(ADAPTERS))]
-    grads = [{k: g.clone() for k, g in lora.adapter_grads(a).items()} for a in range(len(ADAPTERS))]
+    states = [lora.adapter_state_dict(a) for a in range(len(adapters))]
+    grads = [{k: g.clone() for k, g in lora.adapter_grads(a).items()} for a in range(len(adapters))]
     return logits.detach(), states, grads
 
 
@@ -88,8 +93,17 @@ def _peft_run(base, folder, samples, weights):
     model = peft.PeftModel.from_pretrained(_fresh(base), str(folder), is_trainable=True)
     logits = torch.cat([model(input_ids=s[None]).logits[0] for s in samples])
     (logits * weights).sum().backward()
-    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    grads = {
+        _state_key(n.replace(".default", "")): p.grad
+        for n, p in model.named_parameters()
+        if "lora_" in n
+    }
     return logits.detach(), grads
+
+
+def _state_key(name: str) -> str:
+    """A PEFT parameter name as its adapter file names it (DoRA's vector has no ``.weight``)."""
+    return name.removesuffix(".weight") if "lora_magnitude_vector" in name else name
 
 
 def _shared_a_grads(adapter: AdapterConfig, grads: dict) -> dict:

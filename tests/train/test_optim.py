@@ -94,3 +94,42 @@ def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
     with pytest.raises(DivergenceError, match=r"adapter 'a2': loss inf at step 1"):
         opt.check_losses({0: 1.5, 2: float("inf")})
     opt.check_losses({0: 1.5, 1: 2.0})  # finite: no error
+
+
+def _lora_plus_run(ratio: float, grads: torch.Tensor | None = None):
+    """One AdamW step of a DoRA adapter on a tiny model with LoRA+ ratio ``ratio``."""
+    from megatron_lorafusion.config import ModelConfig
+    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+
+    model = build_gpt_model(
+        ModelConfig(
+            num_layers=1,
+            hidden_size=32,
+            ffn_hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=260,
+            max_position_embeddings=64,
+            init_seed=3,
+        )
+    )
+    adapter = AdapterConfig(
+        name="plus", rank=4, lr=1e-2, weight_decay=0.1, use_dora=True, loraplus_lr_ratio=ratio
+    )
+    lora = apply_lora(model, [adapter], seed=1)
+    if grads is None:
+        grads = torch.randn(lora.grads.shape, generator=torch.Generator().manual_seed(0))
+    lora.grads.copy_(grads)
+    AdapterAdamW(lora, [adapter], [10]).step([0])
+    return lora.adapter_state_dict(0), grads
+
+
+def test_loraplus_ratio_changes_only_b_and_magnitude_steps(megatron_single_process):
+    plain, grads = _lora_plus_run(1.0)
+    plus, _ = _lora_plus_run(16.0, grads)
+    for name, weight in plus.items():
+        if name.endswith("lora_A"):
+            assert torch.equal(weight, plain[name]), f"{name}: A must step at lr"
+        else:  # B and DoRA's magnitude: PEFT's LoRA+ puts both at lr × ratio
+            assert not torch.equal(weight, plain[name]), f"{name}: lr × ratio had no effect"
+    assert any(n.endswith("lora_magnitude") for n in plus), "the adapter has magnitudes"

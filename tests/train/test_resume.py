@@ -32,9 +32,9 @@ class _Stop(Exception):
     """Stands in for a crash right after a checkpoint is written."""
 
 
-def _job(tmp_path, out: str, capacity: int = 96, **train) -> object:
+def _job(tmp_path, out: str, capacity: int = 96, adapter_keys=({}, {}), **train) -> object:
     adapters = []
-    for task, rank, gbs in (("sort", 4, 4), ("add", 2, 6)):
+    for (task, rank, gbs), keys in zip((("sort", 4, 4), ("add", 2, 6)), adapter_keys, strict=True):
         path = tmp_path / f"{task}.jsonl"
         if not path.exists():
             write_task(task, path, 40, seed=2)
@@ -47,6 +47,7 @@ def _job(tmp_path, out: str, capacity: int = 96, **train) -> object:
                 "lr": 1e-2,
                 "global_batch_size": gbs,
                 "dataset": {"path": str(path)},
+                **keys,
             }
         )
     job = {
@@ -88,14 +89,18 @@ def _final_adapters(out):
     return full_adapter_tensors(folder)
 
 
+# Adapter 0 is DoRA with LoRA+ (magnitudes and B at 4 × lr), adapter 1 plain LoRA (issue 19).
+_DORA_PLUS = ({"use_dora": True, "loraplus_lr_ratio": 4.0}, {})
+
+
 def test_resume_after_stop_equals_uninterrupted_run(tmp_path, monkeypatch, caplog):
-    full = main(_job(tmp_path, "full", resume="never"))
+    full = main(_job(tmp_path, "full", resume="never", adapter_keys=_DORA_PLUS))
     full_tensors = _final_adapters(tmp_path / "full")
 
     with monkeypatch.context() as patch:
         _stop_after_saves(patch, 2)
         with pytest.raises(_Stop):
-            main(_job(tmp_path, "cut"))
+            main(_job(tmp_path, "cut", adapter_keys=_DORA_PLUS))
     saved = sorted((tmp_path / "cut" / "checkpoints").glob("ckpt_*"))
     assert len(saved) == 2, f"expected two checkpoints before the stop, got {saved}"
     steps = [json.loads((s / "manifest.json").read_text())["steps"] for s in saved]
@@ -105,7 +110,7 @@ def test_resume_after_stop_equals_uninterrupted_run(tmp_path, monkeypatch, caplo
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated on disk
     assert checkpoint_problems(saved[-1]), "a truncated shard must be detected"
     with caplog.at_level(logging.INFO, logger="megatron_lorafusion.train.checkpoint"):
-        resumed = main(_job(tmp_path, "cut"))
+        resumed = main(_job(tmp_path, "cut", adapter_keys=_DORA_PLUS))
     assert any(
         "skipping incomplete checkpoint" in r.getMessage() and saved[-1].name in r.getMessage()
         for r in caplog.records
@@ -121,6 +126,7 @@ def test_resume_after_stop_equals_uninterrupted_run(tmp_path, monkeypatch, caplo
             msg=f"{name}: losses differ",
         )
     cut_tensors = _final_adapters(tmp_path / "cut")
+    assert any(k.endswith("lora_magnitude") for k in cut_tensors["sort"]), "DoRA is checkpointed"
     for name, tensors in full_tensors.items():
         for key, value in tensors.items():
             torch.testing.assert_close(
@@ -167,6 +173,8 @@ def test_resume_with_changed_job_exits_2_naming_keys_and_writes_nothing(tmp_path
         "adapters.0.dropout=0.2": "adapters.0.dropout",
         "adapters.0.target_modules=[linear_qkv]": "adapters.0.target_modules",
         "adapters.1.lr=3e-2": "adapters.1.lr",
+        "adapters.1.loraplus_lr_ratio=4": "adapters.1.loraplus_lr_ratio (1.0 -> 4.0)",
+        "adapters.0.use_dora=true": "adapters.0.use_dora (False -> True)",
         "adapters.1.lr_schedule=linear": "adapters.1.lr_schedule",
         f"adapters.1.dataset.path={other}": "adapters.1.dataset.path",
         "train.seed=7": "train.seed",
