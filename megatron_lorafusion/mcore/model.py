@@ -12,7 +12,9 @@ import dataclasses
 import functools
 import hashlib
 import math
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -171,19 +173,17 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     weight is drawn whole (normal, std 0.02; ``linear_proj``/``linear_fc2`` scaled by
     1/sqrt(2·layers) as Megatron does) and this rank keeps its TP shard, split like
     Megatron's ``_initialize_affine_weight_cpu`` (chunks of ``partition_stride``). The model
-    is therefore the same for every TP and PP size. Norm weights keep their ones.
-
-    Weights are drawn where they live: a CUDA model draws with CUDA generators (the 8B preset
-    in under a second instead of ~40 s of CPU sampling), so its values differ from a CPU
-    model's of the same seed, and are the same for every TP and PP size on one GPU model.
+    is therefore the same for every TP and PP size, and on every device: weights are drawn
+    on the CPU (each with its own generator, so in parallel threads: the 8B preset in seconds
+    on a GPU host's cores instead of ~40 s on one) and copied to where the model lives. Norm
+    weights keep their ones.
     """
     to_global = {
         str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
     }
     scaled_std = model_cfg.init_method_std / math.sqrt(2.0 * model_cfg.num_layers)
-    for name, param in model.named_parameters():
-        if param.dim() != 2:
-            continue
+
+    def draw(name: str, param: torch.Tensor) -> None:
         global_name = re.sub(
             r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{to_global[m[1]]}.", name
         )
@@ -196,14 +196,18 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
         parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
         if parallel:
             shape[param.partition_dim] *= tp_size
-        seed = _name_seed(model_cfg.init_seed, global_name)
-        generator = torch.Generator(device=param.device).manual_seed(seed)
-        full = torch.randn(shape, generator=generator, device=param.device) * std
+        generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
+        full = torch.randn(shape, generator=generator) * std
         if parallel:
             chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
             full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
         with torch.no_grad():
             param.copy_(full)
+
+    matrices = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
+    with ThreadPoolExecutor(max_workers=min(len(matrices), os.cpu_count() or 1) or 1) as pool:
+        for done in [pool.submit(draw, n, p) for n, p in matrices]:
+            done.result()  # re-raises a draw's error here
 
 
 def get_gpt_lora_layer_spec() -> ModuleSpec:

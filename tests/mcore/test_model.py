@@ -81,16 +81,11 @@ def test_packed_forward_returns_per_token_loss(tiny_model):
 
 
 @pytest.mark.gpu
-def test_cuda_build_draws_on_the_gpu_deterministically(megatron_single_process):
-    """A CUDA model draws its weights there: the same for the same seed, std as on the CPU."""
-    model = build_gpt_model(TINY, device="cuda")
-    again = build_gpt_model(TINY, device="cuda")
-    for (name, value), other in zip(
-        model.state_dict().items(), again.state_dict().values(), strict=True
-    ):
+def test_cuda_build_equals_the_cpu_build(megatron_single_process):
+    """The same random base on every device (drawn on the CPU, copied where the model lives)."""
+    cpu = build_gpt_model(TINY).state_dict()
+    cuda = build_gpt_model(TINY, device="cuda").state_dict()
+    for name, value in cpu.items():
         if isinstance(value, torch.Tensor):
-            assert value.device.type == "cuda", f"{name} is on {value.device}"
-            torch.testing.assert_close(other, value, atol=0, rtol=0, msg=f"{name} differs")
-    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
-    cpu_fc1 = build_gpt_model(TINY).decoder.layers[0].mlp.linear_fc1.weight
-    assert abs(fc1.float().std().item() / cpu_fc1.std().item() - 1) < 0.1, "std differs"
+            assert cuda[name].device.type == "cuda", f"{name} is on {cuda[name].device}"
+            torch.testing.assert_close(cuda[name].cpu(), value, atol=0, rtol=0, msg=name)
