@@ -4,7 +4,7 @@
 
 Every rank builds its stage of a Llama-3.1-8B-shaped model (random bf16 weights; ``--layers``
 to shorten it), four adapters (r = 16, dropout 0.1, every linear) and, per length
-distribution, the same samples (random tokens, lengths from `planner.distributions`). Then
+distribution, the same samples (random tokens, lengths from `sim.distributions`). Then
 it trains them three ways through the pipeline runner (`pipeline.run_pipeline`, NCCL):
 
 (a) Megatron-style: one adapter at a time, each global batch FFD-packed and run as its own
@@ -39,13 +39,11 @@ from megatron_lorafusion.mcore.parallel import (
     pipeline_and_data_ranks,
 )
 from megatron_lorafusion.pipeline import gpt_stage_forward, make_pipeline_groups, run_pipeline
-from megatron_lorafusion.planner import CostModel, compare_strategies, plan_microbatches
-from megatron_lorafusion.planner.baselines import (
-    default_samples_per_microbatch,
-    megatron_microbatches,
-    mlora_microbatches,
-)
-from megatron_lorafusion.planner.commands import problem_from_args
+from megatron_lorafusion.planner import CostModel, plan_microbatches
+from megatron_lorafusion.planner.round_robin import default_samples_per_microbatch
+from megatron_lorafusion.sim import compare_strategies
+from megatron_lorafusion.sim.baselines import megatron_microbatches, mlora_microbatches
+from megatron_lorafusion.sim.commands import problem_from_args
 from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 
 REPO = Path(__file__).resolve().parents[1]

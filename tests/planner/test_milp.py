@@ -92,8 +92,8 @@ def test_milp_empties_an_underfilled_tail():
 
 def _big_segment() -> Segment:
     """256 adapters x 8 XSum samples: the issue's slow case (2,048 samples, 800k variables)."""
-    from megatron_lorafusion.planner.distributions import adapter_lengths
     from megatron_lorafusion.planner.policy import apply_length_policy
+    from megatron_lorafusion.sim.distributions import adapter_lengths
 
     lengths = apply_length_policy(adapter_lengths("xsum", 256, 8, 0), 6144, 64).lengths
     items = tuple(Sample(a, i, t) for a, ts in enumerate(lengths) for i, t in enumerate(ts))
@@ -126,8 +126,8 @@ def test_milp_leaves_segments_too_large_to_build_to_greedy():
 
 def test_plan_milp_on_a_large_instance_is_bounded_per_solve(monkeypatch):
     from megatron_lorafusion.planner import PlanProblem, plan_microbatches
-    from megatron_lorafusion.planner.distributions import adapter_lengths
     from megatron_lorafusion.planner.policy import apply_length_policy
+    from megatron_lorafusion.sim.distributions import adapter_lengths
 
     lengths = apply_length_policy(adapter_lengths("xsum", 256, 16, 0), 6144, 64).lengths
     problem = PlanProblem(lengths, (8,) * 256, 6144, 4, 64)
