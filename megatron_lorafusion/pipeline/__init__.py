@@ -16,8 +16,6 @@ from megatron_lorafusion.pipeline.runner import (
 from megatron_lorafusion.pipeline.schedule import (
     Action,
     LemmaError,
-    check_lemma,
-    checked,
     data_parallel_share,
     lemma_checked,
     schedule,
@@ -31,9 +29,7 @@ __all__ = [
     "LemmaError",
     "PipelineGroups",
     "StageForward",
-    "check_lemma",
     "check_same_across_ranks",
-    "checked",
     "data_parallel_share",
     "forward_loss_sums",
     "gpt_stage_forward",

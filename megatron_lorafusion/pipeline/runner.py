@@ -40,7 +40,6 @@ from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.pipeline.groups import PipelineGroups
 from megatron_lorafusion.pipeline.schedule import (
     Action,
-    checked,
     data_parallel_share,
     lemma_checked,
     stage_actions,
@@ -477,8 +476,8 @@ def run_pipeline(
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
     Every rank of the job calls it with the same stream. The stream is checked against the
-    bubble lemma as it is scheduled (`schedule.lemma_checked`, then `schedule.checked` on
-    this stage's table): every rank raises at the same microbatch, before its forward.
+    bubble lemma as it is scheduled (`schedule.lemma_checked`, ``S + 1`` microbatches ahead):
+    every rank raises at the same microbatch, before its forward.
 
     Args:
         microbatches: the plan's microbatches in order (idle ones included).
@@ -532,9 +531,9 @@ def run_pipeline(
         wgrad_queue=wgrad_queue,
         log_every=log_every,
     )
-    # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
+    # Stage 0's rule, the strictest, on every rank: all refuse at the same microbatch.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
-    actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
+    actions = stage_actions(groups.stage, groups.num_stages, stream)
     try:
         runner.run(actions)
     except BaseException:

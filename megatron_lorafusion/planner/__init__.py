@@ -7,7 +7,13 @@ The simulator, baselines and timelines that evaluate plans are `megatron_lorafus
 """
 
 from megatron_lorafusion.planner.background import BackgroundPlanner, PlannerWorkerError
-from megatron_lorafusion.planner.check import PlanError, PlanVerifier, check_plan
+from megatron_lorafusion.planner.check import (
+    BubbleLemma,
+    LemmaError,
+    PlanError,
+    PlanVerifier,
+    check_plan,
+)
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import plan_greedy
 from megatron_lorafusion.planner.makespan import Job, plan_jobs, simulate_makespan, stream_jobs
@@ -21,8 +27,10 @@ from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sam
 
 __all__ = [
     "BackgroundPlanner",
+    "BubbleLemma",
     "CostModel",
     "Job",
+    "LemmaError",
     "LengthPolicyResult",
     "Microbatch",
     "Plan",
