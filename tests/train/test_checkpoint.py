@@ -10,7 +10,6 @@ from megatron_lorafusion.mcore.context import load_views
 from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
-    _merge_tp,
     checkpoint_problems,
     find_resume_checkpoint,
 )
@@ -114,20 +113,6 @@ def test_checkpoint_flipped_byte_fails_hash(tmp_path):
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert checkpoint_problems(folder) == [f"{shard}: SHA-256 differs from the manifest"]
-
-
-@pytest.mark.parametrize("stride", [1, 2])
-def test_merge_tp_inverts_megatron_split(stride):
-    full = torch.arange(48.0).reshape(12, 4)
-    tp = 2
-    shards = [torch.cat(full.chunk(tp * stride, dim=0)[r::tp]) for r in range(tp)]
-    torch.testing.assert_close(
-        _merge_tp(shards, 0, stride),
-        full,
-        atol=0,
-        rtol=0,
-        msg="TP shards must merge back into the full tensor",
-    )
 
 
 TP_MODEL = ModelConfig(
