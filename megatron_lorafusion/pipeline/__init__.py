@@ -5,6 +5,7 @@ from megatron_lorafusion.pipeline.groups import (
     PipelineGroups,
     check_same_across_ranks,
     make_pipeline_groups,
+    one_stage_groups,
 )
 from megatron_lorafusion.pipeline.runner import (
     AdapterRun,
@@ -35,6 +36,7 @@ __all__ = [
     "gpt_stage_forward",
     "lemma_checked",
     "make_pipeline_groups",
+    "one_stage_groups",
     "run_pipeline",
     "schedule",
     "stage_actions",

@@ -1,6 +1,6 @@
 """Helpers of the pipeline tests: a tiny job (model, 3 adapters, data, plan) and its runs.
 
-`reference_run` trains the plan in one process with the single-stage loop (`train.loop`);
+`reference_run` trains the plan in one process with the runner at PP = DP = 1;
 `parallel_worker` trains the same plan on one rank of a TP × PP × DP gloo world with the
 pipeline runner and writes the gathered adapter weights. Tests compare the two.
 """
@@ -168,34 +168,35 @@ def build_adapter_runs(lora, job: Job, adapters=ADAPTERS, **norms):
 
 
 def reference_run(job: Job, adapters=ADAPTERS) -> dict:
-    """One process (needs a one-rank world): the single-stage loop over the same plan."""
+    """One process (needs a one-rank world): the runner at PP = DP = 1 over the same plan."""
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-    from megatron_lorafusion.mcore.parallel import packed_seq_params
-    from megatron_lorafusion.train import run_plan
+    from megatron_lorafusion.pipeline import gpt_stage_forward, one_stage_groups, run_pipeline
+    from megatron_lorafusion.train.evaluate import one_stage_loss_sums
 
     model = build_gpt_model(MODEL).train()
     lora = apply_lora(model, adapters, seed=SEED)
     runs, optimizer = build_adapter_runs(lora, job, adapters)
-
-    def forward(batch):
-        lora.layout = batch.layout
-        return model(
-            batch.input_ids,
-            batch.position_ids,
-            None,
-            labels=batch.labels,
-            packed_seq_params=packed_seq_params(batch.layout),
-        ).float()
-
-    from megatron_lorafusion.train.evaluate import one_stage_loss_sums
-
+    stage = gpt_stage_forward(model, lora, is_first=True, is_last=True)
     norms, on_step = _recording_norms(optimizer, len(adapters))
     make_batch = make_batch_fn(job, len(adapters))
-    run_plan(
-        job.microbatches, forward, make_batch, runs, optimizer, progress_bar=False, on_step=on_step
+    run_pipeline(
+        job.microbatches,
+        stage,
+        make_batch,
+        runs,
+        optimizer,
+        lora.grads,
+        one_stage_groups(),
+        global_batch_sizes=[a.global_batch_size for a in adapters],
+        hidden_size=MODEL.hidden_size,
+        activation_dtype=torch.float32,
+        device="cpu",
+        on_step=on_step,
     )
     model.eval()
-    sums = one_stage_loss_sums(forward, lambda mb: make_batch(mb, 0), len(adapters))
+    sums = one_stage_loss_sums(
+        lambda batch: stage(batch, None), lambda mb: make_batch(mb, 0), len(adapters)
+    )
     return {
         "states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
         "losses": [run.losses for run in runs],
