@@ -19,6 +19,7 @@ from megatron_lorafusion.train.export import (
     write_peft_folder,
 )
 from megatron_lorafusion.train.optim import AdapterAdamW, lr_multiplier
+from megatron_lorafusion.train.recipe import Run, adapter_training, build_run
 from megatron_lorafusion.train.resume import ResumeSession, make_resume_session
 
 __all__ = [
@@ -26,6 +27,9 @@ __all__ = [
     "AdapterRun",
     "Checkpointer",
     "ResumeSession",
+    "Run",
+    "adapter_training",
+    "build_run",
     "checkpoint_problems",
     "export_checkpoint",
     "find_resume_checkpoint",

@@ -47,7 +47,8 @@ from megatron_lorafusion.train.metrics import (
     plan_summary,
     read_metrics,
 )
-from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
+from megatron_lorafusion.train.optim import AdapterAdamW
+from megatron_lorafusion.train.recipe import Run, build_run
 from megatron_lorafusion.train.resume import make_resume_session
 
 logger = logging.getLogger(__name__)
@@ -145,24 +146,12 @@ def _plans_agree(payload: str) -> None:
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
 
 
-def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
-    """The runner's groups (`one_stage_groups` for one stage and one replica).
-
-    First checks that every rank runs the same job config.
-    """
-    from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
-    from megatron_lorafusion.pipeline import (
-        check_same_across_ranks,
-        make_pipeline_groups,
-        one_stage_groups,
-    )
+def _check_same_job(cfg: JobConfig, sizes: dict[str, int]) -> None:
+    """Refuse on every rank unless all ranks run the same job config (before any work)."""
+    from megatron_lorafusion.pipeline import check_same_across_ranks
 
     if sizes["world"] > 1:
         check_same_across_ranks(json.dumps(asdict(cfg), sort_keys=True), "job config")
-    if sizes["pp"] == 1 and sizes["dp"] == 1:
-        return one_stage_groups()
-    pp_ranks, dp_ranks = pipeline_and_data_ranks()
-    return make_pipeline_groups(pp_ranks, dp_ranks, _COMM_TIMEOUT_S)
 
 
 def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
@@ -228,15 +217,9 @@ def _measured_bubble(events, groups, sizes: dict[str, int], device: torch.device
 def _run_stream(
     cfg: JobConfig,
     stream: Iterator[Microbatch],
-    model,
-    lora,
+    run: Run,
     make_batch,
-    runs: list[AdapterRun],
-    optimizer: AdapterAdamW,
-    groups,
-    device: torch.device,
     session,
-    shards: int,
     evaluator: Evaluator,
     metrics: MetricsWriter,
     sizes: dict[str, int],
@@ -251,42 +234,26 @@ def _run_stream(
     their new weights, as one process does right after the step) and, at a save point, every
     rank saves its shard. Each cut costs one fill and drain of the pipeline, about
     ``(S - 1) × (t_F + t_B)`` of idle time per stage (none at ``S = 1``). A pipelined run
-    also measures its bubble and may defer LoRA weight gradients (``parallel.defer_wgrad``).
+    also measures its bubble (a metrics record per segment).
     """
-    from megatron_lorafusion.mcore import WgradQueue
-    from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
-
+    runs, groups = run.runs, run.groups
     pipelined = groups.num_stages > 1 or groups.dp_size > 1
-    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    if cfg.parallel.defer_wgrad and pipelined:
-        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
 
     def evaluated(finishes, steps) -> bool:
         return any(evaluator.is_due(a, steps[a], len(runs[a].batch_tokens)) for a in finishes)
 
     counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
     for first_index, segment in session.segments(stream, evaluated):
-        events = run_pipeline(
+        events = run.train(
             _counted(segment, counts),
-            forward,
             make_batch,
-            runs,
-            optimizer,
-            lora.grads,
-            groups,
-            global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
-            hidden_size=cfg.model.hidden_size,
-            activation_dtype=_DTYPES[cfg.train.precision],
-            device=device,
             first_index=first_index,
-            sequence_shards=shards,
-            wgrad_queue=lora.wgrad_queue,
             on_step=on_step,
             log_every=cfg.logging.log_every,
             record_events=pipelined,
         )
         if pipelined:  # a record per segment, with its measured bubble
-            bubble = _measured_bubble(events, groups, sizes, device)
+            bubble = _measured_bubble(events, groups, sizes, run.device)
             metrics.log_run(
                 sum(run.step for run in runs),
                 _run_record(counts, cfg.planner.token_capacity, start, bubble),
@@ -333,19 +300,6 @@ def _eval_loss_sums(
         counts_once=tp_rank == 0,
         sequence_shards=shards,
     )
-
-
-def _clipping(sizes: dict[str, int], lora) -> dict:
-    """`AdapterAdamW`'s norm keyword for this layout.
-
-    The keyword sums over TP shards; the pipeline runner sums the result over the stages.
-    """
-    if sizes["tp"] == 1:
-        return {}
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    return {"squared_norms": tensor_parallel_squared_norms(lora, sizes["tp_rank"], group)}
 
 
 def _writes_metrics(sizes: dict[str, int], groups) -> bool:
@@ -452,13 +406,11 @@ def _train(
     rank0: bool,
 ) -> dict[str, list[float]]:
     """`main` once the data is read and the planner started: build, train, export."""
-    from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.parallel import (
         destroy_model_parallel,
         init_model_parallel,
         parallel_sizes,
     )
-    from megatron_lorafusion.mcore.recompute import apply_recompute
 
     device = _device(cfg)
     shards = _sequence_shards(cfg, device)
@@ -467,28 +419,27 @@ def _train(
     )
     try:
         sizes = parallel_sizes()
-        groups = _pipeline_groups(cfg, sizes)
-        model = mcore.build_gpt_model(
+        _check_same_job(cfg, sizes)
+        built = build_run(
             cfg.model,
-            params_dtype=_DTYPES[cfg.train.precision],
-            device=device,
-            pre_process=groups.is_first,
-            post_process=groups.is_last,
-            sequence_parallel=shards > 1,
-        )
-        lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        apply_recompute(model, lora, cfg.train.recompute)  # both loops: one process, pipelined
-        optimizer = AdapterAdamW(
-            lora,
             cfg.adapters,
-            [len(t) for t in batch_tokens],
+            batch_tokens,
+            device=device,
+            params_dtype=_DTYPES[cfg.train.precision],
+            seed=cfg.train.seed,
+            sequence_shards=shards,
+            recompute=cfg.train.recompute,
+            defer_wgrad=cfg.parallel.defer_wgrad,
             track_grad_norms=True,  # metrics.jsonl's grad_norm
-            **_clipping(sizes, lora),
+            comm_timeout_s=_COMM_TIMEOUT_S,
         )
-        runs = [
-            AdapterRun(adapter.name, tokens)
-            for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)
-        ]
+        model, lora, optimizer, runs, groups = (
+            built.model,
+            built.lora,
+            built.optimizer,
+            built.runs,
+            built.groups,
+        )
         out = Path(cfg.train.output_dir)
         is_writer = sizes["rank"] == 0
 
@@ -560,15 +511,9 @@ def _train(
             _run_stream(
                 cfg,
                 checked_stream(planner, problem, agree, on_first),
-                model,
-                lora,
+                built,
                 make_batch,
-                runs,
-                optimizer,
-                groups,
-                device,
                 session,
-                shards,
                 evaluator,
                 metrics,
                 sizes,
