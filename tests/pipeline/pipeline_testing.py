@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from dist_testing import gloo_world
 
 from megatron_lorafusion.config import AdapterConfig, ModelConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
@@ -235,28 +236,6 @@ def reference_run(job: Job, adapters=ADAPTERS) -> dict:
     }
 
 
-def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
-    """A gloo world from a FileStore (no ports) with Megatron's TP × PP groups."""
-    from datetime import timedelta
-
-    from megatron.core import parallel_state
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
-    parallel_state.initialize_model_parallel(tp, pp)
-
-
-def close_world() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     """Train the job once per ``(name, tp, pp, sp, defer_wgrad, clip)`` case on one rank.
 
@@ -269,52 +248,54 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
     losses (``result.pt``) and a failing rank its traceback (``error_<rank>.txt``).
     """
+    for name, tp, pp, sp, defer_wgrad, clip in cases:
+        casedir = os.path.join(workdir, name)
+        os.makedirs(casedir, exist_ok=True)
+        try:
+            with gloo_world(rank, world, casedir, tp, pp):
+                _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip)
+        except Exception:
+            with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+
+
+def _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip) -> None:
+    """One `parallel_worker` case inside its world."""
     from sp_testing import sequence_parallel_on_cpu
 
     from megatron_lorafusion.mcore.parallel import parallel_sizes
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp, sp, defer_wgrad, clip in cases:
-        casedir = os.path.join(workdir, name)
-        os.makedirs(casedir, exist_ok=True)
-        init_world(rank, world, casedir, tp, pp)
-        try:
-            job = make_job(pp)
-            adapters = adapters_for(world // (tp * pp), clip)
-            with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
-                run = build_stage(job, adapters, sequence_parallel=sp, defer_wgrad=defer_wgrad)
-                modes = {w.sequence_parallel for w in run.lora.wrappers.values()}
-                assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
-                norms, on_step = _recording_norms(run.optimizer, len(adapters))
-                run_stage(job, run, on_step=on_step)
-                sizes = parallel_sizes()
-                evaluated = eval_stage(job, run, sizes["tp_rank"])
-            states = gather_adapter_states(
-                run.lora, tp_rank=sizes["tp_rank"], tp_size=tp, dp_rank=sizes["dp_rank"]
-            )
-            if rank == 0:
-                torch.save(
-                    {
-                        "states": states,
-                        "losses": [r.losses for r in run.runs],
-                        "norms": norms,
-                        "eval": evaluated,
-                    },
-                    os.path.join(casedir, "result.pt"),
-                )
-        except Exception:
-            with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
-        finally:
-            close_world()
+    job = make_job(pp)
+    adapters = adapters_for(world // (tp * pp), clip)
+    with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
+        run = build_stage(job, adapters, sequence_parallel=sp, defer_wgrad=defer_wgrad)
+        modes = {w.sequence_parallel for w in run.lora.wrappers.values()}
+        assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
+        norms, on_step = _recording_norms(run.optimizer, len(adapters))
+        run_stage(job, run, on_step=on_step)
+        sizes = parallel_sizes()
+        evaluated = eval_stage(job, run, sizes["tp_rank"])
+    states = gather_adapter_states(
+        run.lora, tp_rank=sizes["tp_rank"], tp_size=tp, dp_rank=sizes["dp_rank"]
+    )
+    if rank == 0:
+        torch.save(
+            {
+                "states": states,
+                "losses": [r.losses for r in run.runs],
+                "norms": norms,
+                "eval": evaluated,
+            },
+            os.path.join(casedir, "result.pt"),
+        )
 
 
 def lemma_worker(rank: int, world: int, workdir: str) -> None:
     """PP = 2 on a plan made for one stage: every rank must refuse it before computing."""
     from megatron_lorafusion.pipeline import LemmaError
 
-    init_world(rank, world, workdir, 1, world)
-    try:
+    with gloo_world(rank, world, workdir, 1, world):
         adapters = ADAPTERS[:1]  # planned alone for one stage: its global batches back to back
         job = make_job(1, adapters)
         run = build_stage(job, adapters)
@@ -322,16 +303,13 @@ def lemma_worker(rank: int, world: int, workdir: str) -> None:
             run_stage(job, run)
         except LemmaError as err:
             torch.save({"error": str(err)}, os.path.join(workdir, f"refused_{rank}.pt"))
-    finally:
-        close_world()
 
 
 def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: float) -> None:
     """PP = ``world``; the last rank dies (``kill``) or raises (``raise``) at microbatch 2."""
     import signal
 
-    init_world(rank, world, workdir, 1, world, timeout_s=timeout_s)
-    try:
+    with gloo_world(rank, world, workdir, 1, world, timeout_s=timeout_s):
         job = make_job(world)
         run = build_stage(job, timeout_s=timeout_s)
         make_batch = make_batch_fn(job, len(ADAPTERS))
@@ -343,28 +321,24 @@ def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: flo
                 raise ValueError("injected failure")
             return make_batch(microbatch, index)
 
-        run_stage(job, run, make_batch=faulty_make_batch)
-    except BaseException:
-        with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        close_world()
+        try:
+            run_stage(job, run, make_batch=faulty_make_batch)
+        except BaseException:
+            with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
 
 
 def config_worker(rank: int, world: int, workdir: str) -> None:
     """Rank 1 holds another config: both must raise at start-up."""
     from megatron_lorafusion.pipeline import check_same_across_ranks
 
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        check_same_across_ranks('{"lr": %s}' % ("0.1" if rank == 0 else "0.2"), "job config")
-    except RuntimeError as err:
-        with open(os.path.join(workdir, f"refused_{rank}.txt"), "w") as f:
-            f.write(str(err))
-    finally:
-        dist.destroy_process_group()
+    with gloo_world(rank, world, workdir, megatron=False):
+        try:
+            check_same_across_ranks('{"lr": %s}' % ("0.1" if rank == 0 else "0.2"), "job config")
+        except RuntimeError as err:
+            with open(os.path.join(workdir, f"refused_{rank}.txt"), "w") as f:
+                f.write(str(err))
 
 
 def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
@@ -374,12 +348,11 @@ def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
 
     from megatron_lorafusion.pipeline import make_pipeline_groups
 
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
+    signals = dist.FileStore(os.path.join(workdir, "signals"), world)  # outside the world
+    with gloo_world(rank, world, workdir, megatron=False):
         groups = make_pipeline_groups([0, 1], [rank], timeout_s)
         if rank == 1:  # a hung stage: alive, never sends, until rank 0 has given up
-            store.wait(["rank0_done"], timedelta(seconds=20 * timeout_s))
+            signals.wait(["rank0_done"], timedelta(seconds=20 * timeout_s))
             return
         start = time.monotonic()
         try:
@@ -387,6 +360,4 @@ def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
         except RuntimeError as err:
             with open(os.path.join(workdir, "timed_out.txt"), "w") as f:
                 f.write(f"{time.monotonic() - start:.1f} {err}")
-        store.set("rank0_done", "1")
-    finally:
-        dist.destroy_process_group()
+        signals.set("rank0_done", "1")
