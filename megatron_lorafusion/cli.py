@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from megatron_lorafusion.config import ConfigError, JobConfig, load_config
 
 if TYPE_CHECKING:
-    from megatron_lorafusion.planner.commands import PlanRequest
+    from megatron_lorafusion.sim.commands import PlanRequest
 
 
 def _version() -> str:
@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
         help="one checkpoint folder of the run (ckpt_<n>, "
         "a name under SOURCE/checkpoints/ or a path) instead of its newest",
     )
-    from megatron_lorafusion.planner.commands import add_plan_arguments, add_simulate_arguments
+    from megatron_lorafusion.sim.commands import add_plan_arguments, add_simulate_arguments
 
     add_plan_arguments(sub.add_parser("plan", help="pack samples into a microbatch plan"))
     add_simulate_arguments(
@@ -141,7 +141,7 @@ def _job_request(args: argparse.Namespace) -> PlanRequest:
         ConfigError: on a bad job file (the problems validate names).
         DataError: on an unusable dataset.
     """
-    from megatron_lorafusion.planner.commands import PlanRequest
+    from megatron_lorafusion.sim.commands import PlanRequest
 
     cfg = load_config(args.job, args.overrides)
     # train.main imports Megatron (its warnings hidden); our INFO lines would repeat the summary
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args)
         if args.command in ("plan", "simulate"):
-            from megatron_lorafusion.planner import commands
+            from megatron_lorafusion.sim import commands
 
             run = commands.run_plan if args.command == "plan" else commands.run_simulate
             try:

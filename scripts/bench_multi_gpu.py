@@ -3,9 +3,10 @@
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m scripts.bench_multi_gpu --pp 2
 
 Every rank builds its stage of a Llama-3.1-8B-shaped model (random bf16 weights; ``--layers``
-to shorten it), four adapters (r = 16, dropout 0.1, every linear) and, per length
-distribution, the same samples (random tokens, lengths from `planner.distributions`). Then
-it trains them three ways through the pipeline runner (`pipeline.run_pipeline`, NCCL):
+to shorten it) and four adapters (r = 16, dropout 0.1, every linear) with `train.build_run`,
+and, per length distribution, the same samples (random tokens, lengths from
+`sim.distributions`). Then it trains them three ways through the pipeline runner (NCCL),
+each with fresh optimizers (`train.adapter_training`):
 
 (a) Megatron-style: one adapter at a time, each global batch FFD-packed and run as its own
     pipeline (a flush per optimizer step);
@@ -22,6 +23,7 @@ of ``--cost-profile`` (the one-GPU per-layer profile by default).
 """
 
 import argparse
+import dataclasses
 import os
 import random
 import time
@@ -32,21 +34,13 @@ import torch.distributed as dist
 
 from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, DatasetConfig, ModelConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
-from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-from megatron_lorafusion.mcore.parallel import (
-    destroy_model_parallel,
-    init_model_parallel,
-    pipeline_and_data_ranks,
-)
-from megatron_lorafusion.pipeline import gpt_stage_forward, make_pipeline_groups, run_pipeline
-from megatron_lorafusion.planner import CostModel, compare_strategies, plan_microbatches
-from megatron_lorafusion.planner.baselines import (
-    default_samples_per_microbatch,
-    megatron_microbatches,
-    mlora_microbatches,
-)
-from megatron_lorafusion.planner.commands import problem_from_args
-from megatron_lorafusion.train import AdapterAdamW, AdapterRun
+from megatron_lorafusion.mcore.parallel import destroy_model_parallel, init_model_parallel
+from megatron_lorafusion.planner import CostModel, PlanProblem, plan_microbatches
+from megatron_lorafusion.planner.round_robin import default_samples_per_microbatch
+from megatron_lorafusion.sim import compare_strategies
+from megatron_lorafusion.sim.baselines import megatron_microbatches, mlora_microbatches
+from megatron_lorafusion.sim.commands import problem_from_args
+from megatron_lorafusion.train import Run, adapter_training, build_run
 
 REPO = Path(__file__).resolve().parents[1]
 ADAPTERS = 4
@@ -101,40 +95,29 @@ def _padded_make_batch(datasets, device):
     return make_batch
 
 
-def _train(streams, make_batch, model, lora, adapters, problem, groups, hidden, device):
-    """Run the streams (a drain after each) with fresh optimizers; (seconds, busy seconds)."""
-    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    optimizer = AdapterAdamW(
-        lora, adapters, [problem.num_global_batches(a) for a in range(ADAPTERS)]
-    )
-    runs = []
-    for a, adapter in enumerate(adapters):
-        batch_tokens = [
+def _batch_tokens(problem: PlanProblem) -> list[list[int]]:
+    """Per adapter, the tokens of each of its global batches (every token is trained)."""
+    return [
+        [
             sum(s.tokens for s in problem.global_batch(a, j))
             for j in range(problem.num_global_batches(a))
         ]
-        runs.append(AdapterRun(adapter.name, batch_tokens))
-    _sync(device)
+        for a in range(problem.num_adapters)
+    ]
+
+
+def _train(streams, make_batch, run: Run, adapters, problem: PlanProblem):
+    """Run the streams (a drain after each) with fresh optimizers; (seconds, busy seconds)."""
+    runs, optimizer = adapter_training(run.lora, adapters, _batch_tokens(problem))
+    fresh = dataclasses.replace(run, runs=runs, optimizer=optimizer)
+    _sync(run.device)
     dist.barrier()
     start = time.perf_counter()
     busy = 0.0
     for stream in streams:
-        events = run_pipeline(
-            stream,
-            forward,
-            make_batch,
-            runs,
-            optimizer,
-            lora.grads,
-            groups,
-            global_batch_sizes=problem.global_batch_sizes,
-            hidden_size=hidden,
-            activation_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-            device=device,
-            record_events=True,
-        )
+        events = fresh.train(stream, make_batch, record_events=True)
         busy += sum(e.compute_s for e in events)
-    _sync(device)
+    _sync(run.device)
     dist.barrier()
     return time.perf_counter() - start, busy
 
@@ -178,32 +161,33 @@ def main() -> None:
         )
         for i in range(ADAPTERS)
     ]
-    groups = make_pipeline_groups(*pipeline_and_data_ranks(), 600.0)
-    model = build_gpt_model(
+    problems = {
+        name: problem_from_args(
+            argparse.Namespace(
+                lengths=name,
+                adapters=ADAPTERS,
+                samples=args.samples,
+                seed=0,
+                capacity=args.capacity,
+                tile_height=64,
+                long_samples="truncate",
+                global_batch_size=args.global_batch_size,
+                stages=args.pp,
+            )
+        )[0]
+        for name in args.lengths
+    }
+    run = build_run(
         model_cfg,
-        pre_process=groups.is_first,
-        post_process=groups.is_last,
-        params_dtype=torch.bfloat16 if cuda else torch.float32,
+        adapters,
+        _batch_tokens(problems[args.lengths[0]]),
         device=device,
+        params_dtype=torch.bfloat16 if cuda else torch.float32,
     )
-    lora = apply_lora(model, adapters, seed=0)
     cost = CostModel.from_profile(args.cost_profile)
     rows = []
     try:
-        for dist_name in args.lengths:
-            problem, _ = problem_from_args(
-                argparse.Namespace(
-                    lengths=dist_name,
-                    adapters=ADAPTERS,
-                    samples=args.samples,
-                    seed=0,
-                    capacity=args.capacity,
-                    tile_height=64,
-                    long_samples="truncate",
-                    global_batch_size=args.global_batch_size,
-                    stages=args.pp,
-                )
-            )
+        for dist_name, problem in problems.items():
             datasets = _datasets(problem, model_cfg.vocab_size, seed=1)
             plan = plan_microbatches(problem, "greedy")
             k = default_samples_per_microbatch(problem)
@@ -216,31 +200,11 @@ def main() -> None:
             }
             useful = sum(map(sum, problem.lengths))
             if dist_name == args.lengths[0]:  # compile and autotune before anything is timed
-                _train(
-                    [list(plan.microbatches)],
-                    packed,
-                    model,
-                    lora,
-                    adapters,
-                    problem,
-                    groups,
-                    model_cfg.hidden_size,
-                    device,
-                )
+                _train([list(plan.microbatches)], packed, run, adapters, problem)
             for name, (streams, make_batch) in strategies.items():
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                seconds, busy = _train(
-                    streams,
-                    make_batch,
-                    model,
-                    lora,
-                    adapters,
-                    problem,
-                    groups,
-                    model_cfg.hidden_size,
-                    device,
-                )
+                seconds, busy = _train(streams, make_batch, run, adapters, problem)
                 bubbles = [None] * dist.get_world_size()
                 dist.all_gather_object(bubbles, 1.0 - busy / seconds)
                 peaks = [None] * dist.get_world_size()

@@ -26,16 +26,15 @@ from megatron_lorafusion.planner import (
     Plan,
     PlanProblem,
     check_plan,
-    compare_strategies,
     iter_plan_chunks,
     plan_microbatches,
 )
 from megatron_lorafusion.planner.bounds import plan_lower_bound
-from megatron_lorafusion.planner.commands import problem_from_args
-from megatron_lorafusion.planner.distributions import adapter_lengths
 from megatron_lorafusion.planner.milp import NODE_LIMIT, available_solver
 from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S
 from megatron_lorafusion.planner.policy import apply_length_policy
+from megatron_lorafusion.sim import adapter_lengths, compare_strategies
+from megatron_lorafusion.sim.commands import problem_from_args
 
 DISTS = ("xsum", "cnn_dm", "wikisum", "mix", "heterogeneous")
 

@@ -17,13 +17,13 @@ import torch
 from triton.testing import do_bench
 
 from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, DatasetConfig, ModelConfig
-from megatron_lorafusion.mcore import apply_lora, build_gpt_model
 from megatron_lorafusion.mcore.parallel import (
     destroy_model_parallel,
     init_model_parallel,
     packed_seq_params,
 )
 from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.train import build_run
 
 TOKENS = (2048, 4096, 8192)
 SAMPLE_LENGTHS = (256, 1024, 2048)
@@ -59,10 +59,12 @@ def _time_model(layers: int, device: torch.device) -> dict[tuple[int, int], tupl
         )
         for i in range(4)
     ]
-    model = build_gpt_model(model_cfg, params_dtype=torch.bfloat16, device=device)
-    lora = apply_lora(model, adapters, seed=0)
+    # Built as training builds it; one global batch each (the optimizer never steps here).
+    run = build_run(
+        model_cfg, adapters, [[1]] * len(adapters), device=device, params_dtype=torch.bfloat16
+    )
     return {
-        (tokens, length): _time_microbatch(model, lora, tokens, length, device)
+        (tokens, length): _time_microbatch(run.model, run.lora, tokens, length, device)
         for tokens in TOKENS
         for length in SAMPLE_LENGTHS
     }

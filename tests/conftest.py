@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,12 +29,7 @@ def _seed():
 @pytest.fixture
 def megatron_single_process():
     """A one-process gloo world with Megatron's model-parallel groups (TP = PP = 1)."""
-    from megatron.core import parallel_state
+    from dist_testing import gloo_world
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
+    with gloo_world() as parallel_state:
         yield parallel_state
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -113,7 +113,7 @@ def test_host_waits_charges_each_gap_to_the_frame_that_launched_the_next_kernel(
         "traceEvents": [
             x("python_function", "megatron_lorafusion/mcore/lora.py(10): forward", 0, 100),
             x("python_function", "megatron_lorafusion/ops/lora_shrink.py(5): launch", 40, 10),
-            x("python_function", "megatron_lorafusion/train/loop.py(7): step", 200, 100),
+            x("python_function", "megatron_lorafusion/train/optim.py(7): step", 200, 100),
             x("python_function", "torch/nn/modules/module.py(1): _call_impl", 41, 2),
             x("cuda_runtime", "cudaLaunchKernel", 1, 1, correlation=1),
             x("cuda_driver", "cuLaunchKernelEx", 42, 1, correlation=2),
@@ -129,5 +129,5 @@ def test_host_waits_charges_each_gap_to_the_frame_that_launched_the_next_kernel(
     idle, syncs = out.split("\n\n")
     assert idle.startswith("GPU idle 0.0 ms in 1 gaps > 5 us"), out
     assert "| ops/lora_shrink.py(5): launch | 0.04 | 1 |" in idle, out
-    assert "| cudaStreamSynchronize in train/loop.py(7): step | 0.03 | 1 |" in syncs, out
+    assert "| cudaStreamSynchronize in train/optim.py(7): step | 0.03 | 1 |" in syncs, out
     assert "cudaMemcpyAsync" not in syncs, out

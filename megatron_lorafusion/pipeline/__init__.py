@@ -5,6 +5,7 @@ from megatron_lorafusion.pipeline.groups import (
     PipelineGroups,
     check_same_across_ranks,
     make_pipeline_groups,
+    one_stage_groups,
 )
 from megatron_lorafusion.pipeline.runner import (
     AdapterRun,
@@ -16,8 +17,6 @@ from megatron_lorafusion.pipeline.runner import (
 from megatron_lorafusion.pipeline.schedule import (
     Action,
     LemmaError,
-    check_lemma,
-    checked,
     data_parallel_share,
     lemma_checked,
     schedule,
@@ -31,14 +30,13 @@ __all__ = [
     "LemmaError",
     "PipelineGroups",
     "StageForward",
-    "check_lemma",
     "check_same_across_ranks",
-    "checked",
     "data_parallel_share",
     "forward_loss_sums",
     "gpt_stage_forward",
     "lemma_checked",
     "make_pipeline_groups",
+    "one_stage_groups",
     "run_pipeline",
     "schedule",
     "stage_actions",

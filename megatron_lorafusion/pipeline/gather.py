@@ -2,35 +2,41 @@
 
 Under pipeline parallelism a rank holds only its stage's layers; under tensor parallelism
 only its shard of each factor (column-parallel linears shard B on N with the base weight's
-partition stride, row-parallel linears shard A on H; DESIGN.md "LoRA wrapper"). Adapter
-factors are small (rank x width), so one ``all_gather_object`` of every rank's CPU copies is
-enough; rank 0 keeps data-parallel replica 0 and undoes the sharding.
+partition stride, row-parallel linears shard A on H; DESIGN.md "LoRA wrapper";
+`LoRAContext.sharding` gives each factor's split). Adapter factors are small (rank x width),
+so one ``all_gather_object`` of every rank's CPU copies is enough; rank 0 keeps
+data-parallel replica 0 and undoes the sharding with `unshard_tp`, which checkpoints use too.
+No Megatron import here: `train.checkpoint` (and so ``lorafusion export``) reads it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["gather_adapter_states"]
+__all__ = ["gather_adapter_states", "unshard_tp"]
 
 
-def _shard_rule(wrapper) -> tuple[str, int]:
-    """``(sharded factor, partition stride)``: ``("lora_B", stride)`` or ``("lora_A", 1)``."""
-    from megatron_lorafusion.mcore import LoRAColumnParallelLinear
+def unshard_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
+    """Undo Megatron's strided TP split of one tensor.
 
-    if isinstance(wrapper, LoRAColumnParallelLinear):
-        return "lora_B", int(getattr(wrapper.base.weight, "partition_stride", 1))
-    return "lora_A", 1
+    The full tensor is cut along ``dim`` into ``TP·stride`` chunks dealt round-robin: rank
+    ``r`` holds chunks ``r, r + TP, …`` (``stride`` of them, concatenated).
 
+    Args:
+        shards: per TP rank in order, its shard.
+        dim: the split dimension (0: column-parallel B (N_local, R); 1: row-parallel A
+            (R, H_local)).
+        stride: the partition stride (1 unless the base weight interleaves, e.g. fused
+            gate/up).
 
-def _unshard(shards: list[torch.Tensor], factor: str, stride: int) -> torch.Tensor:
-    """Inverse of Megatron's strided split: full = chunks of ``TP·stride``, dealt round-robin."""
-    if factor == "lora_A":  # row-parallel: A (r, H_local) along H
-        return torch.cat(shards, dim=1)
-    tp = len(shards)
-    pieces = [s.chunk(stride, dim=0) for s in shards]  # per rank, its `stride` chunks
-    return torch.cat([pieces[i % tp][i // tp] for i in range(tp * stride)], dim=0)
+    Returns:
+        The full tensor.
+    """
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim=dim)
 
 
 def gather_adapter_states(
@@ -55,7 +61,7 @@ def gather_adapter_states(
         On rank 0, per adapter id, ``{"decoder.layers.{i}.<parent>.<linear>.lora_A|B": fp32
         CPU tensor}`` over all layers, unsharded; None on other ranks.
     """
-    rules = {name: _shard_rule(w) for name, w in lora.wrappers.items()}
+    rules = lora.sharding()
     local = local or [None] * lora.num_adapters
     states = [
         {k: v.cpu() for k, v in (local[a] or lora.adapter_state_dict(a)).items()}
@@ -77,11 +83,7 @@ def gather_adapter_states(
         full = {}
         for key, parts in sorted(shards.items()):
             parts = [v for _, v in sorted(parts, key=lambda tv: tv[0])]
-            linear, factor = key.rsplit(".", 1)
-            sharded, stride = all_rules[linear]
-            if tp_size > 1 and factor == sharded:
-                full[key] = _unshard(parts, factor, stride)
-            else:
-                full[key] = parts[0]
+            split = all_rules[key]
+            full[key] = parts[0] if split is None or tp_size == 1 else unshard_tp(parts, *split)
         merged.append(full)
     return merged

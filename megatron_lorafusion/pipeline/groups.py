@@ -15,7 +15,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["PipelineGroups", "check_same_across_ranks", "make_pipeline_groups"]
+__all__ = [
+    "PipelineGroups",
+    "check_same_across_ranks",
+    "make_pipeline_groups",
+    "one_stage_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,27 @@ def make_pipeline_groups(
         backward_group=backward_group if num_stages > 1 else None,
         dp_group=dp_group,
         norm_group=norm_group if num_stages > 1 else None,
+    )
+
+
+def one_stage_groups() -> PipelineGroups:
+    """The `PipelineGroups` of a run with one stage and one replica (``PP = DP = 1``).
+
+    No process group is needed (TP peers, if any, talk over Megatron's own groups), so
+    torch.distributed need not be initialised.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return PipelineGroups(
+        stage=0,
+        num_stages=1,
+        dp_rank=0,
+        dp_size=1,
+        prev_rank=None,
+        next_rank=None,
+        last_rank=rank,
+        forward_group=None,
+        backward_group=None,
+        dp_group=None,
     )
 
 

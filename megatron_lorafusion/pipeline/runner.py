@@ -1,16 +1,24 @@
 """Execute one stage's multi-adapter 1F1B actions (`schedule.stage_actions`) on real ranks.
 
-Each rank of a ``PP × DP`` grid (TP ranks of a stage all do the same) walks its own action
-list. Activations and their gradients go point-to-point over `PipelineGroups`' two
-explicit groups; their shapes are never sent: every stage packs the microbatch from the plan
-itself, so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing; ``(T / tp, 1, H)``, this
-TP rank's rows, under sequence parallelism). Data-parallel replicas
-run the same microbatch stream on disjoint samples (`data_parallel_share`); when an
-adapter's global batch finishes on a stage, the stage all-reduces (sums) the gradient rows
-and summed losses of every adapter finishing there in one bucket over its DP group,
-asynchronously, and steps them (one fused launch) just before the next forward that reads
-one of them (or at the end). Loss denominators count the whole global batch, so the sum
-equals a one-process run.
+The one training engine: each rank of a ``PP × DP`` grid (TP ranks of a stage all do the
+same) walks its own action list, and one process is the degenerate grid (``PP = DP = 1``,
+`groups.one_stage_groups`: no communication, each adapter steps right after the backward
+that finishes its global batch).
+
+Each adapter's loss is the per-token mean over its own global batch: every microbatch adds
+``sum(token losses of adapter a) / (trained tokens in a's global batch)`` to the objective
+(`_Runner._adapter_loss`), and the adapters finishing at one microbatch step together in one
+fused launch (`AdapterOptimizer.step`).
+
+Activations and their gradients go point-to-point over `PipelineGroups`' two explicit
+groups; their shapes are never sent: every stage packs the microbatch from the plan itself,
+so it knows ``T`` (``(T, 1, H)`` hidden states, THD packing; ``(T / tp, 1, H)``, this TP
+rank's rows, under sequence parallelism). Data-parallel replicas run the same microbatch
+stream on disjoint samples (`data_parallel_share`); when an adapter's global batch finishes
+on a stage, the stage all-reduces (sums) the gradient rows and summed losses of every
+adapter finishing there in one bucket over its DP group, asynchronously, and steps them (one
+fused launch) just before the next forward that reads one of them (or at the end). Loss
+denominators count the whole global batch, so the sum equals a one-process run.
 
 Gradient clipping (and the logged gradient norm) needs each adapter's norm over every stage:
 at the step action each stage computes its squared norms (after the DP sum, over its TP
@@ -40,7 +48,6 @@ from megatron_lorafusion.ops import copy_to_device
 from megatron_lorafusion.pipeline.groups import PipelineGroups
 from megatron_lorafusion.pipeline.schedule import (
     Action,
-    checked,
     data_parallel_share,
     lemma_checked,
     stage_actions,
@@ -63,13 +70,27 @@ __all__ = [
 ]
 
 
-class AdapterRun(Protocol):
-    """What the runner needs of one adapter's training state (`train.loop.AdapterRun`)."""
+@dataclass
+class AdapterRun:
+    """One adapter's training state in the runner (its optimizer state is the optimizer's).
+
+    Attributes:
+        name: adapter name (for logs).
+        batch_tokens: trained tokens of each of its global batches (the loss denominators).
+        losses: mean loss of each finished global batch, appended by the runner.
+        pending_loss: this replica's loss so far in the unfinished global batch (a run cut
+            into segments, or resumed, continues it).
+    """
 
     name: str
     batch_tokens: list[int]
-    losses: list[float]
-    pending_loss: float
+    losses: list[float] = field(default_factory=list)
+    pending_loss: float = 0.0
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far."""
+        return len(self.losses)
 
 
 class AdapterOptimizer(Protocol):
@@ -477,8 +498,8 @@ def run_pipeline(
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
     Every rank of the job calls it with the same stream. The stream is checked against the
-    bubble lemma as it is scheduled (`schedule.lemma_checked`, then `schedule.checked` on
-    this stage's table): every rank raises at the same microbatch, before its forward.
+    bubble lemma as it is scheduled (`schedule.lemma_checked`, ``S + 1`` microbatches ahead):
+    every rank raises at the same microbatch, before its forward.
 
     Args:
         microbatches: the plan's microbatches in order (idle ones included).
@@ -532,9 +553,9 @@ def run_pipeline(
         wgrad_queue=wgrad_queue,
         log_every=log_every,
     )
-    # Stage 0's rule on every rank (all refuse at the same microbatch), then this stage's own.
+    # Stage 0's rule, the strictest, on every rank: all refuse at the same microbatch.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)
-    actions = checked(stage_actions(groups.stage, groups.num_stages, stream), groups.num_stages)
+    actions = stage_actions(groups.stage, groups.num_stages, stream)
     try:
         runner.run(actions)
     except BaseException:

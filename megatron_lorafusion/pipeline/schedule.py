@@ -8,9 +8,10 @@ adapter ``a``'s global batch, the stage steps ``a``'s optimizer (an ``"O"`` acti
 plan microbatches keep their slot (they delay later forwards, which is what the bubble lemma
 asks of them) and compute nothing.
 
-The bubble lemma is checked on the table itself: a forward that reads adapter ``a`` must
-come after the optimizer step of ``a``'s previous global batch on its stage; `check_lemma`
-refuses any stream where it would not.
+A forward that reads adapter ``a`` must come after the optimizer step of ``a``'s previous
+global batch on its stage (the bubble lemma): `lemma_checked` refuses a stream where it would
+not, with the planner's one check of it (`planner.BubbleLemma`), far enough ahead that every
+rank refuses before any waits on a peer.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import collections
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from megatron_lorafusion.planner import Microbatch, Plan, Sample
+from megatron_lorafusion.planner import BubbleLemma, LemmaError, Microbatch, Plan, Sample
 
 __all__ = [
     "Action",
     "LemmaError",
-    "check_lemma",
-    "checked",
     "data_parallel_share",
     "lemma_checked",
     "schedule",
@@ -51,10 +50,6 @@ class Action:
     kind: str
     adapters: tuple[int, ...] = ()
     finishes: tuple[int, ...] = ()
-
-
-class LemmaError(ValueError):
-    """A stream would start an adapter's next global batch before its optimizer step."""
 
 
 def stage_actions(
@@ -107,105 +102,38 @@ def schedule(num_stages: int, plan: Plan | Sequence[Microbatch]) -> list[Action]
         Actions of stage 0, then stage 1, ...; within a stage, in execution order.
 
     Raises:
-        LemmaError: when the stream breaks the bubble lemma (see `check_lemma`).
+        LemmaError: when the stream breaks the bubble lemma (see `lemma_checked`).
     """
     microbatches = plan.microbatches if isinstance(plan, Plan) else tuple(plan)
-    table = [a for s in range(num_stages) for a in stage_actions(s, num_stages, microbatches)]
-    check_lemma(table, num_stages)
-    return table
-
-
-def check_lemma(actions: Iterable[Action], num_stages: int) -> None:
-    """Raise unless every forward reading adapter ``a`` follows ``a``'s previous step.
-
-    On each stage, once the forward of the microbatch finishing ``a``'s global batch ``j``
-    has run, no other forward may read ``a`` before that stage's ``"O"`` action for it: the
-    forward would see weights from before step ``j`` (a wrong result, or a deadlock in a
-    runner that waits for the step). Stage 0 is the strictest (``S - 1`` warm-up forwards),
-    hence the lemma's ``S - 1`` microbatches between consecutive batches.
-
-    Args:
-        actions: actions of one or more stages, each stage's in execution order.
-        num_stages: ``S``, for the message.
-
-    Raises:
-        LemmaError: naming the adapter, both microbatches, the stage and the gap found.
-    """
-    checker = _LemmaChecker(num_stages)
-    for action in actions:
-        checker.see(action)
-
-
-def checked(actions: Iterable[Action], num_stages: int) -> Iterator[Action]:
-    """Pass ``actions`` through, raising `LemmaError` before yielding a violating forward."""
-    checker = _LemmaChecker(num_stages)
-    for action in actions:
-        checker.see(action)
-        yield action
-
-
-class _LemmaChecker:
-    """Streaming form of `check_lemma` (per stage: adapter -> unstepped finishing mb)."""
-
-    def __init__(self, num_stages: int) -> None:
-        self._num_stages = num_stages
-        self._unstepped: dict[tuple[int, int], int] = {}  # (stage, adapter) -> microbatch
-
-    def see(self, action: Action) -> None:
-        s, k = action.stage, action.microbatch
-        if action.kind == "O":
-            for a in action.finishes:
-                self._unstepped.pop((s, a), None)
-            return
-        if action.kind != "F":
-            return
-        for a in action.adapters:
-            f = self._unstepped.get((s, a))
-            if f is not None and f != k:
-                raise LemmaError(_lemma_message(a, k, s, f, self._num_stages))
-        for a in action.finishes:
-            self._unstepped[s, a] = k
+    microbatches = tuple(lemma_checked(microbatches, num_stages))
+    return [a for s in range(num_stages) for a in stage_actions(s, num_stages, microbatches)]
 
 
 def lemma_checked(microbatches: Iterable[Microbatch], num_stages: int) -> Iterator[Microbatch]:
     """Pass the stream through, raising `LemmaError` before a microbatch that breaks the lemma.
 
-    Stage 0's table in closed form (the strictest stage): its forward of microbatch ``p``
-    follows its step after the backward of ``p - S`` and precedes the backward of
-    ``p - S + 1``, so adapter ``a`` may reappear at ``p`` after finishing a global batch at
-    ``f`` only if ``p - f >= S``. Every rank runs this on the same stream and so refuses a
-    plan at the same microbatch, before any rank computes with stale weights. It checks
-    ``S + 1`` microbatches ahead of what it yields (stages run up to ``S - 1`` microbatches
-    apart, and a stage's table peeks one ahead), so no rank is left waiting for an
-    activation or gradient of a microbatch that a rank which already refused never sends.
+    The check is `planner.BubbleLemma`, stage 0's table in closed form (the strictest stage):
+    its forward of microbatch ``p`` follows its step after the backward of ``p - S`` and
+    precedes the backward of ``p - S + 1``, so adapter ``a`` may reappear at ``p`` after
+    finishing a global batch at ``f`` only if ``p - f >= S``. Every rank runs this on the same
+    stream and so refuses a plan at the same microbatch, before any rank computes with stale
+    weights. It checks ``S + 1`` microbatches ahead of what it yields (stages run up to
+    ``S - 1`` microbatches apart, and a stage's table peeks one ahead), so no rank is left
+    waiting for an activation or gradient of a microbatch that a rank which already refused
+    never sends.
 
     Raises:
-        LemmaError: exactly when `check_lemma` would on the stage-0 table.
+        LemmaError: exactly when a forward on some stage's table would read an adapter
+            before that stage's optimizer step of its previous global batch.
     """
-    last_finish: dict[int, int] = {}
+    lemma = BubbleLemma(num_stages)
     ahead: collections.deque[Microbatch] = collections.deque()
     for p, mb in enumerate(microbatches):
-        for a in mb.adapters:
-            f = last_finish.get(a)
-            if f is not None and p - f < num_stages:
-                raise LemmaError(_lemma_message(a, p, 0, f, num_stages))
-        for a in mb.finishes:
-            last_finish[a] = p
+        lemma.feed(p, mb)
         ahead.append(mb)
         if len(ahead) > num_stages + 1:
             yield ahead.popleft()
     yield from ahead
-
-
-def _lemma_message(adapter: int, k: int, stage: int, f: int, num_stages: int) -> str:
-    return (
-        f"bubble lemma broken: adapter {adapter}'s microbatch {k} would start its forward on "
-        f"stage {stage} before the optimizer step of the global batch finished by microbatch "
-        f"{f}; with {num_stages} stages a 1F1B pipeline needs at least {num_stages - 1} "
-        f"(S - 1) microbatches between them, found {k - f - 1}. Re-plan with "
-        f"num_stages={num_stages} (the planner then interleaves other adapters or inserts "
-        "idle microbatches)"
-    )
 
 
 def data_parallel_share(microbatch: Microbatch, dp_rank: int, dp_size: int) -> Microbatch:

@@ -94,20 +94,3 @@ def load_of(samples: tuple[Sample, ...] | list[Sample], tile_height: int) -> int
 def score(bins: list[list[Sample]], tile_height: int) -> tuple[int, int]:
     """What the packers minimise, lexicographically: (bins, padded load of the last bin)."""
     return len(bins), load_of(bins[-1], tile_height)
-
-
-def validate_bins(segment: Segment, bins: list[list[Sample]]) -> None:
-    """Internal invariant check of a packer's answer (a bug here is ours, not the user's)."""
-    placed = sorted((s.adapter, s.index) for b in bins for s in b)
-    wanted = sorted((s.adapter, s.index) for s in segment.items + segment.carry)
-    if placed != wanted:
-        raise AssertionError("packer lost or duplicated samples")
-    for b, members in enumerate(bins):
-        if load_of(members, segment.tile_height) > segment.capacity:
-            raise AssertionError(f"packer overfilled bin {b}")
-        for s in members:
-            if s in segment.carry:
-                if b != 0:
-                    raise AssertionError("packer moved the carry out of bin 0")
-            elif b < segment.first_bin(s.adapter):
-                raise AssertionError("packer broke a release constraint")

@@ -1,11 +1,14 @@
 """The plan verifier: capacity, every sample exactly once, the bubble lemma, step markers.
 
-`check_plan` is what tests and the training loop call before running a plan; `PlanVerifier`
-checks a plan that arrives in chunks (the background planner) with the same rules.
+`check_plan` is what tests and the planner call on a plan; `PlanVerifier` checks a plan that
+arrives in chunks (the background planner) with the same rules. `BubbleLemma` is the one
+check of the lemma: the verifier runs it, and so does the pipeline runner on every rank
+(`pipeline.schedule.lemma_checked`).
 The bubble lemma (DESIGN.md, LoRAFusion §4): with 1F1B on ``S`` stages, stage 0 runs the
 forward of microbatch ``m + S`` only after the backward of ``m``, so a microbatch of adapter
 ``a``'s global batch ``j + 1`` may sit at position ``p`` only if ``p >= f + S``, where ``f`` is
-the position of the microbatch that finishes batch ``j``.
+the position of the microbatch that finishes batch ``j``. Stage 0 is the strictest stage
+(``S - 1`` warm-up forwards): a stream that passes at stage 0 passes on every stage's table.
 """
 
 from __future__ import annotations
@@ -14,11 +17,50 @@ from collections.abc import Iterable
 
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem
 
-__all__ = ["PlanError", "PlanVerifier", "check_plan"]
+__all__ = ["BubbleLemma", "LemmaError", "PlanError", "PlanVerifier", "check_plan"]
 
 
 class PlanError(ValueError):
     """A plan breaks an invariant; the message names the microbatch, adapter and sample."""
+
+
+class LemmaError(PlanError):
+    """A stream would start an adapter's next global batch before its optimizer step."""
+
+
+class BubbleLemma:
+    """The bubble lemma on a stream of microbatches, fed in order.
+
+    Args:
+        num_stages: ``S`` >= 1 of the pipeline that will run the stream.
+    """
+
+    def __init__(self, num_stages: int) -> None:
+        self.num_stages = num_stages
+        self._last_finish: dict[int, int] = {}  # adapter -> position finishing its last batch
+
+    def feed(self, position: int, microbatch: Microbatch) -> None:
+        """Check the microbatch at ``position`` (positions increase by one per call).
+
+        Raises:
+            LemmaError: naming the adapter, both microbatches and the gap found, when
+                ``position - f < S`` for an adapter it reads whose last global batch was
+                finished by the microbatch at ``f``.
+        """
+        S = self.num_stages
+        for a in microbatch.adapters:
+            f = self._last_finish.get(a)
+            if f is not None and position - f < S:
+                raise LemmaError(
+                    f"bubble lemma broken: adapter {a}'s microbatch {position} would start its "
+                    f"forward on stage 0 before the optimizer step of the global batch "
+                    f"finished by microbatch {f}; with {S} stages the bubble lemma needs "
+                    f"{S - 1} (S - 1) microbatches between them, found {position - f - 1}. "
+                    f"Re-plan with num_stages={S} (the planner then interleaves other adapters "
+                    "or inserts idle microbatches)"
+                )
+        for a in microbatch.finishes:
+            self._last_finish[a] = position
 
 
 class PlanVerifier:
@@ -26,15 +68,17 @@ class PlanVerifier:
 
     Args:
         problem: the problem the plan claims to solve.
+        lemma: check the bubble lemma for ``problem.num_stages``; a training run passes
+            False, since the pipeline runner checks it on every rank (`BubbleLemma`).
     """
 
-    def __init__(self, problem: PlanProblem) -> None:
+    def __init__(self, problem: PlanProblem, *, lemma: bool = True) -> None:
         self._problem = problem
         self._position = 0
         n = problem.num_adapters
         self._batch = [-1] * n  # global batch in progress per adapter (-1: none yet)
         self._seen_in_batch = [0] * n
-        self._finish_pos = [-(10**18)] * n  # position of the last finished batch
+        self._lemma = BubbleLemma(problem.num_stages) if lemma else None
         self._finished = [True] * n  # the batch in ``_batch`` got its marker
         self._seen: set[tuple[int, int]] = set()
 
@@ -73,6 +117,8 @@ class PlanVerifier:
                 )
         for a, batch in sorted(batches.items()):
             self._enter_batch(where, a, batch)
+        if self._lemma is not None:
+            self._lemma.feed(pos, mb)
         for s in mb.samples:
             self._seen_in_batch[s.adapter] += 1
         completes = {
@@ -85,7 +131,6 @@ class PlanVerifier:
             )
         for a in completes:
             self._finished[a] = True
-            self._finish_pos[a] = pos
 
     def _check_sample(self, where: str, adapter: int, index: int, tokens: int) -> None:
         p = self._problem
@@ -118,13 +163,6 @@ class PlanVerifier:
             raise PlanError(
                 f"{where}: adapter {a} starts global batch {batch} before batch "
                 f"{self._batch[a]} finished"
-            )
-        gap = self._position - self._finish_pos[a]
-        if gap < self._problem.num_stages:
-            raise PlanError(
-                f"{where}: adapter {a} starts global batch {batch} only {gap - 1} microbatches "
-                f"after batch {batch - 1} finished; the bubble lemma needs "
-                f"{self._problem.num_stages - 1} (S - 1) in between"
             )
         self._batch[a], self._seen_in_batch[a], self._finished[a] = batch, 0, False
 

@@ -35,19 +35,19 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatron_lorafusion.planner._segment import Segment
-from megatron_lorafusion.planner.baselines import default_samples_per_microbatch, stream_jobs
 from megatron_lorafusion.planner.check import PlanVerifier, check_plan
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.grouping import group_adapters
+from megatron_lorafusion.planner.makespan import simulate_makespan, stream_jobs
 from megatron_lorafusion.planner.round_robin import (
     Pieces,
+    default_samples_per_microbatch,
     one_at_a_time,
     packed_pieces,
     padded_pieces,
     round_robin,
 )
-from megatron_lorafusion.planner.simulator import simulate_makespan
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem, Sample, SolveReport
 
 __all__ = [

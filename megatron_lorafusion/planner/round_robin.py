@@ -1,6 +1,6 @@
 """Round-robin streams: adapters take turns, one microbatch of one adapter's samples each.
 
-The mLoRA-style baseline (`baselines`) is such a stream, and the planner builds the same kind
+The mLoRA-style baseline (`sim.baselines`) is such a stream, and the planner builds the same kind
 of stream as a candidate for every plan; it wins where packing would need idle microbatches
 (few adapters, small global batches): spreading each adapter's global batch over
 microbatches of its own lets the other adapters fill the ``S - 1`` slots the bubble lemma
@@ -20,6 +20,7 @@ from megatron_lorafusion.planner.types import Microbatch, PlanProblem, Sample
 
 __all__ = [
     "Pieces",
+    "default_samples_per_microbatch",
     "one_at_a_time",
     "packed_pieces",
     "padded_pieces",
@@ -155,3 +156,10 @@ def one_at_a_time(
             ]
             last[a] = position + len(stream) - 1
     return stream, last
+
+
+def default_samples_per_microbatch(problem: PlanProblem) -> int:
+    """MLoRA's fixed microbatch size: capacity / mean sample length (about ``capacity`` tokens)."""
+    useful = sum(sum(x) for x in problem.lengths)
+    n_samples = sum(len(x) for x in problem.lengths)
+    return max(1, round(problem.capacity * n_samples / useful))

@@ -1,5 +1,10 @@
-"""Training: the adapters' fused optimizer, the loop, resumable checkpoints and PEFT export."""
+"""Training: the wiring, the adapters' fused optimizer, resumable checkpoints and PEFT export.
 
+The engine is `megatron_lorafusion.pipeline.run_pipeline` (one process is its ``PP = DP = 1``
+case); `AdapterRun` is re-exported from there.
+"""
+
+from megatron_lorafusion.pipeline import AdapterRun
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
     checkpoint_problems,
@@ -13,8 +18,8 @@ from megatron_lorafusion.train.export import (
     write_merged_checkpoint,
     write_peft_folder,
 )
-from megatron_lorafusion.train.loop import AdapterRun, run_plan
 from megatron_lorafusion.train.optim import AdapterAdamW, lr_multiplier
+from megatron_lorafusion.train.recipe import Run, adapter_training, build_run
 from megatron_lorafusion.train.resume import ResumeSession, make_resume_session
 
 __all__ = [
@@ -22,6 +27,9 @@ __all__ = [
     "AdapterRun",
     "Checkpointer",
     "ResumeSession",
+    "Run",
+    "adapter_training",
+    "build_run",
     "checkpoint_problems",
     "export_checkpoint",
     "find_resume_checkpoint",
@@ -30,7 +38,6 @@ __all__ = [
     "make_resume_session",
     "peft_adapter_config",
     "peft_state_dict",
-    "run_plan",
     "write_merged_checkpoint",
     "write_peft_folder",
 ]

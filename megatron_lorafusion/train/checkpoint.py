@@ -24,7 +24,7 @@ import pickle
 import random
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -200,21 +200,17 @@ def _refuse_non_finite(folder: Path, names: list[str]) -> None:
         )
 
 
-def _merge_tp(shards: Sequence[torch.Tensor], dim: int, stride: int) -> torch.Tensor:
-    """Undo Megatron's TP split: rank ``r`` holds chunks ``r, r + tp, …`` of ``tp·stride``."""
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[r][j] for j in range(stride) for r in range(len(shards))], dim=dim)
-
-
 def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every adapter's full (unsharded) factors from a checkpoint, by adapter name.
 
     Pipeline stages hold disjoint layers; tensor-parallel shards are concatenated along the
-    dimension (and partition stride) recorded with each tensor.
+    dimension (and partition stride) recorded with each tensor (`pipeline.gather.unshard_tp`).
 
     Raises:
         CheckpointError: when the checkpoint is incomplete or damaged.
     """
+    from megatron_lorafusion.pipeline.gather import unshard_tp
+
     folder = Path(folder)
     problems = checkpoint_problems(folder)
     if problems:
@@ -243,7 +239,7 @@ def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor
                     tensors[key] = value
                 else:
                     parts = [s["adapters"][a]["tensors"][key] for s in shards]
-                    tensors[key] = _merge_tp(parts, split[0], split[1])
+                    tensors[key] = unshard_tp(parts, split[0], split[1])
     return out
 
 

@@ -25,6 +25,7 @@ from megatron_lorafusion.data import (
     training_order,
 )
 from megatron_lorafusion.lifetime import die_with_parent
+from megatron_lorafusion.pipeline import AdapterRun
 from megatron_lorafusion.planner import (
     BackgroundPlanner,
     Microbatch,
@@ -39,7 +40,6 @@ from megatron_lorafusion.train.evaluate import (
     split_eval_datasets,
 )
 from megatron_lorafusion.train.export import check_finite_weights, write_peft_folder
-from megatron_lorafusion.train.loop import AdapterRun, run_plan
 from megatron_lorafusion.train.metrics import (
     MetricsWriter,
     ProgressBar,
@@ -47,7 +47,8 @@ from megatron_lorafusion.train.metrics import (
     plan_summary,
     read_metrics,
 )
-from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
+from megatron_lorafusion.train.optim import AdapterAdamW
+from megatron_lorafusion.train.recipe import Run, build_run
 from megatron_lorafusion.train.resume import make_resume_session
 
 logger = logging.getLogger(__name__)
@@ -121,9 +122,10 @@ def checked_stream(
         on_first: called with the first chunk before anything is yielded (its summary).
 
     Raises:
-        PlanError: when a chunk breaks capacity, coverage or the bubble lemma.
+        PlanError: when a chunk breaks capacity, coverage, batch order or step markers
+            (the bubble lemma is the runner's check, on every rank, ``S + 1`` ahead).
     """
-    verifier = PlanVerifier(problem)
+    verifier = PlanVerifier(problem, lemma=False)
     for index, chunk in enumerate(planner):
         if index == 0 and agree is not None:
             agree(repr((problem, chunk.microbatches)))
@@ -144,20 +146,12 @@ def _plans_agree(payload: str) -> None:
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
 
 
-def _pipeline_groups(cfg: JobConfig, sizes: dict[str, int]):
-    """The runner's groups for a PP or DP run (None for one stage and one replica).
-
-    First checks that every rank runs the same job config.
-    """
-    from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
-    from megatron_lorafusion.pipeline import check_same_across_ranks, make_pipeline_groups
+def _check_same_job(cfg: JobConfig, sizes: dict[str, int]) -> None:
+    """Refuse on every rank unless all ranks run the same job config (before any work)."""
+    from megatron_lorafusion.pipeline import check_same_across_ranks
 
     if sizes["world"] > 1:
         check_same_across_ranks(json.dumps(asdict(cfg), sort_keys=True), "job config")
-    if sizes["pp"] == 1 and sizes["dp"] == 1:
-        return None
-    pp_ranks, dp_ranks = pipeline_and_data_ranks()
-    return make_pipeline_groups(pp_ranks, dp_ranks, _COMM_TIMEOUT_S)
 
 
 def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
@@ -220,71 +214,62 @@ def _measured_bubble(events, groups, sizes: dict[str, int], device: torch.device
     return sum(idle) / max(len(idle), 1)
 
 
-def _run_pipelined(
+def _run_stream(
     cfg: JobConfig,
     stream: Iterator[Microbatch],
-    model,
-    lora,
+    run: Run,
     make_batch,
-    runs: list[AdapterRun],
-    optimizer: AdapterAdamW,
-    groups,
-    device: torch.device,
     session,
-    shards: int,
     evaluator: Evaluator,
     metrics: MetricsWriter,
     sizes: dict[str, int],
     on_step=None,
 ) -> None:
-    """Run the stream through the multi-adapter 1F1B pipeline (any PP × DP, TP inside).
+    """Run the stream through the multi-adapter 1F1B runner (one process: ``PP = DP = 1``).
 
-    The stream is cut at the checkpoint points and after the microbatches that finish an
-    evaluated step (`ResumeSession.segments`): each segment is one 1F1B stream, drained at
-    its end (every DP all-reduce waited for, every due step taken), then the due adapters are
-    evaluated through the pipeline (every stage holds their new weights, as one process does
-    right after the step) and, at a save point, every rank saves its shard. Each cut costs one
-    fill and drain of the pipeline, about ``(S - 1) × (t_F + t_B)`` of idle time per stage.
+    Any PP × DP grid, TP inside. The stream is cut at the checkpoint points and after the
+    microbatches that finish an evaluated step (`ResumeSession.segments`): each segment is
+    one 1F1B stream, drained at its end (every DP all-reduce waited for, every due step
+    taken), then the due adapters are evaluated through the pipeline (every stage holds
+    their new weights, as one process does right after the step) and, at a save point, every
+    rank saves its shard. Each cut costs one fill and drain of the pipeline, about
+    ``(S - 1) × (t_F + t_B)`` of idle time per stage (none at ``S = 1``). A pipelined run
+    also measures its bubble (a metrics record per segment).
     """
-    from megatron_lorafusion.mcore import WgradQueue
-    from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
-
-    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    if cfg.parallel.defer_wgrad:
-        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
+    runs, groups = run.runs, run.groups
+    pipelined = groups.num_stages > 1 or groups.dp_size > 1
 
     def evaluated(finishes, steps) -> bool:
         return any(evaluator.is_due(a, steps[a], len(runs[a].batch_tokens)) for a in finishes)
 
     counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
     for first_index, segment in session.segments(stream, evaluated):
-        events = run_pipeline(
+        events = run.train(
             _counted(segment, counts),
-            forward,
             make_batch,
-            runs,
-            optimizer,
-            lora.grads,
-            groups,
-            global_batch_sizes=[a.global_batch_size for a in cfg.adapters],
-            hidden_size=cfg.model.hidden_size,
-            activation_dtype=_DTYPES[cfg.train.precision],
-            device=device,
             first_index=first_index,
-            sequence_shards=shards,
-            wgrad_queue=lora.wgrad_queue,
             on_step=on_step,
             log_every=cfg.logging.log_every,
-            record_events=True,
+            record_events=pipelined,
         )
-        bubble = _measured_bubble(events, groups, sizes, device)  # of this segment
-        metrics.log_run(
-            sum(run.step for run in runs),
-            _run_record(counts, cfg.planner.token_capacity, start, bubble),
-        )
-        evaluator.run_due()  # before the checkpoint, as in one process
+        if pipelined:  # a record per segment, with its measured bubble
+            bubble = _measured_bubble(events, groups, sizes, run.device)
+            metrics.log_run(
+                sum(run.step for run in runs),
+                _run_record(counts, cfg.planner.token_capacity, start, bubble),
+            )
+        evaluator.run_due()  # before the checkpoint
         if session.at_save_point:
             session.save()
+    record = _run_record(counts, cfg.planner.token_capacity, start)
+    if not pipelined:  # one run-wide record at the end
+        metrics.log_run(sum(run.step for run in runs), record)
+    logger.info(
+        "trained %d microbatches at %.1fk tok/s, fill %.1f%%",
+        record["microbatches"],
+        record["tokens_per_s"] / 1e3,
+        100 * record["fill"],
+    )
 
 
 def _eval_loss_sums(
@@ -292,18 +277,17 @@ def _eval_loss_sums(
     model,
     lora,
     groups,
-    forward,
     pack_eval,
     device: torch.device,
     shards: int,
     tp_rank: int,
 ) -> LossSums:
     """The eval rows' loss sums: the one-stage forward, or forward-only through the pipeline."""
-    if groups is None:
-        return one_stage_loss_sums(forward, pack_eval, len(cfg.adapters))
     from megatron_lorafusion.pipeline import forward_loss_sums, gpt_stage_forward
 
     stage = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    if groups.num_stages == 1 and groups.dp_size == 1:
+        return one_stage_loss_sums(lambda batch: stage(batch, None), pack_eval, len(cfg.adapters))
     return lambda microbatches: forward_loss_sums(
         microbatches,
         stage,
@@ -318,23 +302,8 @@ def _eval_loss_sums(
     )
 
 
-def _clipping(sizes: dict[str, int], lora) -> dict:
-    """`AdapterAdamW`'s norm keyword for this layout.
-
-    The keyword sums over TP shards; the pipeline runner sums the result over the stages.
-    """
-    if sizes["tp"] == 1:
-        return {}
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    return {"squared_norms": tensor_parallel_squared_norms(lora, sizes["tp_rank"], group)}
-
-
 def _writes_metrics(sizes: dict[str, int], groups) -> bool:
     """The one rank that writes metrics: the first TP/DP rank of the stage with the losses."""
-    if groups is None:
-        return sizes["rank"] == 0
     return groups.is_last and sizes["dp_rank"] == 0 and sizes["tp_rank"] == 0
 
 
@@ -349,11 +318,10 @@ def _step_hooks(
     metrics: MetricsWriter,
     evaluator: Evaluator,
     optimizer: AdapterAdamW,
-    session,
     bar: ProgressBar,
     runs: list[AdapterRun],
-):
-    """``(on_step, on_microbatch)``: metrics and bar per step, evaluations before checkpoints."""
+) -> Callable[[int, AdapterRun], None]:
+    """The runner's ``on_step``: metrics and bar per step, evaluations marked due."""
 
     def on_step(a: int, run: AdapterRun) -> None:
         bar.step(run.batch_tokens[run.step - 1], {r.name: r.losses[-1] for r in runs if r.losses})
@@ -369,11 +337,7 @@ def _step_hooks(
         )
         evaluator.on_step(a, run.step, len(run.batch_tokens))
 
-    def on_microbatch(index: int) -> None:
-        evaluator.run_due()
-        session.after_microbatch(index)
-
-    return on_step, on_microbatch
+    return on_step
 
 
 def _full_adapter_states(
@@ -442,14 +406,11 @@ def _train(
     rank0: bool,
 ) -> dict[str, list[float]]:
     """`main` once the data is read and the planner started: build, train, export."""
-    from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.parallel import (
         destroy_model_parallel,
         init_model_parallel,
-        packed_seq_params,
         parallel_sizes,
     )
-    from megatron_lorafusion.mcore.recompute import apply_recompute
 
     device = _device(cfg)
     shards = _sequence_shards(cfg, device)
@@ -458,28 +419,27 @@ def _train(
     )
     try:
         sizes = parallel_sizes()
-        groups = _pipeline_groups(cfg, sizes)
-        model = mcore.build_gpt_model(
+        _check_same_job(cfg, sizes)
+        built = build_run(
             cfg.model,
-            params_dtype=_DTYPES[cfg.train.precision],
-            device=device,
-            pre_process=groups is None or groups.is_first,
-            post_process=groups is None or groups.is_last,
-            sequence_parallel=shards > 1,
-        )
-        lora = mcore.apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        apply_recompute(model, lora, cfg.train.recompute)  # both loops: one process, pipelined
-        optimizer = AdapterAdamW(
-            lora,
             cfg.adapters,
-            [len(t) for t in batch_tokens],
+            batch_tokens,
+            device=device,
+            params_dtype=_DTYPES[cfg.train.precision],
+            seed=cfg.train.seed,
+            sequence_shards=shards,
+            recompute=cfg.train.recompute,
+            defer_wgrad=cfg.parallel.defer_wgrad,
             track_grad_norms=True,  # metrics.jsonl's grad_norm
-            **_clipping(sizes, lora),
+            comm_timeout_s=_COMM_TIMEOUT_S,
         )
-        runs = [
-            AdapterRun(adapter.name, tokens)
-            for adapter, tokens in zip(cfg.adapters, batch_tokens, strict=True)
-        ]
+        model, lora, optimizer, runs, groups = (
+            built.model,
+            built.lora,
+            built.optimizer,
+            built.runs,
+            built.groups,
+        )
         out = Path(cfg.train.output_dir)
         is_writer = sizes["rank"] == 0
 
@@ -493,17 +453,6 @@ def _train(
                 dropout_seed=cfg.train.seed * 1_000_003 + index,
                 pad_to_multiple=shards,
             )
-
-        def forward(batch) -> torch.Tensor:
-            lora.layout = batch.layout
-            loss = model(
-                batch.input_ids,
-                batch.position_ids,
-                None,
-                labels=batch.labels,
-                packed_seq_params=packed_seq_params(batch.layout),
-            )
-            return loss.float()
 
         session = make_resume_session(cfg, sizes, runs, optimizer, lora)  # checkpoints, resume
         first = session.restore(cfg.train.resume)
@@ -533,9 +482,7 @@ def _train(
             cfg,
             held,
             model,
-            _eval_loss_sums(
-                cfg, model, lora, groups, forward, pack_eval, device, shards, sizes["tp_rank"]
-            ),
+            _eval_loss_sums(cfg, model, lora, groups, pack_eval, device, shards, sizes["tp_rank"]),
             lora,
             optimizer,
             metrics.log_eval,
@@ -549,7 +496,7 @@ def _train(
             sum(run.step for run in runs),
             enabled=cfg.logging.progress_bar and _writes_metrics(sizes, groups),
         )
-        on_step, on_microbatch = _step_hooks(metrics, evaluator, optimizer, session, bar, runs)
+        on_step = _step_hooks(metrics, evaluator, optimizer, bar, runs)
         model.train()
         agree = None if sizes["world"] == 1 else _plans_agree
 
@@ -561,43 +508,17 @@ def _train(
                     logger.info("%s", line)
 
         try:
-            stream = checked_stream(planner, problem, agree, on_first)
-            if groups is None:
-                counts, start = {"microbatches": 0, "tokens": 0}, time.perf_counter()
-                run_plan(
-                    _counted(session.stream(stream), counts),
-                    forward,
-                    make_batch,
-                    runs,
-                    optimizer,
-                    progress_bar=False,
-                    log_every=cfg.logging.log_every,
-                    first_index=first,
-                    on_step=on_step,
-                    on_microbatch=on_microbatch,
-                )
-                metrics.log_run(
-                    sum(run.step for run in runs),
-                    _run_record(counts, cfg.planner.token_capacity, start),
-                )
-            else:
-                _run_pipelined(
-                    cfg,
-                    stream,
-                    model,
-                    lora,
-                    make_batch,
-                    runs,
-                    optimizer,
-                    groups,
-                    device,
-                    session,
-                    shards,
-                    evaluator,
-                    metrics,
-                    sizes,
-                    on_step,
-                )
+            _run_stream(
+                cfg,
+                checked_stream(planner, problem, agree, on_first),
+                built,
+                make_batch,
+                session,
+                evaluator,
+                metrics,
+                sizes,
+                on_step,
+            )
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: say where the run stopped
             steps = ", ".join(f"{run.name} {run.step}" for run in runs)
             raise type(stop)(f"step {min(run.step for run in runs)} ({steps})") from None

@@ -207,8 +207,8 @@ def job_summary(cfg: JobConfig, problem: PlanProblem, world_size: int) -> str:
 
 def plan_summary(plan: Plan, problem: PlanProblem, first_chunk: bool) -> str:
     """Microbatches, fill and the simulated bubble of a plan (or of its first chunk)."""
-    from megatron_lorafusion.planner import CostModel, simulate
-    from megatron_lorafusion.planner.baselines import plan_jobs
+    from megatron_lorafusion.planner import CostModel, plan_jobs
+    from megatron_lorafusion.sim import simulate
 
     mbs = plan.microbatches
     idle = sum(mb.is_idle for mb in mbs)

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lorafusion.config import JobConfig, job_from_dict
+from megatron_lorafusion.pipeline import AdapterRun
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     find_resume_checkpoint,
 )
-from megatron_lorafusion.train.loop import AdapterRun
 from megatron_lorafusion.train.optim import AdapterAdamW
 
 __all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_session", "stream_digest"]
@@ -143,17 +143,14 @@ class ResumeSession:
         self._consumed = 0
         self._expected: str | None = None
         self._digest = hashlib.sha256()
-        self._last_mark = 0
         self._stream_steps = 0  # optimizer steps due by the microbatches `segments` yielded
         self._adapter_steps: list[int] = []  # the same, per adapter
         self.at_save_point = False  # the last segment ended at a save point (or the end)
 
-    def _mark(self, steps: int | None = None) -> int:
-        """Save points passed after ``steps`` optimizer steps (default: those taken)."""
+    def _mark(self, steps: int) -> int:
+        """Save points passed after ``steps`` optimizer steps of all adapters."""
         if not self.save_every:
             return 0
-        if steps is None:
-            steps = sum(run.step for run in self.runs)
         return steps // (self.save_every * len(self.runs))
 
     def restore(self, resume: str) -> int:
@@ -170,7 +167,6 @@ class ResumeSession:
         self.position, self._expected = self.checkpointer.restore(
             folder, self.runs, self.optimizer, self.lora
         )
-        self._last_mark = self._mark()
         return self.position
 
     def stream(self, microbatches: Iterable[Microbatch]) -> Iterator[Microbatch]:
@@ -194,25 +190,16 @@ class ResumeSession:
             if index >= self.position:
                 yield microbatch
 
-    def after_microbatch(self, index: int) -> None:
-        """`run_plan`'s hook: save when the step count passed a multiple of ``save_every``."""
-        assert index + 1 == self._consumed, "the loop must run the stream it was given"
-        self.position = self._consumed
-        mark = self._mark()
-        if mark > self._last_mark:
-            self._last_mark = mark
-            self.save()
-
     def segments(
         self,
         microbatches: Iterable[Microbatch],
         cut_after: Callable[[Sequence[int], Sequence[int]], bool] | None = None,
     ) -> Iterator[tuple[int, Iterator[Microbatch]]]:
-        """The stream after the restored position, cut at the save points of `after_microbatch`.
+        """The stream after the restored position, cut at the save points.
 
         A segment ends after the microbatch whose ``finishes`` bring the adapters' optimizer
-        steps past a multiple of ``save_every × adapters``: exactly where the single-stage
-        loop saves, since once a segment has drained every step of its microbatches is taken.
+        steps past a multiple of ``save_every × adapters``; once a segment has drained, every
+        step of its microbatches is taken, so the checkpoint holds no half-done step.
         Consume each segment, then `save` when ``at_save_point``, before asking for the next;
         the next segment's first microbatch is read from the stream only then.
 

@@ -10,7 +10,6 @@ use dropout.
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -173,20 +172,12 @@ def _check_wrapper(kind: str, rank: int) -> None:
 
 
 def _sp_worker(rank: int, workdir: str) -> None:
-    from megatron.core import parallel_state
+    from dist_testing import gloo_world
     from sp_testing import sequence_parallel_on_cpu
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(workdir, "store"), TP)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP)
-    try:
-        parallel_state.initialize_model_parallel(TP, 1)
-        with sequence_parallel_on_cpu("cpu"):
-            for kind in ("column", "row"):
-                _check_wrapper(kind, rank)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+    with gloo_world(rank, TP, workdir, TP), sequence_parallel_on_cpu("cpu"):
+        for kind in ("column", "row"):
+            _check_wrapper(kind, rank)
 
 
 def test_sp_wrappers_match_tp1_math(tmp_path):

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_testing import gloo_world
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 # dtype -> tolerances; TP splits sums over H (row) and vocab (loss) into per-rank partials.
@@ -52,15 +52,9 @@ def _batch():
 
 
 def _tp2_worker(rank: int, workdir: str) -> None:
-    from megatron.core import parallel_state
-
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(workdir, "store"), TP)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=TP)
-    try:
-        parallel_state.initialize_model_parallel(TP, 1)
+    with gloo_world(rank, TP, workdir, TP):
         ref = torch.load(os.path.join(workdir, "tp1.pt"))
         model = build_gpt_model(TINY).train()
         context = apply_lora(model, ADAPTERS_WITH_DROPOUT, seed=4)
@@ -101,9 +95,6 @@ def _tp2_worker(rank: int, workdir: str) -> None:
                     **TOL[torch.float32],
                     msg=f"rank {rank}: gradient of adapter {a} {name} != TP = 1 shard",
                 )
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

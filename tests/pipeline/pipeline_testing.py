@@ -1,6 +1,6 @@
 """Helpers of the pipeline tests: a tiny job (model, 3 adapters, data, plan) and its runs.
 
-`reference_run` trains the plan in one process with the single-stage loop (`train.loop`);
+`reference_run` trains the plan in one process with the runner at PP = DP = 1;
 `parallel_worker` trains the same plan on one rank of a TP × PP × DP gloo world with the
 pipeline runner and writes the gathered adapter weights. Tests compare the two.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from dist_testing import gloo_world
 
 from megatron_lorafusion.config import AdapterConfig, ModelConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
@@ -159,167 +160,80 @@ def make_batch_fn(job: Job, num_adapters: int, pad_to_multiple: int = 1):
     return make_batch
 
 
-def build_adapter_runs(lora, job: Job, adapters=ADAPTERS, **norms):
-    """Per adapter its `AdapterRun`, and the adapters' `AdapterAdamW` (``norms``: its hook)."""
-    from megatron_lorafusion.train import AdapterAdamW, AdapterRun
+def build_stage(
+    job: Job,
+    adapters=ADAPTERS,
+    timeout_s: float = 60.0,
+    sequence_parallel: bool = False,
+    defer_wgrad: bool = False,
+):
+    """This rank's `train.recipe.Run` of the job, as `train.main` builds it (`build_run`).
 
-    runs = [AdapterRun(adapter.name, job.batch_tokens[a]) for a, adapter in enumerate(adapters)]
-    return runs, AdapterAdamW(lora, adapters, [STEPS] * len(adapters), **norms)
+    ``sequence_parallel`` turns on Megatron's sequence parallelism under TP (microbatches are
+    then padded to a multiple of TP); ``defer_wgrad`` defers LoRA A's weight gradients.
+    """
+    from megatron.core import parallel_state
 
+    from megatron_lorafusion.train.recipe import build_run
 
-def reference_run(job: Job, adapters=ADAPTERS) -> dict:
-    """One process (needs a one-rank world): the single-stage loop over the same plan."""
-    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-    from megatron_lorafusion.mcore.parallel import packed_seq_params
-    from megatron_lorafusion.train import run_plan
-
-    model = build_gpt_model(MODEL).train()
-    lora = apply_lora(model, adapters, seed=SEED)
-    runs, optimizer = build_adapter_runs(lora, job, adapters)
-
-    def forward(batch):
-        lora.layout = batch.layout
-        return model(
-            batch.input_ids,
-            batch.position_ids,
-            None,
-            labels=batch.labels,
-            packed_seq_params=packed_seq_params(batch.layout),
-        ).float()
-
-    from megatron_lorafusion.train.evaluate import one_stage_loss_sums
-
-    norms, on_step = _recording_norms(optimizer, len(adapters))
-    make_batch = make_batch_fn(job, len(adapters))
-    run_plan(
-        job.microbatches, forward, make_batch, runs, optimizer, progress_bar=False, on_step=on_step
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    run = build_run(
+        MODEL,
+        adapters,
+        job.batch_tokens,
+        seed=SEED,
+        sequence_shards=tp if sequence_parallel else 1,
+        defer_wgrad=defer_wgrad,
+        comm_timeout_s=timeout_s,
     )
-    model.eval()
-    sums = one_stage_loss_sums(forward, lambda mb: make_batch(mb, 0), len(adapters))
-    return {
-        "states": [lora.adapter_state_dict(a) for a in range(len(adapters))],
-        "losses": [run.losses for run in runs],
-        "norms": norms,
-        "eval": sums(job.microbatches),
-    }
+    run.model.train()
+    return run
 
 
-def eval_stage(job: Job, model, lora, groups, adapters, tp_rank: int, sequence_shards: int = 1):
+def run_stage(job: Job, run, make_batch=None, on_step=None):
+    """Train the job's plan on this rank's stage (`Run.train`)."""
+    make_batch = make_batch or make_batch_fn(job, len(run.runs), run.sequence_shards)
+    return run.train(job.microbatches, make_batch, on_step=on_step)
+
+
+def eval_stage(job: Job, run, tp_rank: int):
     """The trained stage's eval loss sums over the plan's microbatches (forward only)."""
-    from megatron_lorafusion.pipeline import forward_loss_sums, gpt_stage_forward
+    from megatron_lorafusion.pipeline import forward_loss_sums
 
-    model.eval()
-    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    make_batch = make_batch_fn(job, len(adapters), sequence_shards)
+    run.model.eval()
+    make_batch = make_batch_fn(job, len(run.runs), run.sequence_shards)
     return forward_loss_sums(
         job.microbatches,
-        forward,
+        run.forward,
         lambda mb: make_batch(mb, 0),
-        groups,
-        num_adapters=len(adapters),
+        run.groups,
+        num_adapters=len(run.runs),
         hidden_size=MODEL.hidden_size,
         activation_dtype=torch.float32,
         device="cpu",
         counts_once=tp_rank == 0,
-        sequence_shards=sequence_shards,
+        sequence_shards=run.sequence_shards,
     )
 
 
-def init_world(rank: int, world: int, workdir: str, tp: int, pp: int, timeout_s: float = 60.0):
-    """A gloo world from a FileStore (no ports) with Megatron's TP × PP groups."""
-    from datetime import timedelta
+def reference_run(job: Job, adapters=ADAPTERS) -> dict:
+    """One process (needs a one-rank world): the runner at PP = DP = 1 over the same plan."""
+    from megatron_lorafusion.train.evaluate import one_stage_loss_sums
 
-    from megatron.core import parallel_state
-
-    torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    run = build_stage(job, adapters)
+    norms, on_step = _recording_norms(run.optimizer, len(adapters))
+    run_stage(job, run, on_step=on_step)
+    run.model.eval()
+    make_batch = make_batch_fn(job, len(adapters))
+    sums = one_stage_loss_sums(
+        lambda batch: run.forward(batch, None), lambda mb: make_batch(mb, 0), len(adapters)
     )
-    parallel_state.initialize_model_parallel(tp, pp)
-
-
-def close_world() -> None:
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def build_stage(
-    job: Job, adapters=ADAPTERS, timeout_s: float = 60.0, sequence_parallel: bool = False
-):
-    """This rank's stage model, LoRA, ``(adapter runs, optimizer)`` and pipeline groups.
-
-    Under TP the optimizer's norms sum over the TP group (as `train.main` sets it up).
-    """
-    from megatron.core import parallel_state
-
-    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-    from megatron_lorafusion.mcore.parallel import pipeline_and_data_ranks
-    from megatron_lorafusion.pipeline import make_pipeline_groups
-    from megatron_lorafusion.train.optim import tensor_parallel_squared_norms
-
-    groups = make_pipeline_groups(*pipeline_and_data_ranks(), timeout_s)
-    model = build_gpt_model(
-        MODEL,
-        pre_process=groups.is_first,
-        post_process=groups.is_last,
-        sequence_parallel=sequence_parallel,
-    ).train()
-    lora = apply_lora(model, adapters, seed=SEED)
-    norms = {}
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        norms["squared_norms"] = tensor_parallel_squared_norms(
-            lora,
-            parallel_state.get_tensor_model_parallel_rank(),
-            parallel_state.get_tensor_model_parallel_group(),
-        )
-    return model, lora, build_adapter_runs(lora, job, adapters, **norms), groups
-
-
-def run_stage(
-    job: Job,
-    model,
-    lora,
-    training,
-    groups,
-    adapters=ADAPTERS,
-    make_batch=None,
-    sequence_shards: int = 1,
-    defer_wgrad: bool = False,
-    on_step=None,
-):
-    """Run the job's plan on this rank's stage; ``sequence_shards``: TP size under SP.
-
-    ``training`` is `build_adapter_runs`'s ``(runs, optimizer)``.
-    """
-    from megatron_lorafusion.mcore import WgradQueue
-    from megatron_lorafusion.pipeline import gpt_stage_forward, run_pipeline
-
-    if defer_wgrad:
-        lora.wgrad_queue = WgradQueue(max_pending=groups.num_stages)
-
-    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
-    runs, optimizer = training
-    make_batch = make_batch or make_batch_fn(job, len(adapters), sequence_shards)
-    return run_pipeline(
-        job.microbatches,
-        forward,
-        make_batch,
-        runs,
-        optimizer,
-        lora.grads,
-        groups,
-        global_batch_sizes=[a.global_batch_size for a in adapters],
-        hidden_size=MODEL.hidden_size,
-        activation_dtype=torch.float32,
-        device="cpu",
-        sequence_shards=sequence_shards,
-        wgrad_queue=lora.wgrad_queue,
-        on_step=on_step,
-    )
+    return {
+        "states": [run.lora.adapter_state_dict(a) for a in range(len(adapters))],
+        "losses": [r.losses for r in run.runs],
+        "norms": norms,
+        "eval": sums(job.microbatches),
+    }
 
 
 def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
@@ -334,89 +248,70 @@ def parallel_worker(rank: int, world: int, workdir: str, cases: list) -> None:
     gets a fresh gloo world in ``workdir/name``, where rank 0 saves the gathered weights and
     losses (``result.pt``) and a failing rank its traceback (``error_<rank>.txt``).
     """
+    for name, tp, pp, sp, defer_wgrad, clip in cases:
+        casedir = os.path.join(workdir, name)
+        os.makedirs(casedir, exist_ok=True)
+        try:
+            with gloo_world(rank, world, casedir, tp, pp):
+                _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip)
+        except Exception:
+            with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+
+
+def _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip) -> None:
+    """One `parallel_worker` case inside its world."""
     from sp_testing import sequence_parallel_on_cpu
 
     from megatron_lorafusion.mcore.parallel import parallel_sizes
     from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
-    for name, tp, pp, sp, defer_wgrad, clip in cases:
-        casedir = os.path.join(workdir, name)
-        os.makedirs(casedir, exist_ok=True)
-        init_world(rank, world, casedir, tp, pp)
-        try:
-            job = make_job(pp)
-            adapters = adapters_for(world // (tp * pp), clip)
-            with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
-                model, lora, training, groups = build_stage(job, adapters, sequence_parallel=sp)
-                modes = {w.sequence_parallel for w in lora.wrappers.values()}
-                assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
-                norms, on_step = _recording_norms(training[1], len(adapters))
-                run_stage(
-                    job,
-                    model,
-                    lora,
-                    training,
-                    groups,
-                    adapters,
-                    sequence_shards=tp if sp else 1,
-                    defer_wgrad=defer_wgrad,
-                    on_step=on_step,
-                )
-                sizes = parallel_sizes()
-                evaluated = eval_stage(
-                    job,
-                    model,
-                    lora,
-                    groups,
-                    adapters,
-                    sizes["tp_rank"],
-                    sequence_shards=tp if sp else 1,
-                )
-            states = gather_adapter_states(
-                lora, tp_rank=sizes["tp_rank"], tp_size=tp, dp_rank=sizes["dp_rank"]
-            )
-            if rank == 0:
-                torch.save(
-                    {
-                        "states": states,
-                        "losses": [r.losses for r in training[0]],
-                        "norms": norms,
-                        "eval": evaluated,
-                    },
-                    os.path.join(casedir, "result.pt"),
-                )
-        except Exception:
-            with open(os.path.join(casedir, f"error_{rank}.txt"), "w") as f:
-                f.write(traceback.format_exc())
-        finally:
-            close_world()
+    job = make_job(pp)
+    adapters = adapters_for(world // (tp * pp), clip)
+    with sequence_parallel_on_cpu("cpu") if sp else contextlib.nullcontext():
+        run = build_stage(job, adapters, sequence_parallel=sp, defer_wgrad=defer_wgrad)
+        modes = {w.sequence_parallel for w in run.lora.wrappers.values()}
+        assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
+        norms, on_step = _recording_norms(run.optimizer, len(adapters))
+        run_stage(job, run, on_step=on_step)
+        sizes = parallel_sizes()
+        evaluated = eval_stage(job, run, sizes["tp_rank"])
+    states = gather_adapter_states(
+        run.lora, tp_rank=sizes["tp_rank"], tp_size=tp, dp_rank=sizes["dp_rank"]
+    )
+    if rank == 0:
+        torch.save(
+            {
+                "states": states,
+                "losses": [r.losses for r in run.runs],
+                "norms": norms,
+                "eval": evaluated,
+            },
+            os.path.join(casedir, "result.pt"),
+        )
 
 
 def lemma_worker(rank: int, world: int, workdir: str) -> None:
     """PP = 2 on a plan made for one stage: every rank must refuse it before computing."""
     from megatron_lorafusion.pipeline import LemmaError
 
-    init_world(rank, world, workdir, 1, world)
-    try:
+    with gloo_world(rank, world, workdir, 1, world):
         adapters = ADAPTERS[:1]  # planned alone for one stage: its global batches back to back
         job = make_job(1, adapters)
-        model, lora, training, groups = build_stage(job, adapters)
+        run = build_stage(job, adapters)
         try:
-            run_stage(job, model, lora, training, groups, adapters)
+            run_stage(job, run)
         except LemmaError as err:
             torch.save({"error": str(err)}, os.path.join(workdir, f"refused_{rank}.pt"))
-    finally:
-        close_world()
 
 
 def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: float) -> None:
     """PP = ``world``; the last rank dies (``kill``) or raises (``raise``) at microbatch 2."""
     import signal
 
-    init_world(rank, world, workdir, 1, world, timeout_s=timeout_s)
-    try:
+    with gloo_world(rank, world, workdir, 1, world, timeout_s=timeout_s):
         job = make_job(world)
-        model, lora, training, groups = build_stage(job, timeout_s=timeout_s)
+        run = build_stage(job, timeout_s=timeout_s)
         make_batch = make_batch_fn(job, len(ADAPTERS))
 
         def faulty_make_batch(microbatch, index):
@@ -426,28 +321,24 @@ def fault_worker(rank: int, world: int, workdir: str, fault: str, timeout_s: flo
                 raise ValueError("injected failure")
             return make_batch(microbatch, index)
 
-        run_stage(job, model, lora, training, groups, make_batch=faulty_make_batch)
-    except BaseException:
-        with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        close_world()
+        try:
+            run_stage(job, run, make_batch=faulty_make_batch)
+        except BaseException:
+            with open(os.path.join(workdir, f"error_{rank}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+            raise
 
 
 def config_worker(rank: int, world: int, workdir: str) -> None:
     """Rank 1 holds another config: both must raise at start-up."""
     from megatron_lorafusion.pipeline import check_same_across_ranks
 
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        check_same_across_ranks('{"lr": %s}' % ("0.1" if rank == 0 else "0.2"), "job config")
-    except RuntimeError as err:
-        with open(os.path.join(workdir, f"refused_{rank}.txt"), "w") as f:
-            f.write(str(err))
-    finally:
-        dist.destroy_process_group()
+    with gloo_world(rank, world, workdir, megatron=False):
+        try:
+            check_same_across_ranks('{"lr": %s}' % ("0.1" if rank == 0 else "0.2"), "job config")
+        except RuntimeError as err:
+            with open(os.path.join(workdir, f"refused_{rank}.txt"), "w") as f:
+                f.write(str(err))
 
 
 def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
@@ -457,12 +348,11 @@ def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
 
     from megatron_lorafusion.pipeline import make_pipeline_groups
 
-    store = dist.FileStore(os.path.join(workdir, "store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
+    signals = dist.FileStore(os.path.join(workdir, "signals"), world)  # outside the world
+    with gloo_world(rank, world, workdir, megatron=False):
         groups = make_pipeline_groups([0, 1], [rank], timeout_s)
         if rank == 1:  # a hung stage: alive, never sends, until rank 0 has given up
-            store.wait(["rank0_done"], timedelta(seconds=20 * timeout_s))
+            signals.wait(["rank0_done"], timedelta(seconds=20 * timeout_s))
             return
         start = time.monotonic()
         try:
@@ -470,6 +360,4 @@ def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
         except RuntimeError as err:
             with open(os.path.join(workdir, "timed_out.txt"), "w") as f:
                 f.write(f"{time.monotonic() - start:.1f} {err}")
-        store.set("rank0_done", "1")
-    finally:
-        dist.destroy_process_group()
+        signals.set("rank0_done", "1")

@@ -1,7 +1,7 @@
 """The pipeline runner over gloo (2-4 processes) against a one-process run of the same plan.
 
 After ``STEPS`` optimizer steps of 3 adapters with global batch sizes 2, 3 and 5, every
-adapter factor must equal the single-stage loop's, whatever the TP × PP × DP split, with
+adapter factor must equal the one-process run's, whatever the TP × PP × DP split, with
 or without sequence parallelism (which pads microbatches to a multiple of TP with a loss-free
 sample; the one-process run packs none). LoRA dropout is on for one adapter where DP does
 not move samples between packed rows. The ``_clip`` cases clip two adapters' gradient norms,

@@ -6,7 +6,6 @@ import pytest
 
 from megatron_lorafusion.pipeline import (
     LemmaError,
-    check_lemma,
     data_parallel_share,
     lemma_checked,
     schedule,
@@ -90,6 +89,23 @@ def _random_stream(rng: random.Random, length: int, num_adapters: int):
     return stream
 
 
+def _table_keeps_lemma(table) -> bool:
+    """The lemma read off the tables: on each stage, once the forward of the microbatch that
+    finishes adapter ``a``'s global batch has run, no other forward reads ``a`` before that
+    stage's ``"O"`` action for it."""
+    unstepped = {}  # (stage, adapter) -> finishing microbatch
+    for action in table:
+        s, k = action.stage, action.microbatch
+        if action.kind == "O":
+            for a in action.finishes:
+                unstepped.pop((s, a), None)
+        elif action.kind == "F":
+            if any(unstepped.get((s, a), k) != k for a in action.adapters):
+                return False
+            unstepped.update(((s, a), k) for a in action.finishes)
+    return True
+
+
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
 def test_stream_check_agrees_with_every_stage_table(num_stages):
     rng = random.Random(num_stages)
@@ -97,11 +113,7 @@ def test_stream_check_agrees_with_every_stage_table(num_stages):
     for _ in range(200):
         stream = _random_stream(rng, 8, 3)
         table = [a for s in range(num_stages) for a in stage_actions(s, num_stages, stream)]
-        try:
-            check_lemma(table, num_stages)
-            table_ok = True
-        except LemmaError:
-            table_ok = False
+        table_ok = _table_keeps_lemma(table)
         try:
             list(lemma_checked(stream, num_stages))
             stream_ok = True

@@ -17,8 +17,8 @@ from megatron_lorafusion.planner import (
     iter_plan_chunks,
 )
 from megatron_lorafusion.planner import background as background_module
-from megatron_lorafusion.planner.distributions import adapter_lengths
 from megatron_lorafusion.planner.policy import apply_length_policy
+from megatron_lorafusion.sim.distributions import adapter_lengths
 
 
 def _problem(samples=48):
@@ -61,7 +61,7 @@ def test_background_planner_surfaces_worker_death():
 _ORPHAN_PARENT = textwrap.dedent("""
     import threading
     from megatron_lorafusion.planner import BackgroundPlanner, PlanProblem
-    from megatron_lorafusion.planner.distributions import adapter_lengths
+    from megatron_lorafusion.sim.distributions import adapter_lengths
     from megatron_lorafusion.planner.policy import apply_length_policy
 
     lengths = apply_length_policy(adapter_lengths("mix", 3, 4000, seed=1), 2048, 16).lengths

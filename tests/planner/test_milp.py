@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from megatron_lorafusion.planner import Sample
 from megatron_lorafusion.planner import milp as milp_module
-from megatron_lorafusion.planner._segment import Segment, load_of, validate_bins
+from megatron_lorafusion.planner._segment import Segment, load_of
 from megatron_lorafusion.planner.greedy import pack_ffd
 from megatron_lorafusion.planner.milp import (
     EXACT_ITEMS,
@@ -16,6 +16,19 @@ from megatron_lorafusion.planner.milp import (
 )
 
 pytest.importorskip("pulp")
+
+
+def _assert_valid_bins(segment, bins):
+    """Every sample placed once, no bin over the capacity, the carry in bin 0, releases kept."""
+    placed = sorted((s.adapter, s.index) for b in bins for s in b)
+    assert placed == sorted((s.adapter, s.index) for s in segment.items + segment.carry)
+    for b, members in enumerate(bins):
+        assert load_of(members, segment.tile_height) <= segment.capacity, f"bin {b} overfilled"
+        for s in members:
+            if s in segment.carry:
+                assert b == 0, "the carry left bin 0"
+            else:
+                assert b >= segment.first_bin(s.adapter), "a release bin was broken"
 
 
 def _brute_force_bins(segment: Segment) -> int:
@@ -57,7 +70,7 @@ def test_solver_is_available():
 def test_milp_matches_brute_force_bin_count(segment):
     greedy = pack_ffd(segment)
     outcome = pack_milp(segment, greedy, time_limit_s=2.0)
-    validate_bins(segment, outcome.bins)
+    _assert_valid_bins(segment, outcome.bins)
     best = _brute_force_bins(segment)
     assert len(outcome.bins) <= len(greedy)
     assert len(outcome.bins) >= best
@@ -73,7 +86,7 @@ def test_milp_improves_a_bad_greedy_packing():
     segment = Segment(items, (), {}, capacity=12, tile_height=1)
     greedy = pack_ffd(segment)
     outcome = pack_milp(segment, greedy, time_limit_s=2.0)
-    validate_bins(segment, outcome.bins)
+    _assert_valid_bins(segment, outcome.bins)
     assert len(outcome.bins) == _brute_force_bins(segment) == 2
     assert len(greedy) >= len(outcome.bins)
 
@@ -84,7 +97,7 @@ def test_milp_empties_an_underfilled_tail():
     segment = Segment(items, (), {}, capacity=32, tile_height=1)
     greedy = pack_ffd(segment)
     outcome = pack_milp(segment, greedy, time_limit_s=2.0)
-    validate_bins(segment, outcome.bins)
+    _assert_valid_bins(segment, outcome.bins)
     assert len(outcome.bins) == len(greedy) == 3
     assert load_of(greedy[-1], 1) == 11
     assert load_of(outcome.bins[-1], 1) <= 6 + tail_tolerance(segment)
@@ -92,8 +105,8 @@ def test_milp_empties_an_underfilled_tail():
 
 def _big_segment() -> Segment:
     """256 adapters x 8 XSum samples: the issue's slow case (2,048 samples, 800k variables)."""
-    from megatron_lorafusion.planner.distributions import adapter_lengths
     from megatron_lorafusion.planner.policy import apply_length_policy
+    from megatron_lorafusion.sim.distributions import adapter_lengths
 
     lengths = apply_length_policy(adapter_lengths("xsum", 256, 8, 0), 6144, 64).lengths
     items = tuple(Sample(a, i, t) for a, ts in enumerate(lengths) for i, t in enumerate(ts))
@@ -126,8 +139,8 @@ def test_milp_leaves_segments_too_large_to_build_to_greedy():
 
 def test_plan_milp_on_a_large_instance_is_bounded_per_solve(monkeypatch):
     from megatron_lorafusion.planner import PlanProblem, plan_microbatches
-    from megatron_lorafusion.planner.distributions import adapter_lengths
     from megatron_lorafusion.planner.policy import apply_length_policy
+    from megatron_lorafusion.sim.distributions import adapter_lengths
 
     lengths = apply_length_policy(adapter_lengths("xsum", 256, 16, 0), 6144, 64).lengths
     problem = PlanProblem(lengths, (8,) * 256, 6144, 4, 64)

@@ -12,13 +12,12 @@ from megatron_lorafusion.planner import (
     PlanError,
     PlanProblem,
     check_plan,
-    compare_strategies,
     iter_plan_chunks,
     plan_microbatches,
 )
 from megatron_lorafusion.planner.bounds import plan_lower_bound
-from megatron_lorafusion.planner.distributions import adapter_lengths
 from megatron_lorafusion.planner.policy import apply_length_policy
+from megatron_lorafusion.sim import adapter_lengths, compare_strategies
 
 FAST = 0.05  # seconds per MILP solve: tests check validity, not optimality under time limits
 
@@ -126,7 +125,7 @@ def test_plan_checked_against_another_problem_fails():
 
 _PROBLEMS = """
 from megatron_lorafusion.planner import PlanProblem
-from megatron_lorafusion.planner.distributions import adapter_lengths
+from megatron_lorafusion.sim.distributions import adapter_lengths
 from megatron_lorafusion.planner.policy import apply_length_policy
 
 

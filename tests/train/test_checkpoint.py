@@ -5,12 +5,11 @@ import json
 import pytest
 import torch
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig
+from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, ModelConfig
 from megatron_lorafusion.mcore.context import load_views
 from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 from megatron_lorafusion.train.checkpoint import (
     Checkpointer,
-    _merge_tp,
     checkpoint_problems,
     find_resume_checkpoint,
 )
@@ -116,29 +115,7 @@ def test_checkpoint_flipped_byte_fails_hash(tmp_path):
     assert checkpoint_problems(folder) == [f"{shard}: SHA-256 differs from the manifest"]
 
 
-@pytest.mark.parametrize("stride", [1, 2])
-def test_merge_tp_inverts_megatron_split(stride):
-    full = torch.arange(48.0).reshape(12, 4)
-    tp = 2
-    shards = [torch.cat(full.chunk(tp * stride, dim=0)[r::tp]) for r in range(tp)]
-    torch.testing.assert_close(
-        _merge_tp(shards, 0, stride),
-        full,
-        atol=0,
-        rtol=0,
-        msg="TP shards must merge back into the full tensor",
-    )
-
-
-TP_MODEL = ModelConfig(
-    num_layers=1,
-    hidden_size=64,
-    ffn_hidden_size=96,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=260,
-    max_position_embeddings=64,
-)
+TP_MODEL = ModelConfig(**{**MODEL_PRESETS["tiny"], "num_layers": 1})  # the train tests' model
 TP_ADAPTERS = [
     AdapterConfig(name="a", rank=4),
     AdapterConfig(name="b", rank=2, target_modules=["linear_fc1"]),
@@ -158,17 +135,13 @@ def _tp_worker(rank, workdir):
     import os
 
     import torch.distributed as dist
-    from megatron.core import parallel_state
+    from dist_testing import gloo_world
 
-    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
+    from megatron_lorafusion.train import build_run
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(os.path.join(workdir, "store"), 2), rank=rank, world_size=2
-    )
-    try:
-        parallel_state.initialize_model_parallel(2, 1)
-        lora = apply_lora(build_gpt_model(TP_MODEL), TP_ADAPTERS, seed=1)
+    with gloo_world(rank, 2, workdir, tp=2):
+        run = build_run(TP_MODEL, TP_ADAPTERS, [[1] * 4] * len(TP_ADAPTERS), seed=1)
+        lora = run.lora
         full = torch.load(os.path.join(workdir, "full.pt"))
         sharding = lora.sharding()
         for a, adapter in enumerate(TP_ADAPTERS):  # this rank's shard of the full tensors
@@ -180,8 +153,6 @@ def _tp_worker(rank, workdir):
                     value = torch.cat(value.chunk(2 * stride, dim=dim)[rank::2], dim=dim)
                 shard[name] = value
             lora.load_adapter_state_dict(a, shard)
-        runs = [AdapterRun(adapter.name, [1] * 4) for adapter in TP_ADAPTERS]
-        optimizer = AdapterAdamW(lora, TP_ADAPTERS, total_steps=[4] * len(TP_ADAPTERS))
         Checkpointer(
             os.path.join(workdir, "ckpt"),
             {},
@@ -189,10 +160,7 @@ def _tp_worker(rank, workdir):
             tp_size=2,
             coordinator=rank == 0,
             barrier=dist.barrier,
-        ).save(3, "d", runs, optimizer, lora)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        ).save(3, "d", run.runs, run.optimizer, lora)
 
 
 @pytest.mark.slow

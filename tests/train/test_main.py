@@ -75,11 +75,13 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path):
 
 @pytest.mark.slow
 def test_train_demo_config_each_adapter_loss_falls_30_percent(tmp_path, monkeypatch):
-    """The README's demo: four adapters, each loss at least 30% below its first steps."""
+    """The README's demo job cut to 40 of its 150 steps (evaluation and early stopping on):
+    four adapters, each loss at least 30% below its first steps (measured: 37-66% below)."""
     monkeypatch.chdir(tmp_path)
     for task in ("reverse", "sort", "add", "upper"):
         write_task(task, tmp_path / "runs/demo/data" / f"{task}.jsonl", 2000)
-    losses = main(load_config(REPO / "configs" / "demo.yaml", ["logging.progress_bar=false"]))
+    overrides = ["logging.progress_bar=false", "train.steps=40"]
+    losses = main(load_config(REPO / "configs" / "demo.yaml", overrides))
     for name, curve in losses.items():
         first, last = _mean(curve[:5]), _mean(curve[-5:])
         assert last < 0.7 * first, f"{name}: loss {first:.3f} -> {last:.3f}, less than 30% drop"

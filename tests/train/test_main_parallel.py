@@ -10,13 +10,11 @@ Evaluation and early stopping run at DP = 2 and TP = 2 (equal to one process) an
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
+from dist_testing import torchrun_train
 from eval_testing import eval_job
 from safetensors.torch import load_file
 
@@ -71,24 +69,6 @@ def _job(
     return str(path)
 
 
-def _torchrun(job: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "megatron_lorafusion",
-        "train",
-        job,
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
-
-
 def _exported(tmp_path, out: str, name: str) -> dict:
     return load_file(str(tmp_path / out / "adapters" / name / "adapter_model.safetensors"))
 
@@ -96,9 +76,9 @@ def _exported(tmp_path, out: str, name: str) -> dict:
 @pytest.mark.slow
 def test_torchrun_dp2_tp2_and_pp2_train_and_export(tmp_path):
     expected = main(load_config(_job(tmp_path, "one")))
-    _torchrun(_job(tmp_path, "dp2"))
-    _torchrun(_job(tmp_path, "tp2", tp=2))
-    _torchrun(_job(tmp_path, "pp2", pp=2))
+    torchrun_train(_job(tmp_path, "dp2"))
+    torchrun_train(_job(tmp_path, "tp2", tp=2))
+    torchrun_train(_job(tmp_path, "pp2", pp=2))
     for name in expected:
         one, dp2, tp2, pp2 = (
             _exported(tmp_path, out, name) for out in ("one", "dp2", "tp2", "pp2")
@@ -128,7 +108,7 @@ def test_torchrun_pp2_full_recompute_exports_the_weights_of_none(tmp_path):
     backward, so each recomputed layer must restore the layout (and dropout masks) of its
     own microbatch; full recompute then trains exactly what none trains."""
     for mode in ("none", "full"):
-        _torchrun(_job(tmp_path, mode, recompute=mode, dropout=0.1, pp=2))
+        torchrun_train(_job(tmp_path, mode, recompute=mode, dropout=0.1, pp=2))
     for name in ("sort", "add", "upper"):
         none, full = (_exported(tmp_path, mode, name) for mode in ("none", "full"))
         assert none.keys() == full.keys(), f"{name}: keys differ"
@@ -181,7 +161,7 @@ def test_torchrun_dp2_tp2_and_pp2_evaluate_and_stop_early(tmp_path):
         jobs[out].write_text(yaml.safe_dump(raw))
     main(load_config(jobs["one"]))
     for out in ("dp2", "tp2", "pp2"):
-        _torchrun(str(jobs[out]))
+        torchrun_train(str(jobs[out]))
     one, pp2 = _evals(tmp_path / "one"), _evals(tmp_path / "pp2")
     assert len(one["wild"]) < 4, f"wild must stop early in one process: {one['wild']}"
     for out, tol in (("dp2", TOL), ("tp2", TP_TOL)):  # TP: best weights gathered from shards

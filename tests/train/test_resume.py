@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import yaml
+from dist_testing import torchrun_train
 
 from megatron_lorafusion.cli import main as cli_main
 from megatron_lorafusion.config import load_config
@@ -215,35 +216,13 @@ def test_resume_may_change_recompute_but_not_steps():
 @pytest.mark.slow
 def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     """TP = 2: drop the checkpoints after the first (as if killed there), rerun, same result."""
-    import os
     import shutil
-    import subprocess
-    import sys
 
     cfg = _job(tmp_path, "tp2")  # writes the datasets and tp2.yaml
     raw = yaml.safe_load((tmp_path / "tp2.yaml").read_text())
     raw["parallel"] = {"tp": 2}
     (tmp_path / "tp2.yaml").write_text(yaml.safe_dump(raw))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "megatron_lorafusion",
-        "train",
-        str(tmp_path / "tp2.yaml"),
-    ]
-
-    def launch() -> str:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
-        return done.stderr
-
-    launch()
+    torchrun_train(tmp_path / "tp2.yaml", 2)
     root = tmp_path / "tp2" / "checkpoints"
     saved = sorted(root.glob("ckpt_*"))
     assert len(saved) >= 3, f"expected several checkpoints, got {saved}"
@@ -255,7 +234,9 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
     full = full_adapter_tensors(saved[-1])
     for later in saved[1:]:
         shutil.rmtree(later)
-    log = launch()  # resume: auto continues from the first checkpoint
+    log = torchrun_train(
+        tmp_path / "tp2.yaml", 2
+    )  # resume: auto continues from the first checkpoint
     assert f"resumed from {saved[0]}" in log, "the rerun must resume, not start afresh"
     resumed = full_adapter_tensors(find_resume_checkpoint(root, "auto"))
     assert json.loads((find_resume_checkpoint(root, "auto") / "manifest.json").read_text())[
@@ -269,29 +250,6 @@ def test_resume_tp2_under_torchrun_equals_uninterrupted_run(tmp_path):
                 **TOL[torch.float32],
                 msg=f"{name} {key} differs after a TP = 2 resume",
             )
-
-
-def _torchrun(job_yaml, nproc: int) -> str:
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        "megatron_lorafusion",
-        "train",
-        str(job_yaml),
-    ]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
-    return done.stderr
 
 
 @pytest.mark.slow
@@ -333,7 +291,7 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(
     for adapter in raw["adapters"]:  # clipped: a pending step's norm never straddles a save
         adapter["max_grad_norm"] = 0.5
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(raw))
-    _torchrun(tmp_path / "run.yaml", nproc)
+    torchrun_train(tmp_path / "run.yaml", nproc)
     root = tmp_path / "run" / "checkpoints"
     saved = sorted(root.glob("ckpt_*"))
     assert len(saved) >= 3, f"expected several checkpoints, got {saved}"
@@ -350,7 +308,9 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(
 
     raw["train"].update(save_every=0, output_dir=str(tmp_path / "uncut"))
     (tmp_path / "uncut.yaml").write_text(yaml.safe_dump(raw))
-    _torchrun(tmp_path / "uncut.yaml", nproc)  # one segment: the cuts must not change the result
+    torchrun_train(
+        tmp_path / "uncut.yaml", nproc
+    )  # one segment: the cuts must not change the result
     uncut_folder = find_resume_checkpoint(tmp_path / "uncut" / "checkpoints", "auto")
     uncut = full_adapter_tensors(uncut_folder)
     for name, tensors in full_tensors.items():
@@ -372,7 +332,7 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(
             msg=f"{entry['name']}: the cut run's losses differ from uncut",
         )
 
-    log = _torchrun(tmp_path / "run.yaml", nproc)  # resume: auto, from the first checkpoint
+    log = torchrun_train(tmp_path / "run.yaml", nproc)  # resume: auto, from the first checkpoint
     assert f"resumed from {saved[0]}" in log, "the rerun must resume, not start afresh"
     final = find_resume_checkpoint(root, "auto")
     assert final.name == saved[-1].name, f"the resumed run ended at {final}, not {saved[-1]}"

@@ -13,26 +13,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_lorafusion.planner._segment import Segment
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.greedy import pack_ffd
-from megatron_lorafusion.planner.round_robin import padded_pieces, padded_tokens_of, round_robin
-from megatron_lorafusion.planner.simulator import Job, SimResult, simulate, simulate_flushed
+from megatron_lorafusion.planner.makespan import Job, plan_jobs, stream_jobs
+from megatron_lorafusion.planner.round_robin import (
+    default_samples_per_microbatch,
+    padded_pieces,
+    padded_tokens_of,
+    round_robin,
+)
 from megatron_lorafusion.planner.types import Microbatch, Plan, PlanProblem
+from megatron_lorafusion.sim.simulator import SimResult, simulate, simulate_flushed
 
 __all__ = [
     "StrategyResult",
     "compare_strategies",
-    "default_samples_per_microbatch",
     "megatron_jobs",
     "megatron_microbatches",
     "mlora_jobs",
     "mlora_microbatches",
-    "plan_jobs",
-    "stream_jobs",
 ]
 
 
@@ -67,22 +69,6 @@ class StrategyResult:
         return self.useful_tokens / max(1, self.microbatches * self.capacity)
 
 
-def _job(mb: Microbatch, cost: CostModel, tile_height: int) -> Job:
-    fwd = cost.forward_ms(mb.padded_tokens(tile_height), sum(s.tokens**2 for s in mb.samples))
-    label = mb.samples[0].adapter if mb.samples else -1
-    return Job(fwd, fwd * cost.backward_ratio, mb.adapters, mb.finishes, label)
-
-
-def plan_jobs(plan: Plan, cost: CostModel) -> list[Job]:
-    """Jobs of a plan: padded tokens for the linear term, each sample's square for attention."""
-    return stream_jobs(plan.microbatches, cost, plan.tile_height)
-
-
-def stream_jobs(microbatches: Sequence[Microbatch], cost: CostModel, tile_height: int) -> list[Job]:
-    """Jobs of a microbatch stream (as `plan_jobs`, without a `Plan` around it)."""
-    return [_job(mb, cost, tile_height) for mb in microbatches]
-
-
 def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
     """Strategy (a) as runnable groups: per adapter and global batch, FFD-packed microbatches.
 
@@ -107,8 +93,7 @@ def megatron_microbatches(problem: PlanProblem) -> list[list[Microbatch]]:
 def megatron_jobs(problem: PlanProblem, cost: CostModel) -> list[list[Job]]:
     """Strategy (a): the jobs of `megatron_microbatches`, one group per global batch."""
     return [
-        [_job(mb, cost, problem.tile_height) for mb in group]
-        for group in megatron_microbatches(problem)
+        stream_jobs(group, cost, problem.tile_height) for group in megatron_microbatches(problem)
     ]
 
 
@@ -147,13 +132,6 @@ def mlora_jobs(
         )
         computed += tokens
     return jobs, computed
-
-
-def default_samples_per_microbatch(problem: PlanProblem) -> int:
-    """Strategy (b)'s fixed size: capacity / mean sample length (about ``capacity`` tokens)."""
-    useful = sum(sum(x) for x in problem.lengths)
-    n_samples = sum(len(x) for x in problem.lengths)
-    return max(1, round(problem.capacity * n_samples / useful))
 
 
 def compare_strategies(

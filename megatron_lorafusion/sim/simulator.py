@@ -7,8 +7,8 @@ of the next stage, or this stage's forward for the last stage), plus, for a forw
 optimizer step of every adapter it reads whose previous global batch stepped (per stage,
 right after that microbatch's backward). A plan that breaks the bubble lemma deadlocks
 here, and `simulate` says so. Flushes (Megatron-style) are separate `simulate` calls laid
-end to end by `simulate_flushed`. `simulate_makespan` computes the same makespan in one pass,
-without events (what the planner compares candidate streams by).
+end to end by `simulate_flushed`. `planner.makespan.simulate_makespan` computes the same
+makespan in one pass, without events (what the planner compares candidate streams by).
 
 With ``defer_wgrad = w > 0`` each backward is split zero-bubble style: the input-gradient
 part ``(1 - w)·B`` runs in the 1F1B slot and the weight-gradient part ``W = w·B`` waits on
@@ -20,42 +20,13 @@ adapter. Makespans with and without it say what deferring LoRA's weight gradient
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_lorafusion.planner.cost import CostModel
+from megatron_lorafusion.planner.makespan import Job
 
-__all__ = ["Event", "Job", "SimResult", "simulate", "simulate_flushed", "simulate_makespan"]
-
-
-@dataclass(frozen=True)
-class Job:
-    """One microbatch as the simulator sees it.
-
-    Attributes:
-        forward_ms: forward time on one stage.
-        backward_ms: backward time on one stage.
-        adapters: adapters whose weights its forward reads.
-        steps: adapters whose optimizers step after its backward.
-        label: colour key in timelines (an adapter id; -1 for an idle microbatch).
-        stage_ms: optional per-stage ``(forward_ms, backward_ms)``, one pair per stage
-            (e.g. measured: the first and last stages also embed and compute the loss);
-            when given it replaces ``forward_ms`` and ``backward_ms``.
-    """
-
-    forward_ms: float
-    backward_ms: float
-    adapters: tuple[int, ...] = ()
-    steps: tuple[int, ...] = ()
-    label: int = -1
-    stage_ms: tuple[tuple[float, float], ...] = ()
-
-    def op_ms(self, kind: str, stage: int) -> float:
-        """Time of this job's ``"F"`` or ``"B"`` on ``stage``."""
-        if self.stage_ms:
-            return self.stage_ms[stage][0 if kind == "F" else 1]
-        return self.forward_ms if kind == "F" else self.backward_ms
+__all__ = ["Event", "SimResult", "simulate", "simulate_flushed"]
 
 
 @dataclass(frozen=True)
@@ -264,73 +235,3 @@ def simulate_flushed(
         busy = [b + r for b, r in zip(busy, result.busy_ms, strict=True)]
         offset += result.makespan_ms
     return SimResult(offset, tuple(busy), tuple(events), num_stages)
-
-
-def simulate_makespan(
-    jobs: Sequence[Job], num_stages: int, cost: CostModel, beat: float = math.inf
-) -> float:
-    """``simulate(jobs, num_stages, cost).makespan_ms`` in one pass, without events.
-
-    Stage ``s`` runs ``F(j)`` then ``B(j - w)`` (``w = S - s - 1`` warm-up forwards), so taking
-    the jobs in order and, for each, stages ``0..S-1`` reaches every operation after its
-    inputs: ``F(s-1, j)`` just before, ``B(s+1, j - w)`` one job earlier, the optimizer step a
-    forward waits for at least ``S`` jobs earlier (bubble lemma). The same max and plus as
-    `simulate`, per stage in the same order, so the same float; O(M·S) time and O(S·A) memory
-    instead of sweeps to a fixed point keeping every event (0.08 s against 0.76 s on a plan
-    of 20,730 microbatches, S = 4).
-
-    Args:
-        jobs: microbatches in order.
-        num_stages: ``S`` >= 1.
-        cost: gives the optimizer-step and p2p times.
-        beat: return ``inf`` as soon as the makespan cannot be below ``beat`` ms.
-
-    Returns:
-        The makespan in ms, or ``inf`` when it is ``beat`` or more.
-
-    Raises:
-        ValueError: if ``num_stages < 1``.
-        RuntimeError: if the stream breaks the bubble lemma (where `simulate` deadlocks).
-    """
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    S, p2p, opt = num_stages, cost.p2p_ms, cost.optimizer_ms
-    free = [0.0] * S
-    b_end = [0.0] * S  # end of each stage's latest backward
-    step_end: list[dict[int, float]] = [{} for _ in range(S)]  # adapter -> its latest step
-    last_step: dict[int, int] = {}
-
-    def backward(s: int, job: Job, ready: float) -> None:
-        free[s] = b_end[s] = max(free[s], ready) + job.op_ms("B", s)
-        if job.steps:
-            free[s] += opt * len(job.steps)
-            for a in job.steps:
-                step_end[s][a] = free[s]
-
-    for j, job in enumerate(jobs):
-        late = [a for a in job.adapters if last_step.get(a, -S) > j - S]
-        if late:
-            raise RuntimeError(
-                f"pipeline deadlock at microbatch {j}: its forward waits for the optimizer "
-                f"step of adapters {late} less than {S} microbatches before it; the stream "
-                "breaks the bubble lemma"
-            )
-        last_step.update((a, j) for a in job.steps)
-        ready = 0.0
-        for s in range(S):
-            for a in job.adapters:
-                ready = max(ready, step_end[s].get(a, 0.0))
-            free[s] = ready = max(free[s], ready) + job.op_ms("F", s)
-            i = j - (S - s - 1)
-            if i >= 0:
-                backward(s, jobs[i], ready if s == S - 1 else b_end[s + 1] + p2p)
-            ready += p2p
-        if free[-1] >= beat:
-            return math.inf
-    m = len(jobs)
-    for i in range(max(0, m - S + 1), m):
-        for s in range(S - 2, -1, -1):
-            if i >= m - (S - s - 1):
-                backward(s, jobs[i], b_end[s + 1] + p2p)
-    makespan = max(free)
-    return math.inf if makespan >= beat else makespan

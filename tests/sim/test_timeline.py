@@ -2,9 +2,9 @@
 
 import pytest
 
-from megatron_lorafusion.planner.cost import CostModel
-from megatron_lorafusion.planner.simulator import Job, simulate
-from megatron_lorafusion.planner.timeline import draw_timelines, timeline_figure
+from megatron_lorafusion.planner import CostModel, Job
+from megatron_lorafusion.sim import simulate
+from megatron_lorafusion.sim.timeline import draw_timelines, timeline_figure
 
 IDLE = 1e-6  # ms: as `lorafusion simulate` draws an idle microbatch
 

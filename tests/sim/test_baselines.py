@@ -1,18 +1,11 @@
-from megatron_lorafusion.planner import (
-    CostModel,
-    PlanProblem,
-    compare_strategies,
-    plan_microbatches,
-)
-from megatron_lorafusion.planner.baselines import (
-    default_samples_per_microbatch,
-    megatron_jobs,
-    mlora_jobs,
-    mlora_microbatches,
-)
-from megatron_lorafusion.planner.distributions import adapter_lengths
+from megatron_lorafusion.planner import CostModel, PlanProblem, plan_microbatches
 from megatron_lorafusion.planner.policy import apply_length_policy
-from megatron_lorafusion.planner.round_robin import padded_tokens_of
+from megatron_lorafusion.planner.round_robin import (
+    default_samples_per_microbatch,
+    padded_tokens_of,
+)
+from megatron_lorafusion.sim import adapter_lengths, compare_strategies
+from megatron_lorafusion.sim.baselines import megatron_jobs, mlora_jobs, mlora_microbatches
 
 
 def _problem(adapters=4, stages=4):

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from megatron_lorafusion.planner import CostModel, Job, simulate, simulate_flushed
-from megatron_lorafusion.planner.simulator import simulate_makespan
+from megatron_lorafusion.planner import CostModel, Job, simulate_makespan
+from megatron_lorafusion.sim import simulate, simulate_flushed
 
 NO_STEP_COST = CostModel(optimizer_ms=0.0)
 

@@ -14,21 +14,17 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
-from megatron_lorafusion.planner.baselines import (
-    StrategyResult,
-    compare_strategies,
-    default_samples_per_microbatch,
-    mlora_jobs,
-    plan_jobs,
-)
 from megatron_lorafusion.planner.check import check_plan
 from megatron_lorafusion.planner.cost import CostModel
-from megatron_lorafusion.planner.distributions import DISTRIBUTIONS, adapter_lengths
 from megatron_lorafusion.planner.io import load_plan, save_plan
+from megatron_lorafusion.planner.makespan import Job, plan_jobs
 from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, plan_microbatches
 from megatron_lorafusion.planner.policy import apply_length_policy
-from megatron_lorafusion.planner.simulator import Job, SimResult, simulate
+from megatron_lorafusion.planner.round_robin import default_samples_per_microbatch
 from megatron_lorafusion.planner.types import Plan, PlanProblem
+from megatron_lorafusion.sim.baselines import StrategyResult, compare_strategies, mlora_jobs
+from megatron_lorafusion.sim.distributions import DISTRIBUTIONS, adapter_lengths
+from megatron_lorafusion.sim.simulator import SimResult, simulate
 
 __all__ = [
     "PlanRequest",
@@ -376,7 +372,7 @@ def run_simulate(
     Raises:
         PlanError: if ``--plan`` does not fit the problem the arguments describe.
     """
-    from megatron_lorafusion.planner.timeline import draw_timelines
+    from megatron_lorafusion.sim.timeline import draw_timelines
 
     request = request if request is not None else request_from_args(args)
     problem = request.problem

@@ -15,12 +15,11 @@ from megatron_lorafusion.planner import (
     CostModel,
     Plan,
     PlanProblem,
-    adapter_lengths,
     apply_length_policy,
-    compare_strategies,
     iter_plan_chunks,
     plan_microbatches,
 )
+from megatron_lorafusion.sim import adapter_lengths, compare_strategies
 
 
 def _random_problem(seed: int) -> PlanProblem:

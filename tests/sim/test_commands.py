@@ -1,8 +1,10 @@
 import argparse
 
-from megatron_lorafusion.planner import check_plan, plan_microbatches
-from megatron_lorafusion.planner.baselines import compare_strategies, default_samples_per_microbatch
-from megatron_lorafusion.planner.commands import (
+from megatron_lorafusion.planner import CostModel, check_plan, plan_microbatches
+from megatron_lorafusion.planner.io import load_plan
+from megatron_lorafusion.planner.round_robin import default_samples_per_microbatch
+from megatron_lorafusion.sim import compare_strategies
+from megatron_lorafusion.sim.commands import (
     _timelines,
     add_plan_arguments,
     add_simulate_arguments,
@@ -12,8 +14,6 @@ from megatron_lorafusion.planner.commands import (
     run_plan,
     run_simulate,
 )
-from megatron_lorafusion.planner.cost import CostModel
-from megatron_lorafusion.planner.io import load_plan
 
 SMALL = [
     "--lengths",

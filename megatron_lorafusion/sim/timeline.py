@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatron_lorafusion.planner.simulator import Event, SimResult
+from megatron_lorafusion.sim.simulator import Event, SimResult
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

@@ -2,7 +2,7 @@ import statistics
 
 import pytest
 
-from megatron_lorafusion.planner import DISTRIBUTIONS, adapter_lengths, load_lengths, sample_lengths
+from megatron_lorafusion.sim import DISTRIBUTIONS, adapter_lengths, load_lengths, sample_lengths
 
 
 @pytest.mark.parametrize(
