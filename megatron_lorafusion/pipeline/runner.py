@@ -179,6 +179,8 @@ class _State:
     loss_sums: torch.Tensor | None = None  # (A,) float64 on the device: each batch so far
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
+    tokens: int = 0  # this rank's forward tokens so far
+    logged: tuple[float, int] | None = None  # (perf_counter, tokens) at the last step log line
 
 
 def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch]):
@@ -338,6 +340,7 @@ class _Runner:
         gpu_start = self._gpu_mark()  # the stream waited for the input before this point
         output = self.forward(batch, input_tensor)
         stash = _Stash(input_tensor, output, tokens, share.adapters)
+        self.state.tokens += tokens
         if self.g.is_last:
             stash.output = self._adapter_loss(output, batch, share)
         else:
@@ -449,20 +452,30 @@ class _Runner:
             self.optimizer.check_losses(dict(zip(group.adapters, losses, strict=True)))
         self.optimizer.step(group.adapters, squared_norms=group.norms)
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
+        rate = None
         for b, loss in zip(group.adapters, losses, strict=True):
             run = self.adapters[b]
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))
             if self.g.is_last and self.g.dp_rank == 0 and len(run.losses) % self.log_every == 0:
+                rate = self._tokens_per_s() if rate is None else rate
                 logger.info(
-                    "adapter %s step %d | loss %.4f | lr %.1e",
+                    "adapter %s step %d | loss %.4f | lr %.1e | %.1fk tok/s",
                     run.name,
                     len(run.losses),
                     run.losses[-1],
                     self.optimizer.lr(b),
+                    rate / 1e3,
                 )
             if self.on_step is not None:
                 self.on_step(b, run)
+
+    def _tokens_per_s(self) -> float:
+        """Run-wide tokens/s since the last step log line (this replica's times DP)."""
+        now = time.perf_counter()
+        since, tokens = self.state.logged or (self.t0, 0)
+        self.state.logged = (now, self.state.tokens)
+        return (self.state.tokens - tokens) * self.g.dp_size / max(now - since, 1e-9)
 
 
 def _share_losses(adapters: Sequence[AdapterRun], groups: PipelineGroups) -> None:

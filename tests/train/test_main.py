@@ -1,6 +1,8 @@
 """Training end to end on the CPU: losses fall, checkpoints and PEFT folders are written."""
 
 import json
+import logging
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -22,7 +24,7 @@ def _mean(values):
     return sum(values) / len(values)
 
 
-def test_train_two_adapters_losses_fall_and_exports(tmp_path):
+def test_train_two_adapters_losses_fall_and_exports(tmp_path, caplog):
     tasks = {"sort": 4, "add": 8}
     adapters = []
     for task, rank in tasks.items():
@@ -52,8 +54,13 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path):
         "logging": {"progress_bar": False},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    losses = main(load_config(tmp_path / "job.yaml"))
+    with caplog.at_level(logging.INFO, logger="megatron_lorafusion.pipeline.runner"):
+        losses = main(load_config(tmp_path / "job.yaml"))
 
+    step_lines = [r.getMessage() for r in caplog.records if " step " in r.getMessage()]
+    line = re.compile(r"adapter (sort|add) step \d+ \| loss [\d.]+ \| lr \S+ \| [\d.]+k tok/s")
+    assert len(step_lines) == 60, f"one log line per adapter step (log_every 1): {step_lines[:3]}"
+    assert all(line.fullmatch(m) for m in step_lines), f"step lines lack a rate: {step_lines[:3]}"
     for name, curve in losses.items():
         assert len(curve) == 30, f"{name} took {len(curve)} steps, expected 30"
         assert _mean(curve[-5:]) < 0.85 * _mean(curve[:5]), f"{name} loss did not fall: {curve}"
