@@ -198,7 +198,6 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
-        HAS_LORA: tl.constexpr,
     ):
         """Add the LoRA term (and bias) to one column sub-tile ``acc`` and store it."""
         BLOCK_M: tl.constexpr = acc.shape[0]
@@ -216,21 +215,20 @@ if triton is not None:
             other=0.0,
         )  # (BLOCK_R, SUB_N)
         rows = row_start + tl.arange(0, BLOCK_M)
-        if HAS_LORA:  # off only for the bench's "GEMM alone": same kernel, no LoRA term
-            acc = _add_lora_term(
-                acc,
-                s,
-                m,
-                p,
-                seed,
-                rows,
-                col0,
-                row_offset,
-                col_offset,
-                mask_d,
-                HAS_DROPOUT,
-                DOT_PRECISION,
-            )
+        acc = _add_lora_term(
+            acc,
+            s,
+            m,
+            p,
+            seed,
+            rows,
+            col0,
+            row_offset,
+            col_offset,
+            mask_d,
+            HAS_DROPOUT,
+            DOT_PRECISION,
+        )
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         val = acc.to(out_ptr.dtype.element_ty)
@@ -278,7 +276,6 @@ if triton is not None:
         EPI_SPLIT: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
         WARP_SPECIALIZE: tl.constexpr,
-        HAS_LORA: tl.constexpr,
     ):
         n_cols = tl.cdiv(D, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
@@ -342,7 +339,6 @@ if triton is not None:
                     HAS_BIAS,
                     HAS_DROPOUT,
                     DOT_PRECISION,
-                    HAS_LORA,
                 )
             else:
                 # (BLOCK_M, BLOCK_N) -> column halves (BLOCK_M, BLOCK_N / 2)
@@ -373,7 +369,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
                     _tma_epilogue(
                         a1,
@@ -400,7 +395,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
                 else:  # EPI_SPLIT == 4: each half into two quarters
                     q0, q1 = a0.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
@@ -430,7 +424,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
                     _tma_epilogue(
                         q1,
@@ -457,7 +450,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
                     _tma_epilogue(
                         q2,
@@ -484,7 +476,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
                     _tma_epilogue(
                         q3,
@@ -511,7 +502,6 @@ if triton is not None:
                         HAS_BIAS,
                         HAS_DROPOUT,
                         DOT_PRECISION,
-                        HAS_LORA,
                     )
 
 
@@ -666,12 +656,8 @@ def _launch_tma(
     cfg: TmaConfig,
     col_offset=0,
     mask_d=None,
-    lora=True,
 ):
-    """Launch the TMA kernel; returns Triton's compiled kernel (registers, spills).
-
-    ``lora=False`` drops the LoRA term (the benchmark's GEMM-alone timing).
-    """
+    """Launch the TMA kernel; returns Triton's compiled kernel (registers, spills)."""
     tokens, inner = z.shape
     width = w.shape[1]
     tiles = layout.tiles(cfg.block_m, z.device)
@@ -722,7 +708,6 @@ def _launch_tma(
         EPI_SPLIT=cfg.epi_split,
         NUM_PROGRAMS=programs,
         WARP_SPECIALIZE=cfg.warp_specialize,
-        HAS_LORA=lora,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
