@@ -174,9 +174,8 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     1/sqrt(2·layers) as Megatron does) and this rank keeps its TP shard, split like
     Megatron's ``_initialize_affine_weight_cpu`` (chunks of ``partition_stride``). The model
     is therefore the same for every TP and PP size, and on every device: weights are drawn
-    on the CPU (each with its own generator, so in parallel threads: the 8B preset in seconds
-    on a GPU host's cores instead of ~40 s on one) and copied to where the model lives. Norm
-    weights keep their ones.
+    on the CPU, each with its own generator and so in parallel threads (one thread drew the
+    8B preset in ~40 s), and copied to where the model lives. Norm weights keep their ones.
     """
     to_global = {
         str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
