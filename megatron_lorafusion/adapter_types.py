@@ -40,7 +40,9 @@ class AdapterType:
         peft_row_vector: the vector's PEFT key part (``lora_magnitude_vector``).
         init_row_vector: ``(‖W_n‖² (N,) fp32) -> (N,)`` initial vector.
         column_scale: fused hook, ``(W, ‖W_n‖², A, B, s, vector) -> (N,)`` scale of the
-            adapter's tokens' output columns (without bias); None: no scale (plain LoRA).
+            adapter's tokens' output columns (without bias), batched over k adapters of the
+            variant as ``(k, R, H)``, ``(k, N, R)``, ``(k,)``, ``(k, N)`` -> ``(k, N)`` (one
+            call per linear and microbatch); None: no scale (plain LoRA).
         reference: ``(x, W, bias, A, B, s, vector, keep, p) -> y``, the one-adapter torch
             forward the fused path is tested against (``keep``: (T, H) bool or None).
         merged_weight: ``(W, A, B, s, vector) -> W'`` fp32, the weight of the merged model.
@@ -92,7 +94,10 @@ def _dora_problems(adapter: AdapterConfig, where: str, tp: int) -> list[str]:
 
 
 def _dora_column_scale(weight, weight_sq, lora_a, lora_b, scaling, vector):
-    """DoRA: ``m / ‖W + s·B·A‖_row``, the norm detached (PEFT's rule); grad flows to ``m``."""
+    """DoRA: ``m / ‖W + s·B·A‖_row``, the norm detached (PEFT's rule); grad flows to ``m``.
+
+    One adapter's (R, H), (N, R), s, (N,) or k adapters' (k, R, H), (k, N, R), (k,), (k, N).
+    """
     from megatron_lorafusion.ops import dora_weight_norm
 
     return vector / dora_weight_norm(weight, weight_sq, lora_a, lora_b, scaling)

@@ -569,13 +569,9 @@ def variant_fns(prob):
 
     def dora(x, lora_a, lora_b):
         out = lora(x, lora_a, lora_b)
-        norms = torch.stack(
-            [
-                dora_weight_norm(
-                    weight, w_sq, lora_a[a, :rank].float(), lora_b[a, :, :rank].float(), 2.0
-                )
-                for a in range(adapters)
-            ]
+        scalings = torch.full((adapters,), 2.0, device=weight.device)
+        norms = dora_weight_norm(  # every adapter in one call, as the wrapper does
+            weight, w_sq, lora_a[:, :rank].float(), lora_b[:, :, :rank].float(), scalings
         )
         return dora_scale(out, magnitude / norms, layout)
 

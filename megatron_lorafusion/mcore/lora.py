@@ -42,6 +42,7 @@ from megatron_lorafusion.mcore.fused_base import input_rebuild
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
 from megatron_lorafusion.ops import (
     AdapterLayout,
+    copy_to_device,
     dora_scale,
     lora_down,
     lora_linear,
@@ -225,10 +226,11 @@ def _adapter_factors(wrapper: nn.Module, a: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _column_scale(wrapper: nn.Module, layout: AdapterLayout) -> torch.Tensor | None:
-    """(A, N_local) fp32 scale of each adapter's output columns (DoRA), None without one.
+    """(A, N_local) fp32 scale of each adapter's output columns (DoRA), or None for all 1.
 
-    Computed for the adapters with a scale and tokens in this microbatch (1 elsewhere); the
-    vectors' gradient reaches the context's table through `ops.packed_slot`.
+    One batched call of the variant's hook for every adapter with a scale and tokens in this
+    microbatch (1 elsewhere): no per-adapter work; None when no such adapter. The vectors'
+    gradient reaches the context's table through `ops.packed_slot`.
     """
     if wrapper.row_vector is None:
         return None
@@ -236,20 +238,31 @@ def _column_scale(wrapper: nn.Module, layout: AdapterLayout) -> torch.Tensor | N
     vectors = getattr(wrapper, wrapper.row_vector)
     grads = getattr(wrapper, f"{wrapper.row_vector}_grad")
     vectors = packed_slot(table, vectors, grads, torch.float32)[:, 0]  # (A, N_local)
-    weight = wrapper.base.weight.detach()
     counts = layout.token_counts()
-    scales = []
-    for a, kind in enumerate(wrapper.types):
-        if kind.column_scale is None or not counts[a] or not wrapper.ranks[a]:
-            scales.append(torch.ones_like(vectors[a]))
-            continue
-        factor_a, factor_b = _adapter_factors(wrapper, a)
-        scales.append(
-            kind.column_scale(
-                weight, wrapper.weight_sq, factor_a, factor_b, wrapper.scalings[a], vectors[a]
-            )
-        )
-    return torch.where(wrapper.row_vector_on, torch.stack(scales), 1.0)
+    ids = [
+        a
+        for a, kind in enumerate(wrapper.types)
+        if kind.column_scale is not None and counts[a] and wrapper.ranks[a]
+    ]
+    if not ids:  # no scaled adapter has tokens here: every scale is 1
+        return None
+    kind = wrapper.types[ids[0]]  # one kind of row vector per linear (`_init_row_vectors`)
+    device = vectors.device
+    index = copy_to_device(torch.tensor(ids), device)
+    factor_b = wrapper.lora_B.index_select(0, index)  # (k, N_local, R), fresh copies
+    if wrapper.lora_B_off is not None:
+        factor_b = factor_b.masked_fill(wrapper.lora_B_off.index_select(0, index), 0.0)
+    scalings = torch.tensor([wrapper.scalings[a] for a in ids], dtype=torch.float32)
+    picked = kind.column_scale(  # every scaled adapter of the microbatch at once
+        wrapper.base.weight.detach(),
+        wrapper.weight_sq,
+        wrapper.lora_A.index_select(0, index),
+        factor_b,
+        copy_to_device(scalings, device),
+        vectors.index_select(0, index),
+    )  # (k, N_local)
+    scale = torch.ones_like(vectors).index_copy(0, index, picked)
+    return torch.where(wrapper.row_vector_on, scale, 1.0)
 
 
 def _scale_columns(

@@ -226,29 +226,43 @@ def dora_weight_norm(
     weight_sq_norm: torch.Tensor,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
-    scaling: float,
+    scaling: float | torch.Tensor,
 ) -> torch.Tensor:
-    """``‖W + s·B·A‖`` of each output row (N,) fp32, without forming ``W + s·B·A``; no grad.
+    """``‖W + s·B·A‖`` of each output row, without forming ``W + s·B·A``; no grad.
+
+    ``‖W_n‖² + 2s·Σ_r B[n,r]·(W·Aᵀ)[n,r] + s²·B_n·(A·Aᵀ)·B_nᵀ``: one GEMM of W against every
+    adapter's A at once (k adapters in one launch), the rest rank-sized.
 
     Args:
         weight: (N, H) frozen base weight (any float dtype; the GEMM runs in its dtype).
         weight_sq_norm: (N,) fp32 ``‖W_n‖²``, computed once (`weight_sq_norm`).
-        lora_a: (R, H) fp32 down-projection.
-        lora_b: (N, R) fp32 up-projection.
-        scaling: the LoRA scale ``s``.
+        lora_a: (R, H) fp32 down-projection, or (k, R, H) for k adapters (rows past an
+            adapter's rank zero).
+        lora_b: (N, R) fp32 up-projection, or (k, N, R).
+        scaling: the LoRA scale ``s``, or (k,) fp32 on the factors' device.
+
+    Returns:
+        (N,) fp32, or (k, N) for batched factors.
     """
+    if lora_a.dim() == 2:
+        return dora_weight_norm(
+            weight, weight_sq_norm, lora_a[None], lora_b[None], torch.tensor([scaling])
+        )[0]
     with torch.no_grad():
         # Fresh (aligned) copies: CPU matmul rounds differently at another 16-byte alignment
         # of its input, so a view into the packed table would make the norm depend on where
         # the adapter's slot sits in it.
+        adapters, rank, hidden = lora_a.shape
         lora_a = lora_a.clone(memory_format=torch.contiguous_format)
         lora_b = lora_b.clone(memory_format=torch.contiguous_format)
-        wa = (weight @ lora_a.to(weight.dtype).t()).float()  # (N, R)
-        gram = lora_a @ lora_a.t()  # (R, R)
+        flat_a = lora_a.reshape(adapters * rank, hidden).to(weight.dtype)
+        wa = (weight @ flat_a.t()).float().view(-1, adapters, rank).transpose(0, 1)  # (k, N, R)
+        gram = lora_a @ lora_a.transpose(1, 2)  # (k, R, R)
+        scale = torch.as_tensor(scaling, dtype=torch.float32, device=lora_a.device)[:, None]
         sq = (
-            weight_sq_norm
-            + 2.0 * scaling * (lora_b * wa).sum(1)
-            + scaling * scaling * ((lora_b @ gram) * lora_b).sum(1)
+            weight_sq_norm[None]
+            + 2.0 * scale * (lora_b * wa).sum(-1)
+            + scale * scale * ((lora_b @ gram) * lora_b).sum(-1)
         )
         return sq.clamp_min(0.0).sqrt()
 

@@ -163,3 +163,23 @@ def test_dora_linear_matches_peft_forward_and_gradients(with_bias, device, make_
             torch.testing.assert_close(mags.grad[i].cpu(), grads[2], **PEFT_TOL, msg=f"{name} dm")
         else:
             assert not mags.grad[i].any(), f"{name}: a LoRA adapter's magnitude got a gradient"
+
+
+def test_dora_weight_norm_batched_equals_one_adapter_at_a_time():
+    """k adapters in one call (ranks padded with zero rows, as packed) = one call each."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(24, 16, generator=gen)
+    ranks, scalings = [4, 2, 3], [0.5, 2.0, 1.25]
+    lora_a = torch.zeros(3, 4, 16)
+    lora_b = torch.zeros(3, 24, 4)
+    for i, r in enumerate(ranks):
+        lora_a[i, :r] = torch.randn(r, 16, generator=gen)
+        lora_b[i, :, :r] = torch.randn(24, r, generator=gen)
+    sq = weight_sq_norm(weight)
+    got = dora_weight_norm(weight, sq, lora_a, lora_b, torch.tensor(scalings))
+    for i, r in enumerate(ranks):
+        want = dora_weight_norm(weight, sq, lora_a[i, :r], lora_b[i, :, :r], scalings[i])
+        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5, msg=f"adapter {i}")
+        torch.testing.assert_close(
+            got[i], dora_weight_norm_ref(weight, lora_a[i, :r], lora_b[i, :, :r], scalings[i])
+        )
