@@ -57,7 +57,11 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="megatron_lorafusion.pipeline.runner"):
         losses = main(load_config(tmp_path / "job.yaml"))
 
-    step_lines = [r.getMessage() for r in caplog.records if " step " in r.getMessage()]
+    step_lines = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "megatron_lorafusion.pipeline.runner" and r.getMessage().startswith("adapter")
+    ]
     line = re.compile(r"adapter (sort|add) step \d+ \| loss [\d.]+ \| lr \S+ \| [\d.]+k tok/s")
     assert len(step_lines) == 60, f"one log line per adapter step (log_every 1): {step_lines[:3]}"
     assert all(line.fullmatch(m) for m in step_lines), f"step lines lack a rate: {step_lines[:3]}"
