@@ -22,6 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_lorafusion.config import JobConfig, job_from_dict
 from megatron_lorafusion.pipeline import AdapterRun
 from megatron_lorafusion.planner import Microbatch
@@ -30,7 +32,7 @@ from megatron_lorafusion.train.checkpoint import (
     CheckpointError,
     find_resume_checkpoint,
 )
-from megatron_lorafusion.train.optim import AdapterAdamW
+from megatron_lorafusion.train.optim import AdapterAdamW, DivergenceError
 
 __all__ = ["RESUMABLE_KEYS", "ResumeSession", "job_changes", "make_resume_session", "stream_digest"]
 
@@ -124,6 +126,8 @@ class ResumeSession:
         lora: the `LoRAContext` of the adapters' parameters.
         save_every: save when the adapters' total optimizer steps pass a multiple of
             ``save_every × adapters`` (each adapter's steps, on average); 0: only at the end.
+        any_rank: ``(A,) int32 flags -> the same flags or-ed over every rank`` in place (an
+            all-reduce; the identity in a one-process run).
     """
 
     def __init__(
@@ -133,7 +137,9 @@ class ResumeSession:
         optimizer: AdapterAdamW,
         lora,
         save_every: int,
+        any_rank: Callable[[torch.Tensor], None] = lambda flags: None,
     ):
+        self.any_rank = any_rank
         self.checkpointer = checkpointer
         self.runs = runs
         self.optimizer = optimizer
@@ -242,7 +248,21 @@ class ResumeSession:
         self.at_save_point = True  # the end of the stream
 
     def save(self) -> Path:
-        """Checkpoint every adapter after the microbatches the stream has yielded so far."""
+        """Checkpoint every adapter after the microbatches the stream has yielded so far.
+
+        Raises:
+            DivergenceError: when an adapter's weights hold NaN or inf on any rank (a step on
+                finite gradients can still overflow them); nothing is written, so the newest
+                checkpoint stays the last good one.
+        """
+        bad = (~torch.isfinite(self.lora.weights.detach()).all(dim=1)).to(torch.int32)  # (A,)
+        self.any_rank(bad)  # every rank reaches this save, so every rank refuses together
+        if bad.any():
+            run = self.runs[int(bad.nonzero()[0])]
+            raise DivergenceError(
+                f"adapter {run.name!r}: its weights became NaN or infinite by step {run.step}; "
+                "the checkpoint was not written (lower its lr or set its max_grad_norm)"
+            )
         self.position = self._consumed
         return self.checkpointer.save(
             self.position, self._digest.hexdigest(), self.runs, self.optimizer, self.lora
@@ -267,6 +287,10 @@ def make_resume_session(
         if sizes["world"] > 1:
             dist.barrier()
 
+    def any_rank(flags: torch.Tensor) -> None:
+        if sizes["world"] > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+
     checkpointer = Checkpointer(
         Path(cfg.train.output_dir) / "checkpoints",
         asdict(cfg),
@@ -280,4 +304,4 @@ def make_resume_session(
         barrier=barrier,
         keep_last=cfg.train.keep_last,
     )
-    return ResumeSession(checkpointer, runs, optimizer, lora, cfg.train.save_every)
+    return ResumeSession(checkpointer, runs, optimizer, lora, cfg.train.save_every, any_rank)

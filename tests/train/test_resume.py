@@ -352,3 +352,32 @@ def test_resume_pipelined_under_torchrun_equals_uninterrupted_run(
                     **TOL[torch.float32],
                     msg=f"{name} {entry['name']} {key} differs",
                 )
+
+
+def test_save_refuses_weights_that_became_infinite_and_keeps_the_last_good_checkpoint(
+    tmp_path, monkeypatch
+):
+    """A step on finite gradients can still overflow a weight: the next save refuses (the
+    adapter and its step named), writes nothing, and the older checkpoint stays the newest."""
+    from megatron_lorafusion.train.optim import AdapterAdamW, DivergenceError
+
+    real_step, steps = AdapterAdamW.step, []
+
+    def overflowing_step(self, adapter_ids, **kwargs):
+        before = len(steps)
+        real_step(self, adapter_ids, **kwargs)
+        steps.extend(adapter_ids)
+        if before < 8 <= len(steps):  # the steps that reach the second save point (8 steps)
+            with torch.no_grad():  # adapter 'add': one weight overflows, its gradients were fine
+                next(iter(self.lora.adapter_tensors(1).values())).view(-1)[0] = float("inf")
+
+    monkeypatch.setattr(AdapterAdamW, "step", overflowing_step)
+    cfg = _job(tmp_path, "out")
+    with pytest.raises(DivergenceError, match=r"adapter 'add': its weights became NaN or inf"):
+        main(cfg)
+    saved = sorted((tmp_path / "out" / "checkpoints").glob("ckpt_*"))
+    assert saved, "the checkpoints before the overflow must stay"
+    assert not any(p.name.endswith(".tmp") for p in saved), f"half-written: {saved}"
+    newest = find_resume_checkpoint(tmp_path / "out" / "checkpoints", "auto")
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert sum(manifest["steps"].values()) < 8, f"a checkpoint after the overflow: {manifest}"
