@@ -13,20 +13,10 @@ import json
 
 import pytest
 import torch
-from hf_testing import model_config, save_tiny_hf_model
-from test_export_projections import (
-    GRAD_TOL,
-    TOL,
-    _fresh,
-    _hf_targets,
-    _our_run,
-    _peft_run,
-    _shared_a_grads,
-)
+from hf_testing import save_tiny_hf_model
+from test_export_projections import _fresh, _hf_targets, check_exports_against_peft
 
-from megatron_lorafusion.adapter_types import adapter_type
 from megatron_lorafusion.config import AdapterConfig
-from megatron_lorafusion.train.export import peft_state_dict, write_merged_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="dev extra: transformers")
 peft = pytest.importorskip("peft", reason="dev extra: peft")
@@ -51,72 +41,10 @@ OWNERS, LENGTHS = [0, 1, 1, 2, 3, 3], [8, 6, 9, 7, 5, 6]
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_dora_matches_peft_logits_grads_and_merge(megatron_single_process, tmp_path, kind):
-    from megatron_lorafusion.train import write_peft_folder
-
-    base = tmp_path / "base"
-    save_tiny_hf_model(kind, base)
-    model_cfg = model_config(base)
-    total = sum(LENGTHS)
-    generator = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, model_cfg.vocab_size, (total,), generator=generator)
-    weights = torch.randn(total, model_cfg.vocab_size, generator=generator)
-    logits, states, grads = _our_run(model_cfg, ids, weights, ADAPTERS, OWNERS, LENGTHS)
-    bounds = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
-    for a, adapter in enumerate(ADAPTERS):
-        mine = [i for i, owner in enumerate(OWNERS) if owner == a]
-        rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in mine])
-        samples = [ids[bounds[i] : bounds[i + 1]] for i in mine]
-        folder = write_peft_folder(tmp_path / adapter.name, adapter, states[a], model_cfg)
-        config = json.loads((folder / "adapter_config.json").read_text())
+    def check_config(adapter, config):
         assert config["use_dora"] is adapter.use_dora, adapter.name
-        expected = peft.get_peft_model_state_dict(
-            peft.get_peft_model(
-                _fresh(base),
-                peft.LoraConfig(
-                    r=adapter.rank, target_modules=_hf_targets(adapter), use_dora=adapter.use_dora
-                ),
-            )
-        )
-        exported = peft_state_dict(
-            states[a], model_cfg, adapter.target_modules, adapter_type(adapter)
-        )
-        assert {k: v.shape for k, v in exported.items()} == {
-            k: v.shape for k, v in expected.items()
-        }, f"{adapter.name}: not PEFT's keys/shapes"
 
-        peft_logits, peft_grads = _peft_run(base, folder, samples, weights[rows])
-        torch.testing.assert_close(
-            peft_logits,
-            logits[rows],
-            **TOL[torch.float32],
-            msg=f"{kind} {adapter.name}: peft logits differ from ours",
-        )
-        our_grads = peft_state_dict(
-            grads[a], model_cfg, adapter.target_modules, adapter_type(adapter)
-        )
-        assert our_grads.keys() == peft_grads.keys(), f"{adapter.name}: gradient keys differ"
-        peft_grads = _shared_a_grads(adapter, peft_grads)
-        for name, grad in our_grads.items():
-            scale = peft_grads[name].abs().max()
-            torch.testing.assert_close(
-                grad / scale,
-                peft_grads[name] / scale,
-                **GRAD_TOL[torch.float32],
-                msg=f"{kind} {adapter.name}: gradient of {name}",
-            )
-
-        merged = write_merged_checkpoint(
-            tmp_path / f"{adapter.name}-merged", adapter, states[a], model_cfg
-        )
-        with torch.no_grad():
-            merged_model = transformers.AutoModelForCausalLM.from_pretrained(str(merged)).eval()
-            merged_logits = torch.cat([merged_model(input_ids=s[None]).logits[0] for s in samples])
-        torch.testing.assert_close(
-            merged_logits,
-            logits[rows],
-            **TOL[torch.float32],
-            msg=f"{kind} {adapter.name}: merged logits differ from ours",
-        )
+    check_exports_against_peft(tmp_path, kind, ADAPTERS, OWNERS, LENGTHS, check_config)
 
 
 def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_path):

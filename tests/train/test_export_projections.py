@@ -129,36 +129,41 @@ def _fresh(base):
     return transformers.AutoModelForCausalLM.from_pretrained(str(base)).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_projection_targets_match_peft_logits_grads_and_merge(
-    megatron_single_process, tmp_path, kind
-):
+def check_exports_against_peft(tmp_path, kind, adapters, owners, lengths, check_config):
+    """Our run of ``adapters`` on one packed microbatch of an imported tiny ``kind`` model,
+    each adapter against PEFT: its export's keys and shapes are PEFT's for its targets (and
+    variant), PEFT loading it gives our logits and factor gradients, and the merged
+    checkpoint gives our logits. ``check_config(adapter, adapter_config.json dict)``."""
     from hf_testing import model_config
 
+    from megatron_lorafusion.adapter_types import adapter_type
     from megatron_lorafusion.train import write_peft_folder
 
     base = tmp_path / "base"
     save_tiny_hf_model(kind, base)
     model_cfg = model_config(base)
-    total = sum(LENGTHS)
+    total = sum(lengths)
     generator = torch.Generator().manual_seed(4)
     ids = torch.randint(0, model_cfg.vocab_size, (total,), generator=generator)
     weights = torch.randn(total, model_cfg.vocab_size, generator=generator)
-    logits, states, grads = _our_run(model_cfg, ids, weights)
-    bounds = [sum(LENGTHS[:i]) for i in range(len(LENGTHS) + 1)]
-    for a, adapter in enumerate(ADAPTERS):
-        mine = [i for i, owner in enumerate(OWNERS) if owner == a]
+    logits, states, grads = _our_run(model_cfg, ids, weights, adapters, owners, lengths)
+    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    for a, adapter in enumerate(adapters):
+        variant = adapter_type(adapter)
+        mine = [i for i, owner in enumerate(owners) if owner == a]
         rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in mine])
         samples = [ids[bounds[i] : bounds[i + 1]] for i in mine]
         folder = write_peft_folder(tmp_path / adapter.name, adapter, states[a], model_cfg)
-        config = json.loads((folder / "adapter_config.json").read_text())
-        assert config["target_modules"] == _hf_targets(adapter), adapter.name
+        check_config(adapter, json.loads((folder / "adapter_config.json").read_text()))
         expected = peft.get_peft_model_state_dict(
             peft.get_peft_model(
-                _fresh(base), peft.LoraConfig(r=adapter.rank, target_modules=_hf_targets(adapter))
+                _fresh(base),
+                peft.LoraConfig(
+                    r=adapter.rank, target_modules=_hf_targets(adapter), use_dora=adapter.use_dora
+                ),
             )
         )
-        exported = peft_state_dict(states[a], model_cfg, adapter.target_modules)
+        exported = peft_state_dict(states[a], model_cfg, adapter.target_modules, variant)
         assert {k: v.shape for k, v in exported.items()} == {
             k: v.shape for k, v in expected.items()
         }, f"{adapter.name}: not PEFT's keys/shapes"
@@ -170,7 +175,8 @@ def test_projection_targets_match_peft_logits_grads_and_merge(
             **TOL[torch.float32],
             msg=f"{kind} {adapter.name}: peft logits differ from ours",
         )
-        our_grads = peft_state_dict(grads[a], model_cfg, adapter.target_modules)  # off-block 0
+        # off-block entries of B: exactly 0
+        our_grads = peft_state_dict(grads[a], model_cfg, adapter.target_modules, variant)
         assert our_grads.keys() == peft_grads.keys(), f"{adapter.name}: gradient keys differ"
         peft_grads = _shared_a_grads(adapter, peft_grads)
         for name, grad in our_grads.items():
@@ -194,6 +200,16 @@ def test_projection_targets_match_peft_logits_grads_and_merge(
             **TOL[torch.float32],
             msg=f"{kind} {adapter.name}: merged logits differ from ours",
         )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_projection_targets_match_peft_logits_grads_and_merge(
+    megatron_single_process, tmp_path, kind
+):
+    def check_config(adapter, config):
+        assert config["target_modules"] == _hf_targets(adapter), adapter.name
+
+    check_exports_against_peft(tmp_path, kind, ADAPTERS, OWNERS, LENGTHS, check_config)
 
 
 def test_train_main_mixed_targets_and_ranks_export_what_peft_loads(tmp_path):
