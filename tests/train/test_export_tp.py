@@ -6,13 +6,11 @@ Llama, with our logits (the merged factors in our TP = 1 model) to 1e-4.
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
+from dist_testing import torchrun_train
 from hf_testing import hf_logits, save_tiny_hf_model
 from test_export import LENGTHS, TOL_LOGITS, _fresh, _imported_lora_logits
 
@@ -52,22 +50,7 @@ def test_tp2_per_projection_adapters_export_what_peft_reproduces(tmp_path):
         "logging": {"progress_bar": False},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "megatron_lorafusion",
-        "train",
-        str(tmp_path / "job.yaml"),
-    ]
-    done = subprocess.run(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, f"torchrun failed:\n{done.stderr[-4000:]}"
+    torchrun_train(tmp_path / "job.yaml")
 
     newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
     assert json.loads((newest / "manifest.json").read_text())["tp"] == 2, "saved as 2 shards"
