@@ -10,7 +10,7 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
-from megatron_lorafusion.ops._utils import copy_to_device
+from megatron_lorafusion.ops._utils import HostCopy, copy_to_device
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
 from megatron_lorafusion.ops.dora_scale import (
     DoRAScaleFunction,
@@ -63,6 +63,7 @@ from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 __all__ = [
     "AdapterLayout",
     "DoRAScaleFunction",
+    "HostCopy",
     "InputRebuild",
     "LinearCrossEntropyFunction",
     "LoRADownFunction",

@@ -95,6 +95,32 @@ def copy_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A device tensor's values on their way to the host, read without stalling the host.
+
+    On CUDA the copy into pinned memory is queued on the current stream now and `tolist`
+    waits for that copy alone, not for the work queued after it; so a value read one step
+    later costs no wait, where ``t.tolist()`` then would wait for everything queued since.
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        if t.device.type != "cuda":
+            self._host = t.detach().clone()
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t.detach(), non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def tolist(self) -> list:
+        """The values, as ``Tensor.tolist`` gives them (waits for the copy, once)."""
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        return self._host.tolist()
+
+
 @functools.lru_cache(maxsize=256)
 def device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
     """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""

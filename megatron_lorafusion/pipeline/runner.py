@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_lorafusion.ops import copy_to_device
+from megatron_lorafusion.ops import HostCopy, copy_to_device
 from megatron_lorafusion.pipeline.groups import PipelineGroups
 from megatron_lorafusion.pipeline.schedule import (
     Action,
@@ -103,18 +103,24 @@ class AdapterOptimizer(Protocol):
         """(A,) squared gradient norms of this rank's rows (summed over its TP peers)."""
 
     def step(
-        self, adapter_ids: Iterable[int], *, squared_norms: torch.Tensor | None = None
+        self,
+        adapter_ids: Iterable[int],
+        *,
+        squared_norms: torch.Tensor | None = None,
+        losses: torch.Tensor | None = None,
     ) -> None:
-        """Step these adapters (their rows of the gradient table) and zero their gradients.
+        """Queue the step of these adapters (rows of the gradient table) and zero their grads.
 
-        ``squared_norms``: (A,) over every stage, when the step reads norms under PP > 1.
+        ``squared_norms``: (A,) over every stage, when the step reads norms under PP > 1;
+        ``losses``: (k,) on the device, the losses they step on (the last stage). An adapter
+        whose norm or loss is not finite is not stepped (decided on the device).
         """
+
+    def check(self, losses: dict[int, float] | None = None) -> None:
+        """Raise when the last step refused a non-finite loss or norm (names the adapter)."""
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of the adapter's next step."""
-
-    def check_losses(self, losses: dict[int, float]) -> None:
-        """Raise when a loss about to be stepped on is NaN or infinite (names the adapter)."""
 
 
 StageForward = Callable[["PackedBatch", "torch.Tensor | None"], torch.Tensor]
@@ -176,6 +182,7 @@ class _State:
     stash: dict[int, _Stash] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     pending: dict[int, _PendingStep] = field(default_factory=dict)
+    unconfirmed: list[tuple[tuple[int, ...], HostCopy]] = field(default_factory=list)  # losses
     loss_sums: torch.Tensor | None = None  # (A,) float64 on the device: each batch so far
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
@@ -311,6 +318,7 @@ class _Runner:
             self.wgrad.run_all()
         while self.state.pending:
             self._finish_step(min(self.state.pending))
+        self._confirm_steps()
         for work, _ in self.state.sends:
             work.wait()
         self.state.sends.clear()
@@ -438,37 +446,55 @@ class _Runner:
         group.sums = group.bucket[-count:]
 
     def _finish_step(self, a: int) -> None:
-        """Complete the step group holding adapter ``a`` (all its adapters step now)."""
+        """Complete the step group holding adapter ``a`` (all its adapters step now).
+
+        The step is queued with no host read (the optimizer gates it on the device); its
+        losses come back to the host while the next microbatch runs and are recorded, checked
+        and logged by `_confirm_steps`, before the next step group and at the end of the call.
+        """
         group = self.state.pending[a]
         for b in group.adapters:
             del self.state.pending[b]
+        self._confirm_steps()
         start = time.perf_counter()
         gpu_start = self._gpu_mark()
         self._receive_bucket(group)
         if group.norm_work is not None:
             group.norm_work.wait()
-        losses = group.sums.tolist()
-        if self.g.is_last:  # only the last stage has the losses: it stops every rank
-            self.optimizer.check_losses(dict(zip(group.adapters, losses, strict=True)))
-        self.optimizer.step(group.adapters, squared_norms=group.norms)
+        self.optimizer.step(
+            group.adapters,
+            squared_norms=group.norms,
+            losses=group.sums if self.g.is_last else None,
+        )
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
+        self.state.unconfirmed.append((group.adapters, HostCopy(group.sums)))
+
+    def _confirm_steps(self) -> None:
+        """Record, check and log the losses of the steps queued since the last call."""
         rate = None
-        for b, loss in zip(group.adapters, losses, strict=True):
-            run = self.adapters[b]
-            # Only the last stage computes losses; others record NaN until `_share_losses`.
-            run.losses.append(loss if self.g.is_last else float("nan"))
-            if self.g.is_last and self.g.dp_rank == 0 and len(run.losses) % self.log_every == 0:
-                rate = self._tokens_per_s() if rate is None else rate
-                logger.info(
-                    "adapter %s step %d | loss %.4f | lr %.1e | %.1fk tok/s",
-                    run.name,
-                    len(run.losses),
-                    run.losses[-1],
-                    self.optimizer.lr(b),
-                    rate / 1e3,
-                )
-            if self.on_step is not None:
-                self.on_step(b, run)
+        for adapters, sums in self.state.unconfirmed:
+            losses = sums.tolist()
+            # Only the last stage has the losses: it stops every rank.
+            self.optimizer.check(
+                dict(zip(adapters, losses, strict=True)) if self.g.is_last else None
+            )
+            for b, loss in zip(adapters, losses, strict=True):
+                run = self.adapters[b]
+                # Only the last stage computes losses; others record NaN until `_share_losses`.
+                run.losses.append(loss if self.g.is_last else float("nan"))
+                if self.g.is_last and self.g.dp_rank == 0 and run.step % self.log_every == 0:
+                    rate = self._tokens_per_s() if rate is None else rate
+                    logger.info(
+                        "adapter %s step %d | loss %.4f | lr %.1e | %.1fk tok/s",
+                        run.name,
+                        run.step,
+                        run.losses[-1],
+                        self.optimizer.lr(b),
+                        rate / 1e3,
+                    )
+                if self.on_step is not None:
+                    self.on_step(b, run)
+        self.state.unconfirmed.clear()
 
     def _tokens_per_s(self) -> float:
         """Run-wide tokens/s since the last step log line (this replica's times DP)."""
@@ -576,6 +602,7 @@ def run_pipeline(
         # holds the process at exit until the group timeout, delaying its peers' errors.
         runner.state.sends.clear()
         runner.state.pending.clear()
+        runner.state.unconfirmed.clear()
         runner.state.stash.clear()  # and posted receives
         if wgrad_queue is not None:
             wgrad_queue.clear()

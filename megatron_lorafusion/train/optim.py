@@ -11,13 +11,16 @@ at k × its learning rate (PEFT's ``create_loraplus_optimizer`` groups: B and ev
 parameter at ``lr × k``, A at ``lr``; weight decay the same for both): one per-column mask of
 the table (`LoRAContext.loraplus_columns`) in the same launch.
 
-Before the launch each stepping adapter's gradient row is clipped to its ``max_grad_norm``
-(``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1):
-one norm over the table's rows and one row scaling, both on the device.
+Each stepping adapter's gradient row is clipped to its ``max_grad_norm`` inside the launch
+(``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1),
+from one norm over the table's rows. Nothing is read back before the launch: an adapter with
+a NaN or infinite norm or loss is left unstepped on the device, and the next step (or
+`check`) reads the norms back and raises, by when the GPU is long past them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -25,15 +28,27 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_lorafusion.config import AdapterConfig
-from megatron_lorafusion.ops import copy_to_device
-from megatron_lorafusion.ops.adapter_adamw import GRAD_SCALE, HYPER_COLUMNS, adapter_adamw_
+from megatron_lorafusion.ops import HostCopy, copy_to_device
+from megatron_lorafusion.ops.adapter_adamw import (
+    BETA1,
+    BETA2,
+    BIAS_CORRECTION1,
+    BIAS_CORRECTION2,
+    EPS,
+    HYPER_COLUMNS,
+    LR,
+    LR_B,
+    MAX_NORM,
+    STEP,
+    WEIGHT_DECAY,
+    adapter_adamw_,
+)
 
 if TYPE_CHECKING:  # mcore imports Megatron (~2 s): not before the job summary is printed
     from megatron_lorafusion.mcore.context import LoRAContext
 
 _BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, as PEFT recipes use them
 _EPS = 1e-8
-_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
 
 SquaredNormReduce = Callable[[torch.Tensor], torch.Tensor]
 """``(grads (A, S) fp32) -> (A,) fp32``: every adapter's squared gradient norm over all ranks
@@ -42,6 +57,12 @@ holding its factors (each factor counted once); the default, one process, sums t
 
 def _local_squared_norms(grads: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(grads, dim=1).square()  # one read of the table, no copy
+
+
+@functools.lru_cache(maxsize=256)
+def _device_rows(adapter_ids: tuple[int, ...], device: str) -> torch.Tensor:
+    """(k,) int64 copy of a step group's adapter ids on ``device`` (one H2D copy per group)."""
+    return copy_to_device(torch.tensor(adapter_ids, dtype=torch.int64), device)
 
 
 class DivergenceError(RuntimeError):
@@ -114,26 +135,11 @@ class AdapterAdamW:
         self.last_lr = [0.0] * lora.num_adapters
         self._squared_norms = squared_norms
         self._track_grad_norms = track_grad_norms
-        self._max_norms = torch.tensor([a.max_grad_norm for a in adapters], dtype=torch.float32)
         plus = any(a.loraplus_lr_ratio != 1.0 for a in adapters)
         self._lr_groups = lora.loraplus_columns() if plus else None  # (S,) bool, B's columns
-        self._norms: torch.Tensor | None = None  # (A,) device, of the last step's gradients
+        self._norms: HostCopy | None = None  # (A,) squared norms of the last step's gradients
         self._norms_host: list[float] | None = None
-
-    def check_losses(self, losses: Mapping[int, float]) -> None:
-        """Raise `DivergenceError` naming the first adapter whose loss is not finite.
-
-        Args:
-            losses: adapter id -> the loss of the global batch it is about to step on.
-        """
-        for a, value in sorted(losses.items()):
-            if not math.isfinite(value):
-                raise DivergenceError(
-                    f"adapter {self.adapters[a].name!r}: loss {value} at step "
-                    f"{self.steps[a] + 1}; training stopped before that step (the last "
-                    "checkpoint holds the weights before it); lower its lr or set its "
-                    "max_grad_norm"
-                )
+        self._unchecked: list[int] = []  # the last step's adapters, until `check`
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
@@ -161,96 +167,115 @@ class AdapterAdamW:
         return self._squared_norms(self.lora.grads)
 
     def step(
-        self, adapter_ids: Iterable[int], *, squared_norms: torch.Tensor | None = None
+        self,
+        adapter_ids: Iterable[int],
+        *,
+        squared_norms: torch.Tensor | None = None,
+        losses: torch.Tensor | None = None,
     ) -> None:
         """Clip and step the given adapters (one launch) and zero their gradients.
 
-        The other adapters' weights, moments and accumulated gradients are left untouched;
-        stopped adapters' gradients are zeroed without a step.
+        Queued with no host read: the kernel leaves the row of an adapter whose gradient norm
+        (when norms are computed) or loss is NaN or infinite as it is, and `check`, which the
+        next step calls first, raises for it. The other adapters' weights, moments and
+        accumulated gradients are left untouched; stopped adapters' gradients are zeroed
+        without a step.
 
         Args:
             adapter_ids: the adapters whose global batch is done.
             squared_norms: (A,) their squared gradient norms when already computed (summed
                 over pipeline stages by the runner); None: the ``squared_norms`` hook's.
+            losses: (k,) on the device, the loss each of ``adapter_ids`` (in that order)
+                steps on, or None.
+
+        Raises:
+            DivergenceError: for the previous step (`check`).
         """
-        stepping = set(adapter_ids)
-        for a in stepping & self.stopped:
-            self.lora.grads[a].zero_()
-        stepping -= self.stopped
+        self.check()
+        ids = tuple(adapter_ids)
+        for a in ids:
+            if a in self.stopped:
+                self.lora.grads[a].zero_()
+        stepping = [a for a in ids if a not in self.stopped]
         if not stepping:
             return
-        grad_scale = self._clip(stepping, squared_norms)
+        norms = None
+        if self.needs_norms(stepping):
+            norms = self.squared_norms() if squared_norms is None else squared_norms
+        beta1, beta2 = _BETAS
         rows = []
-        for a in range(self.lora.num_adapters):
-            if a not in stepping:
+        for a in ids:
+            if a in self.stopped:
                 rows.append([0.0] * HYPER_COLUMNS)
                 continue
             step = self.steps[a] + 1
-            beta1, beta2 = _BETAS
             self.last_lr[a] = self.lr(a)
-            rows.append(
-                [
-                    self.last_lr[a],
-                    beta1,
-                    beta2,
-                    _EPS,
-                    self.adapters[a].weight_decay,
-                    1.0 - beta1**step,
-                    1.0 - beta2**step,
-                    1.0,
-                    self.last_lr[a] * self.adapters[a].loraplus_lr_ratio,
-                    1.0,
-                ]
-            )
-        hyper = copy_to_device(torch.tensor(rows, dtype=torch.float32), self.lora.weights.device)
-        if grad_scale is not None:
-            hyper[:, GRAD_SCALE] = grad_scale
+            row = [0.0] * HYPER_COLUMNS
+            row[LR], row[BETA1], row[BETA2], row[EPS] = self.last_lr[a], beta1, beta2, _EPS
+            row[WEIGHT_DECAY] = self.adapters[a].weight_decay
+            row[BIAS_CORRECTION1], row[BIAS_CORRECTION2] = 1.0 - beta1**step, 1.0 - beta2**step
+            row[STEP] = 1.0
+            row[LR_B] = self.last_lr[a] * self.adapters[a].loraplus_lr_ratio
+            row[MAX_NORM] = self.adapters[a].max_grad_norm
+            rows.append(row)
+        device = self.lora.weights.device
         adapter_adamw_(
             self.lora.weights,
             self.lora.grads,
             self.exp_avg,
             self.exp_avg_sq,
-            hyper,
+            _device_rows(ids, str(device)),
+            copy_to_device(torch.tensor(rows, dtype=torch.float32), device),
             self._lr_groups,
+            squared_norms=norms,
+            losses=losses,
         )
         for a in stepping:
             self.steps[a] += 1
+        self._unchecked = stepping
+        self._norms = None if norms is None else HostCopy(norms)
+        self._norms_host = None
 
-    def _clip(self, stepping: set[int], squared: torch.Tensor | None) -> torch.Tensor | None:
-        """Norms of every row, and the (A,) factors the step's kernel scales gradients by.
+    def check(self, losses: Mapping[int, float] | None = None) -> None:
+        """Raise `DivergenceError` when the last step refused an adapter, naming the first.
 
-        A clipping adapter about to step gets ``max_norm / norm`` (at most 1), the others 1.0;
-        None when no stepping adapter clips.
+        The kernel refused every stepping adapter whose loss or gradient norm was NaN or
+        infinite; this reads that step's norms back (a wait for the step alone, not for work
+        queued after it). A refused adapter's weights, moments and step count stay those
+        before the step.
+
+        Args:
+            losses: adapter id -> the loss the last step stepped on (the caller's host copy
+                of the ``losses`` it passed), or None.
         """
-        grads = self.lora.grads
-        clipping = any(self.adapters[a].max_grad_norm > 0 for a in stepping)
-        if not (clipping or self._track_grad_norms):
-            self._norms, self._norms_host = None, None
-            return None
-        norms = (self.squared_norms() if squared is None else squared).sqrt()  # (A,)
-        self._norms, self._norms_host = norms, norms.tolist()
-        for a in sorted(stepping):  # never step on a NaN/inf gradient
-            if not math.isfinite(self._norms_host[a]):
-                raise DivergenceError(
-                    f"adapter {self.adapters[a].name!r}: gradient norm {self._norms_host[a]} "
-                    f"at step {self.steps[a] + 1}; training stopped before that step"
-                )
-        if not clipping:
-            return None
-        device = grads.device
-        mask = torch.zeros(self.lora.num_adapters, dtype=torch.bool)
-        mask[sorted(a for a in stepping if self.adapters[a].max_grad_norm > 0)] = True
-        max_norms = copy_to_device(self._max_norms, device)
-        coef = (max_norms / (norms + _CLIP_EPS)).clamp(max=1.0)
-        return torch.where(copy_to_device(mask, device), coef, torch.ones_like(coef))
+        stepping, self._unchecked = self._unchecked, []
+        norms = self._host_norms() if stepping and self._norms is not None else None
+        refused = []
+        for a in stepping:
+            if losses is not None and a in losses and not math.isfinite(losses[a]):
+                refused.append((a, f"loss {losses[a]}"))
+            elif norms is not None and not math.isfinite(norms[a]):
+                refused.append((a, f"gradient norm {norms[a]}"))
+        for a, _ in refused:
+            self.steps[a] -= 1
+        if refused:
+            a, what = refused[0]
+            raise DivergenceError(
+                f"adapter {self.adapters[a].name!r}: {what} at step {self.steps[a] + 1}; "
+                "training stopped before that step (the last checkpoint holds the weights "
+                "before it); lower its lr or set its max_grad_norm"
+            )
 
     def grad_norm(self, adapter_id: int) -> float:
         """Gradient norm (before clipping) of the adapter at the last `step` (a host read)."""
         if self._norms is None:
             return float("nan")
+        return self._host_norms()[adapter_id]
+
+    def _host_norms(self) -> list[float]:
         if self._norms_host is None:
-            self._norms_host = self._norms.tolist()
-        return self._norms_host[adapter_id]
+            self._norms_host = [math.sqrt(s) for s in self._norms.tolist()]
+        return self._norms_host
 
     def adapter_state(self, adapter_id: int) -> dict:
         """One adapter's optimizer state: step count and moments by factor name (CPU copies)."""

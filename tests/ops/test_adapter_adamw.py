@@ -15,10 +15,10 @@ from megatron_lorafusion.ops.adapter_adamw import (
     BIAS_CORRECTION1,
     BIAS_CORRECTION2,
     EPS,
-    GRAD_SCALE,
     HYPER_COLUMNS,
     LR,
     LR_B,
+    MAX_NORM,
     STEP,
     WEIGHT_DECAY,
     adapter_adamw_fwd,
@@ -36,9 +36,13 @@ def _hyper(lrs, steps, weight_decays, stepping, device, betas=(0.9, 0.999), eps=
         row[BIAS_CORRECTION1] = 1 - betas[0] ** step
         row[BIAS_CORRECTION2] = 1 - betas[1] ** step
         row[STEP] = 1.0 if a in stepping else 0.0
-        row[GRAD_SCALE] = 1.0
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+def _rows(adapters, device):
+    """Every adapter's row, in order (the hyper tables above have one row per adapter)."""
+    return torch.arange(adapters, device=device)
 
 
 def _tables(adapters, width, device, seed):
@@ -69,8 +73,8 @@ def test_adapter_adamw_kernel_matches_reference(adapters, width, stepping, devic
     fused = _tables(adapters, width, device, seed=3)
     ref = [t.clone() for t in fused]
     before = [t.clone() for t in fused]
-    adapter_adamw_fwd(*fused, hyper)
-    adapter_adamw_ref(*ref, hyper)
+    adapter_adamw_fwd(*fused, _rows(adapters, device), hyper)
+    adapter_adamw_ref(*ref, _rows(adapters, device), hyper)
     atol, rtol = TOL[torch.float32]
     for name, got, want, old in zip(
         ("weights", "grads", "exp_avg", "exp_avg_sq"), fused, ref, before, strict=True
@@ -113,6 +117,7 @@ def test_adapter_adamw_matches_torch_adamw_per_adapter(device):
             grads,
             exp_avg,
             exp_avg_sq,
+            _rows(2, device),
             _hyper(lrs, [max(s, 1) for s in steps], decays, stepping, device),
         )
     atol, rtol = TORCH_ADAMW_TOL
@@ -129,29 +134,66 @@ def test_adapter_adamw_matches_torch_adamw_per_adapter(device):
 def test_adapter_adamw_names_bad_tensor(device):
     weights, grads, exp_avg, exp_avg_sq = _tables(2, 8, device, seed=1)
     hyper = _hyper([1e-3] * 2, [1, 1], [0.0] * 2, {0}, device)
+    rows = _rows(2, device)
     with pytest.raises(ValueError, match="exp_avg_sq must be contiguous fp32 of shape"):
-        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq[:, :4], hyper)
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq[:, :4], rows, hyper)
     with pytest.raises(ValueError, match="hyper must be fp32 of shape"):
-        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, hyper[:1])
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, rows, hyper[:1])
     with pytest.raises(ValueError, match="weights must be a contiguous"):
-        adapter_adamw_(weights.t(), grads, exp_avg, exp_avg_sq, hyper)
+        adapter_adamw_(weights.t(), grads, exp_avg, exp_avg_sq, rows, hyper)
+    with pytest.raises(ValueError, match=r"rows must be \(k,\) int64"):
+        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, rows.int(), hyper)
+    with pytest.raises(ValueError, match=r"squared_norms must be fp32 of shape \(2,\)"):
+        adapter_adamw_(*_tables(2, 8, device, 1), rows, hyper, squared_norms=torch.ones(3))
+    with pytest.raises(ValueError, match=r"losses must be floating point of shape \(2,\)"):
+        adapter_adamw_(*_tables(2, 8, device, 1), rows, hyper, losses=torch.ones(1))
 
 
-def test_grad_scale_steps_as_the_scaled_gradient(device):
-    """The GRAD_SCALE column (gradient clipping) equals stepping on ``c·g``, bit for bit."""
+def test_max_norm_steps_as_torchs_clipped_gradient(device):
+    """MAX_NORM: stepping on the gradient scaled by clip_grad_norm_'s coefficient, bit for bit."""
     weights, grads, exp_avg, exp_avg_sq = _tables(3, 3001, device, seed=5)
+    grads[2] *= 1e-3  # below its max norm: not clipped
     hyper = _hyper([1e-3] * 3, [2] * 3, [0.01] * 3, {0, 1, 2}, device)
-    scale = torch.tensor([0.25, 1.0, 0.7], device=device)
-    hyper[:, GRAD_SCALE] = scale
+    hyper[:, MAX_NORM] = torch.tensor([1.0, 0.0, 1.0])  # adapter 1: no clipping
+    squared = torch.linalg.vector_norm(grads, dim=1).square()
     tables = [t.clone() for t in (weights, grads, exp_avg, exp_avg_sq)]
-    adapter_adamw_(*tables, hyper)
-    prescaled = [weights.clone(), grads * scale[:, None], exp_avg.clone(), exp_avg_sq.clone()]
-    hyper[:, GRAD_SCALE] = 1.0
-    adapter_adamw_(*prescaled, hyper)
+    adapter_adamw_(*tables, _rows(3, device), hyper, squared_norms=squared)
+    clipped = grads.clone()
+    for a in (0, 2):  # clip_grad_norm_'s coefficient, from the norm the kernel is given
+        clipped[a] *= (1.0 / (squared[a].sqrt() + 1e-6)).clamp(max=1.0)
+    prescaled = [weights.clone(), clipped, exp_avg.clone(), exp_avg_sq.clone()]
+    adapter_adamw_(*prescaled, _rows(3, device), hyper)  # no norms: MAX_NORM unread
     for name, got, want in zip(
         ("weights", "grads", "exp_avg", "exp_avg_sq"), tables, prescaled, strict=True
     ):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+    assert not torch.equal(clipped[0], grads[0]), "adapter 0 must have been clipped"
+
+
+@pytest.mark.parametrize("bad", ["nan norm", "inf norm", "nan loss", "inf loss"])
+def test_adapter_adamw_leaves_a_row_with_a_non_finite_norm_or_loss(bad, device):
+    """The device gate: that row is not touched (not even its gradient), the others step."""
+    tables = _tables(3, 300, device, seed=7)
+    rows = torch.tensor([2, 0, 1], device=device)  # any order: hyper row j is adapter rows[j]
+    hyper = _hyper([1e-3, 2e-3, 3e-3], [1, 1, 1], [0.0] * 3, {0, 1, 2}, device)
+    squared = torch.linalg.vector_norm(tables[1], dim=1).square()
+    losses = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=device)
+    value = float("nan") if bad.startswith("nan") else float("inf")
+    if bad.endswith("norm"):
+        squared[rows[1]] = value
+    else:
+        losses[1] = value
+    before = [t.clone() for t in tables]
+    ref = [t.clone() for t in tables]
+    adapter_adamw_(*tables, rows, hyper, squared_norms=squared, losses=losses)
+    adapter_adamw_ref(*ref, rows, hyper, squared_norms=squared, losses=losses)
+    for i, name in enumerate(("weights", "grads", "exp_avg", "exp_avg_sq")):
+        assert torch.equal(tables[i][0], before[i][0]), f"{name} of the refused adapter 0 moved"
+        atol, rtol = TOL[torch.float32]
+        torch.testing.assert_close(tables[i], ref[i], atol=atol, rtol=rtol, msg=f"{name} != ref")
+    for a in (1, 2):
+        assert not torch.equal(tables[0][a], before[0][a]), f"adapter {a} must step"
+        assert not tables[1][a].any(), f"adapter {a}'s gradient must be zeroed"
 
 
 def test_adapter_adamw_lr_groups_step_only_their_columns_at_lr_b(device):
@@ -170,10 +212,10 @@ def test_adapter_adamw_lr_groups_step_only_their_columns_at_lr_b(device):
     results = {}
     for name, h, g in (("plus", hyper, groups), ("plain", plain, None), ("boosted", boosted, None)):
         t = [x.clone() for x in tables]
-        adapter_adamw_(*t, h, lr_groups=g)
+        adapter_adamw_(*t, _rows(adapters, device), h, lr_groups=g)
         results[name] = t
     ref = [x.clone() for x in tables]
-    adapter_adamw_ref(*ref, hyper, groups)
+    adapter_adamw_ref(*ref, _rows(adapters, device), hyper, groups)
     for i, name in enumerate(("weights", "grads", "exp_avg", "exp_avg_sq")):
         got = results["plus"][i]
         assert torch.equal(got[:, ~groups], results["plain"][i][:, ~groups]), f"{name}: A moved"
@@ -187,4 +229,6 @@ def test_adapter_adamw_refuses_bad_lr_groups(device):
     weights, grads, exp_avg, exp_avg_sq = _tables(2, 8, device, seed=0)
     hyper = _hyper([1e-3] * 2, [1, 1], [0.0] * 2, {0}, device)
     with pytest.raises(ValueError, match=r"lr_groups must be bool of shape \(8,\)"):
-        adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, hyper, torch.ones(7, dtype=torch.bool))
+        adapter_adamw_(
+            weights, grads, exp_avg, exp_avg_sq, _rows(2, device), hyper, torch.ones(7, dtype=bool)
+        )

@@ -75,25 +75,40 @@ def test_stopped_adapter_keeps_weights_and_drops_gradients():
 
 
 def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
+    """The step is refused on the device; `check` (the next step's first act) raises."""
     grads = torch.randn(3, 11, generator=torch.Generator().manual_seed(2))
     grads[1, 4] = float("nan")
     lora = _table(grads)
     adapters = [AdapterConfig(name=f"a{i}", lr=1e-2) for i in range(3)]
     opt = AdapterAdamW(lora, adapters, [10] * 3, track_grad_norms=True)
     before = lora.weights.clone()
-    with pytest.raises(DivergenceError, match=r"adapter 'a1': gradient norm nan at step 1"):
-        opt.step([0, 1])
+    opt.step([0, 1])  # queued: no host read
     torch.testing.assert_close(
-        lora.weights,
-        before,
+        lora.weights[1:],
+        before[1:],
         atol=0,
         rtol=0,
-        msg="no adapter may step when one gradient is not finite",
+        msg="the adapter with a NaN gradient (and the one not stepping) must not move",
     )
-    assert opt.steps == [0, 0, 0]
-    with pytest.raises(DivergenceError, match=r"adapter 'a2': loss inf at step 1"):
-        opt.check_losses({0: 1.5, 2: float("inf")})
-    opt.check_losses({0: 1.5, 1: 2.0})  # finite: no error
+    assert not torch.equal(lora.weights[0], before[0]), "adapter a0's gradient is finite"
+    with pytest.raises(DivergenceError, match=r"adapter 'a1': gradient norm nan at step 1"):
+        opt.step([2])  # checks the last step first, queues nothing
+    assert opt.steps == [1, 0, 0], f"a refused step is not counted, got {opt.steps}"
+    assert torch.equal(lora.weights[2], before[2]), "no step is queued after a refused one"
+    opt.check()  # checked once: no error
+
+    lora = _table(torch.randn(2, 11, generator=torch.Generator().manual_seed(3)))
+    opt = AdapterAdamW(lora, adapters[:2], [10] * 2)
+    before = lora.weights.clone()
+    opt.step([0, 1], losses=torch.tensor([1.5, float("inf")], dtype=torch.float64))
+    assert torch.equal(lora.weights[1], before[1]), "a step on an infinite loss must not move"
+    assert not torch.equal(lora.weights[0], before[0]), "adapter a0's loss is finite"
+    with pytest.raises(DivergenceError, match=r"adapter 'a1': loss inf at step 1; training"):
+        opt.check({0: 1.5, 1: float("inf")})  # the caller's host copy of the losses
+    assert opt.steps == [1, 0], f"a refused step is not counted, got {opt.steps}"
+    opt.step([0, 1], losses=torch.tensor([1.5, 2.0], dtype=torch.float64))
+    opt.check({0: 1.5, 1: 2.0})  # finite: no error
+    assert opt.steps == [2, 1]
 
 
 def _lora_plus_run(ratio: float, grads: torch.Tensor | None = None):
