@@ -77,7 +77,7 @@ def make_problem(tokens, hidden, out, adapters, p, dtype=torch.bfloat16, seed=0,
     }
 
 
-def fused_fn(prob, design):
+def fused_fn(prob, gemm):
     def fn(x, lora_a, lora_b):
         return fused_lora_linear(
             x,
@@ -89,7 +89,7 @@ def fused_fn(prob, design):
             prob["dropouts"],
             prob["layout"],
             layer_seed=3,
-            design=design,
+            gemm=gemm,
         )
 
     return fn
@@ -293,7 +293,7 @@ def check_correctness(tokens, shapes):
         f"\n## Correctness (bf16 vs fp32 reference with the fused mask, T={tokens}, A=4, "
         f"r={RANK}, p=0.1; relative error = ||out - ref|| / ||ref||)\n"
     )
-    print("| H | N | design | Y | dX | dA | dB | torch-bf16 ref (Y/dX/dA/dB) | deterministic |")
+    print("| H | N | gemm | Y | dX | dA | dB | torch-bf16 ref (Y/dX/dA/dB) | deterministic |")
     print("|---|---|---|---|---|---|---|---|---|")
     ok = True
     for hidden, out in shapes:
@@ -303,13 +303,13 @@ def check_correctness(tokens, shapes):
         want = grads(w32, ref_fn(w32, keep, draw_mask=False), cast=torch.float32)
         torch16 = grads(prob, ref_fn(prob, keep, draw_mask=False))
         t16 = "/".join(f"{rel_err(g, w):.1e}" for g, w in zip(torch16, want, strict=True))
-        for design in ("cublas", "triton", "triton_fwd"):
+        for gemm in ("cublas", "triton"):
             try:
-                got = grads(prob, fused_fn(prob, design))
-                again = grads(prob, fused_fn(prob, design))
+                got = grads(prob, fused_fn(prob, gemm))
+                again = grads(prob, fused_fn(prob, gemm))
             except Exception as exc:  # noqa: BLE001 - report and go on to the timings
                 print(
-                    f"| {hidden} | {out} | {design} | failed: {type(exc).__name__}: "
+                    f"| {hidden} | {out} | {gemm} | failed: {type(exc).__name__}: "
                     f"{str(exc)[:300]} |"
                 )
                 ok = False
@@ -318,7 +318,7 @@ def check_correctness(tokens, shapes):
             same = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
             ok &= all(e < REL_ERR_MAX for e in errs)
             cells = " | ".join(f"{e:.1e}" for e in errs)
-            print(f"| {hidden} | {out} | {design} | {cells} | {t16} | {same} |")
+            print(f"| {hidden} | {out} | {gemm} | {cells} | {t16} | {same} |")
         del prob, want, torch16
         torch.cuda.empty_cache()
     print(f"\ncorrectness: {'PASS' if ok else 'FAIL'} (threshold {REL_ERR_MAX})")
@@ -457,7 +457,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
 
 def timings(tokens_list, shapes, csv_path):
-    auto = FUSED_MODULE._resolve_design(
+    auto = FUSED_MODULE._resolve_gemm(
         "auto",
         torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),
         torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),
@@ -467,11 +467,11 @@ def timings(tokens_list, shapes, csv_path):
         f"auto = {auto} here\n"
     )
     print(
-        "| T | H | N | A | p | frozen | ref (eager) | cublas | triton | auto "
-        "| augK copy | augK no-copy | cublas/frozen | triton/frozen | auto/frozen "
+        "| T | H | N | A | p | frozen | ref (eager) | cublas | auto "
+        "| augK copy | augK no-copy | cublas/frozen | auto/frozen "
         "| ref/auto | graphed frozen | graphed auto | graphed auto/frozen |"
     )
-    print("|" + "---|" * 19)
+    print("|" + "---|" * 17)
     rows = []
     for tokens in tokens_list:
         for hidden, out in shapes:
@@ -481,7 +481,6 @@ def timings(tokens_list, shapes, csv_path):
                     frozen = bench(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))[0]
                     ref = bench(*fwd_bwd(prob, ref_fn(prob)))[0]
                     cub = bench(*fwd_bwd(prob, fused_fn(prob, "cublas")))[0]
-                    tri = bench(*fwd_bwd(prob, fused_fn(prob, "triton")))[0]
                     fused = bench(*fwd_bwd(prob, fused_fn(prob, "auto")))
                     g_frozen = bench_graph(*fwd_bwd(prob, frozen_fn(prob), with_lora=False))
                     g_fused = bench_graph(*fwd_bwd(prob, fused_fn(prob, "auto")))
@@ -491,13 +490,13 @@ def timings(tokens_list, shapes, csv_path):
                         aug = f"{aug_c:.3f} | {aug_n:.3f}"
                     else:
                         aug = "- | -"
-                    row = [tokens, hidden, out, adapters, p, frozen, ref, cub, tri, fused[0]]
+                    row = [tokens, hidden, out, adapters, p, frozen, ref, cub, fused[0]]
                     rows.append(row)
                     print(
                         f"| {tokens} | {hidden} | {out} | {adapters} | {p} | {frozen:.3f} "
-                        f"| {ref:.3f} | {cub:.3f} | {tri:.3f} "
+                        f"| {ref:.3f} | {cub:.3f} "
                         f"| {fused[0]:.3f} ({fused[1]:.3f}–{fused[2]:.3f}) | {aug} "
-                        f"| {cub / frozen:.3f} | {tri / frozen:.3f} | {fused[0] / frozen:.3f} "
+                        f"| {cub / frozen:.3f} | {fused[0] / frozen:.3f} "
                         f"| {ref / fused[0]:.2f} "
                         f"| {g_frozen:.3f} | {g_fused:.3f} | {g_fused / g_frozen:.3f} |",
                         flush=True,

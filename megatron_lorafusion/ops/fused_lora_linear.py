@@ -4,9 +4,10 @@
 ``S' = s·drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206, Sec. 4):
 
 - forward: ``S'`` by `lora_shrink` (dropout fused, one pass over X); then the frozen product
-  with the LoRA term, either in one Triton GEMM that adds ``S'·Bᵀ + b`` in its epilogue
-  (`lora_gemm`, the default on Hopper) or as ``Y = S'·Bᵀ + b`` by `lora_expand` followed by
-  cuBLAS ``Y += X·Wᵀ`` (``addmm_``, beta = 1: Y is written by the expand and read once as C);
+  with the LoRA term (``gemm``), either ``"triton"``: one Triton GEMM that adds ``S'·Bᵀ + b``
+  in its epilogue (`lora_gemm`, the default on Hopper), or ``"cublas"``: ``Y = S'·Bᵀ + b`` by
+  `lora_expand` followed by cuBLAS ``Y += X·Wᵀ`` (``addmm_``, beta = 1: Y is written by the
+  expand and read once as C);
 - backward: ``dS' = s·dY·B`` and ``dB = dYᵀ·S'`` from one pass over dY (`lora_up_bwd`), then one
   pass over X (`lora_wgrad` with its fused expand) gives ``dA = dS'ᵀ·drop(X)`` and the LoRA
   part of dX, ``mask⊙(dS'·A)/(1−p)``, drawing the mask once; cuBLAS adds ``dY·W`` onto it
@@ -16,7 +17,7 @@ Saved for backward: X, S' (T × R) and the weights; the backward regenerates the
 from the Philox seed ``(layout.dropout_seed, layer_seed)``.
 Given an `InputRebuild`, X is not saved: its sources are, and the backward rebuilds X from them
 (selective recompute: a norm's output from the norm's input, which the norm saves anyway).
-docs/kernels.md records the designs measured on the H200 and why this one was kept.
+docs/kernels.md records the designs measured on the H200 and why these two were kept.
 """
 
 from __future__ import annotations
@@ -28,27 +29,38 @@ import torch
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
-from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_kernel_runs
+from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
 from megatron_lorafusion.ops.lora_linear import InputRebuild, save_input, saved_input
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
-# Where the frozen GEMM runs: "cublas" both ways, "triton" both ways (LoRA term in the
-# epilogue), "triton_fwd" the Triton GEMM forward and cuBLAS backward; "auto" picks one.
-_DESIGNS = ("auto", "cublas", "triton", "triton_fwd")
+# The forward's frozen GEMM: "triton" (`lora_gemm`, the LoRA term in its epilogue) or
+# "cublas" (`lora_expand`, then cuBLAS accumulates onto it); "auto" picks one. The backward's
+# dX GEMM is cuBLAS for both.
+_GEMMS = ("auto", "cublas", "triton")
 
 
-def _resolve_design(design: str, x: torch.Tensor, weight: torch.Tensor) -> str:
-    """The design ``"auto"`` stands for; other designs are returned as they are.
+def _resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The forward GEMM ``"auto"`` stands for; ``"cublas"`` and ``"triton"`` stay as they are.
 
-    The TMA GEMM forward where it runs (Hopper, TMA-aligned strides): it beat or tied cuBLAS
-    + expand on the H200 (docs/kernels.md). cuBLAS elsewhere, where only the plain Triton
-    GEMM would run, 25-35 % behind cuBLAS.
+    ``"triton"`` on Hopper when TMA can describe X and W: it beat or tied cuBLAS + expand on
+    the H200 (docs/kernels.md). ``"cublas"`` elsewhere: the Triton GEMM's tiles were measured
+    on Hopper only (on the H200 its pointer-load predecessor ran 25-35 % behind cuBLAS).
+
+    Raises:
+        ValueError: for ``"triton"`` on strides TMA cannot describe (the message gives them).
     """
-    if design != "auto":
-        return design
-    return "triton_fwd" if tma_kernel_runs(x, weight.t()) else "cublas"
+    if gemm == "auto":
+        hopper = _utils.is_hopper(x.device)
+        return "triton" if hopper and tma_supported(x, weight.t()) else "cublas"
+    if gemm == "triton" and not tma_supported(x, weight.t()):
+        raise ValueError(
+            f"gemm='triton' needs operands TMA can describe (16-byte aligned rows): x strides "
+            f"{x.stride()}, weight strides {weight.stride()}, {x.element_size()}-byte "
+            f"elements; use gemm='cublas' or 'auto'"
+        )
+    return gemm
 
 
 def _check_inputs(x, weight, bias, lora_a, lora_b, layout) -> None:
@@ -75,12 +87,12 @@ class LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(
-        ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, design, rebuild
+        ctx, x, weight, bias, lora_a, lora_b, scales, dropouts, layout, seed, gemm, rebuild
     ):
         """``scales``/``dropouts``: (A,) fp32 on x's device; ``dropouts`` None = no mask."""
         s = lora_shrink_fwd(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
-        if design in ("triton", "triton_fwd"):
+        if gemm == "triton":
             y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
         else:
             y = lora_expand_fwd(s, b_t, bias, None, layout, seed)
@@ -91,7 +103,6 @@ class LoRALinearFunction(torch.autograd.Function):
         ctx.layout = layout
         ctx.seed = seed
         ctx.has_bias = bias is not None
-        ctx.design = design
         return y
 
     @staticmethod
@@ -108,7 +119,7 @@ class LoRALinearFunction(torch.autograd.Function):
         ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0] and ctx.design != "triton":
+        if ctx.needs_input_grad[0]:
             # One pass over X gives dA and the LoRA part of dX, drawing the mask once.
             grad_x = torch.empty_like(x)
             lora_wgrad_fwd(
@@ -124,8 +135,6 @@ class LoRALinearFunction(torch.autograd.Function):
             grad_x.addmm_(dy, weight)  # cuBLAS: (T, H), reads the LoRA part as C
         else:
             lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
-        if ctx.needs_input_grad[0] and ctx.design == "triton":
-            grad_x = lora_gemm(dy, weight, ds, lora_a, None, dropouts, layout, seed)
         if ctx.needs_input_grad[1]:
             grad_w = dy.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -145,7 +154,7 @@ def fused_lora_linear(
     *,
     layer_seed: int = 0,
     training: bool = True,
-    design: str = "auto",
+    gemm: str = "auto",
     rebuild: InputRebuild | None = None,
 ) -> torch.Tensor:
     """Fused multi-LoRA linear (same function as `lora_linear_ref`, Triton + cuBLAS).
@@ -165,18 +174,19 @@ def fused_lora_linear(
             ``(layout, dropouts, H, layer_seed)``, whose rows are those of the whole
             microbatch (``layout.row_offset``) for a sharded layout.
         training: dropout only when True; all-zero dropouts take a path with no mask.
-        design: ``"cublas"`` (LoRA term written first, cuBLAS accumulates the frozen
-            product onto it), ``"triton"`` (Triton GEMM with the LoRA term in its
-            epilogue, forward and dX) or ``"triton_fwd"`` (the Triton GEMM in the forward,
-            cuBLAS in the backward); ``"auto"`` runs ``"triton_fwd"`` on Hopper when TMA can
-            describe the operands, else ``"cublas"``. docs/kernels.md has the H200 numbers.
+        gemm: the forward's frozen GEMM: ``"triton"`` (`lora_gemm`, the LoRA term in its
+            epilogue; needs 16-byte aligned rows), ``"cublas"`` (LoRA term written first,
+            cuBLAS accumulates the frozen product onto it) or ``"auto"``: ``"triton"`` on
+            Hopper when TMA can describe ``x`` and ``weight``, else ``"cublas"``. The dX GEMM
+            is cuBLAS in every case. docs/kernels.md has the H200 numbers.
         rebuild: how to rebuild ``x`` in backward (`InputRebuild`); then ``x`` is not saved.
 
     Returns:
         (T, N) output in ``x``'s dtype.
 
     Raises:
-        ValueError: on bad shapes, dtypes or devices (the message names the tensor).
+        ValueError: on bad shapes, dtypes or devices (the message names the tensor), an
+            unknown ``gemm``, or ``gemm="triton"`` on strides TMA cannot describe.
         NotImplementedError: for a rank above 256.
         RuntimeError: when Triton cannot run on ``x``'s device.
     """
@@ -188,8 +198,8 @@ def fused_lora_linear(
             f"scalings has {len(scalings)} and dropouts {len(dropouts)} entries, "
             f"expected A={layout.num_adapters}"
         )
-    if design not in _DESIGNS:
-        raise ValueError(f"design must be one of {_DESIGNS}, got {design!r}")
+    if gemm not in _GEMMS:
+        raise ValueError(f"gemm must be one of {_GEMMS}, got {gemm!r}")
     if any(not 0.0 <= p < 1.0 for p in dropouts):
         raise ValueError(f"dropouts must lie in [0, 1), got {list(dropouts)}")
     device = str(x.device)
@@ -208,6 +218,6 @@ def fused_lora_linear(
         drop,
         layout,
         seed,
-        _resolve_design(design, x, weight),
+        _resolve_gemm(gemm, x, weight),
         rebuild,
     )

@@ -3,18 +3,14 @@
 LoRAFusion's fused up-projection (arXiv 2510.00206, Sec. 4.1): the frozen product and the
 LoRA up-projection in one kernel, so the (T, D) output is written once. M-tiles come from
 `AdapterLayout.tiles` (each tile inside one adapter's segment), so the epilogue reads a
-single adapter's ``M_a`` and dropout. Forward: ``Z = X``, ``Wop = Wᵀ``, ``S = S'``,
-``M = Bᵀ``; backward: ``Z = dY``, ``Wop = W``, ``S = dS'``, ``M = A`` with dropout.
+single adapter's ``M_a`` and dropout. `fused_lora_linear` calls it in the forward: ``Z = X``,
+``Wop = Wᵀ``, ``S = S'``, ``M = Bᵀ``, no dropout; the kernel also takes ``Wop = W`` and a
+dropout epilogue (the dX form ``Z = dY``, ``S = dS'``, ``M = A``, docs/kernels.md).
 
-Two kernels compute the same function (docs/kernels.md has their H200 numbers):
-
-- ``"plain"``: one program per output tile, operands through masked pointer loads; the
-  kernel off Hopper and for rows TMA cannot describe.
-- ``"tma"``: Hopper-style. Z, W and the output go through TMA tensor descriptors (host-side
-  ``TensorDescriptor``, present in triton 3.6 and 3.8); a persistent grid of one program per
-  SM walks the tiles in grouped order; the epilogue runs on column sub-tiles so the LoRA
-  product and the dropout RNG need fewer registers; optional automatic warp specialisation
-  (``tl.range(warp_specialize=True)``).
+Hopper-style: Z, W and the output go through TMA tensor descriptors (host-side
+``TensorDescriptor``; before Hopper Triton rewrites them into pointer loads); a persistent
+grid of one program per SM walks the tiles in grouped order; the epilogue runs on column
+sub-tiles so the LoRA product and the dropout RNG need fewer registers.
 """
 
 from __future__ import annotations
@@ -74,103 +70,6 @@ if triton is not None:
         else:
             acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
         return acc
-
-    @triton.jit(do_not_specialize=["seed", "row_offset", "col_offset"])
-    def _lora_gemm_kernel(
-        z_ptr,
-        w_ptr,
-        s_ptr,
-        m_ptr,
-        bias_ptr,
-        out_ptr,
-        tiles_ptr,
-        p_ptr,
-        seed,
-        row_offset,
-        col_offset,
-        mask_d,
-        n_tiles,
-        D,
-        K,
-        R,
-        stride_zt,
-        stride_wk,
-        stride_wd,
-        stride_st,
-        stride_ma,
-        stride_mr,
-        stride_md,
-        stride_ot,
-        HAS_BIAS: tl.constexpr,
-        HAS_DROPOUT: tl.constexpr,
-        EVEN_K: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        GROUP_M: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-    ):
-        tile, pid_n = _tile_coords(tl.program_id(0), n_tiles, tl.cdiv(D, BLOCK_N), GROUP_M)
-        adapter = tl.load(tiles_ptr + tile * 3)
-        row_start = tl.load(tiles_ptr + tile * 3 + 1)
-        row_end = tl.load(tiles_ptr + tile * 3 + 2)
-        rows = row_start + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < D
-        ks = tl.arange(0, BLOCK_K)
-        z_tile = z_ptr + rows.to(tl.int64)[:, None] * stride_zt + ks[None, :]
-        w_tile = w_ptr + ks[:, None].to(tl.int64) * stride_wk + cols[None, :] * stride_wd
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                z = tl.load(z_tile, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_tile, mask=col_ok[None, :], other=0.0)
-            else:
-                k_ok = (k0 + ks) < K
-                z = tl.load(z_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(z, w, acc, input_precision=DOT_PRECISION)
-            z_tile += BLOCK_K
-            w_tile += BLOCK_K * stride_wk
-        # Epilogue: the adapter's LoRA term, dropout regenerated from the seed, bias.
-        ranks = tl.arange(0, BLOCK_R)
-        rank_ok = ranks < R
-        s = tl.load(
-            s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
-            mask=row_ok[:, None] & rank_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_M, BLOCK_R)
-        m = tl.load(
-            m_ptr
-            + adapter.to(tl.int64) * stride_ma
-            + ranks[:, None] * stride_mr
-            + cols[None, :] * stride_md,
-            mask=rank_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )  # (BLOCK_R, BLOCK_N)
-        p = 0.0
-        if HAS_DROPOUT:
-            p = tl.load(p_ptr + adapter)
-        acc = _add_lora_term(
-            acc,
-            s,
-            m,
-            p,
-            seed,
-            rows,
-            pid_n * BLOCK_N,
-            row_offset,
-            col_offset,
-            mask_d,
-            HAS_DROPOUT,
-            DOT_PRECISION,
-        )
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
     @triton.jit
     def _tma_epilogue(
@@ -275,16 +174,13 @@ if triton is not None:
         BLOCK_R: tl.constexpr,
         EPI_SPLIT: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
-        WARP_SPECIALIZE: tl.constexpr,
     ):
         n_cols = tl.cdiv(D, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
         SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
         # flatten=True (one pipeline across tiles) fails in triton 3.6's TritonGPUFuseNestedLoops
         # on this loop (the epilogue's scf.if), measured; so each tile drains its pipeline.
-        for t in tl.range(
-            tl.program_id(0), n_tiles * n_cols, NUM_PROGRAMS, warp_specialize=WARP_SPECIALIZE
-        ):
+        for t in tl.range(tl.program_id(0), n_tiles * n_cols, NUM_PROGRAMS):
             tile, pid_n = _tile_coords(t, n_tiles, n_cols, GROUP_M)
             adapter = tl.load(tiles_ptr + tile * 3)
             row_start = tl.load(tiles_ptr + tile * 3 + 1)
@@ -340,230 +236,108 @@ if triton is not None:
                     HAS_DROPOUT,
                     DOT_PRECISION,
                 )
-            else:
+            else:  # EPI_SPLIT == 2
                 # (BLOCK_M, BLOCK_N) -> column halves (BLOCK_M, BLOCK_N / 2)
                 a0, a1 = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                if EPI_SPLIT == 2:
-                    _tma_epilogue(
-                        a0,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-                    _tma_epilogue(
-                        a1,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0 + SUB_N,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-                else:  # EPI_SPLIT == 4: each half into two quarters
-                    q0, q1 = a0.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-                    q2, q3 = a1.reshape(BLOCK_M, 2, SUB_N).permute(0, 2, 1).split()
-                    _tma_epilogue(
-                        q0,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-                    _tma_epilogue(
-                        q1,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0 + SUB_N,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-                    _tma_epilogue(
-                        q2,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0 + 2 * SUB_N,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-                    _tma_epilogue(
-                        q3,
-                        s,
-                        out_desc,
-                        out_ptr,
-                        m_ptr,
-                        bias_ptr,
-                        adapter,
-                        p,
-                        seed,
-                        row_offset,
-                        col_offset,
-                        mask_d,
-                        row_start,
-                        row_end,
-                        D,
-                        R,
-                        col0 + 3 * SUB_N,
-                        stride_ma,
-                        stride_mr,
-                        stride_md,
-                        stride_ot,
-                        HAS_BIAS,
-                        HAS_DROPOUT,
-                        DOT_PRECISION,
-                    )
-
-
-# Plain kernel: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); Hopper uses the first after
-# the interpreter entry, the others are the autotune fallback for other GPUs.
-_TILE_CONFIGS = [
-    (16, 32, 16, 4, 1),  # interpreter: several tiles in every direction
-    (128, 256, 64, 8, 3),
-    (128, 128, 64, 4, 4),
-    (256, 128, 64, 8, 3),
-    (128, 128, 64, 8, 3),
-]
+                _tma_epilogue(
+                    a0,
+                    s,
+                    out_desc,
+                    out_ptr,
+                    m_ptr,
+                    bias_ptr,
+                    adapter,
+                    p,
+                    seed,
+                    row_offset,
+                    col_offset,
+                    mask_d,
+                    row_start,
+                    row_end,
+                    D,
+                    R,
+                    col0,
+                    stride_ma,
+                    stride_mr,
+                    stride_md,
+                    stride_ot,
+                    HAS_BIAS,
+                    HAS_DROPOUT,
+                    DOT_PRECISION,
+                )
+                _tma_epilogue(
+                    a1,
+                    s,
+                    out_desc,
+                    out_ptr,
+                    m_ptr,
+                    bias_ptr,
+                    adapter,
+                    p,
+                    seed,
+                    row_offset,
+                    col_offset,
+                    mask_d,
+                    row_start,
+                    row_end,
+                    D,
+                    R,
+                    col0 + SUB_N,
+                    stride_ma,
+                    stride_mr,
+                    stride_md,
+                    stride_ot,
+                    HAS_BIAS,
+                    HAS_DROPOUT,
+                    DOT_PRECISION,
+                )
 
 
 class TmaConfig(NamedTuple):
-    """Tile config of the TMA kernel (block sizes in elements)."""
+    """Tile config of the kernel (block sizes in elements)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    epi_split: int  # epilogue column sub-tiles: 1, 2 or 4
-    warp_specialize: bool = False
+    epi_split: int  # epilogue column sub-tiles: 1 or 2
 
     def label(self) -> str:
-        """Compact name for tables: ``128x256x64 w8 s3 e2 [ws]``."""
-        extra = " ws" if self.warp_specialize else ""
+        """Compact name for tables: ``128x256x64 w8 s3 e2``."""
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
-            f"s{self.num_stages} e{self.epi_split}{extra}"
+            f"s{self.num_stages} e{self.epi_split}"
         )
 
 
-# The TMA kernel's sweep (timed on the H200 by the bench_lora_gemm study, docs/kernels.md,
-# "Design choices"); the first entry is the interpreter's (small blocks, several programs per
-# SM-loop).
+# The configs the kernel runs: the interpreter's first (small blocks, several tiles per
+# program), then Hopper's and fp32's below; GPUs other than Hopper time each once per problem
+# key (`_utils.pick_config`). The ten-config H200 sweep that chose them is in docs/kernels.md.
 _TMA_TILE_CONFIGS = [
     TmaConfig(16, 32, 16, 4, 1, 2),
     TmaConfig(128, 256, 64, 8, 3, 2),
-    TmaConfig(128, 256, 64, 8, 3, 4),
-    TmaConfig(128, 256, 64, 8, 4, 2),
-    TmaConfig(128, 256, 64, 8, 4, 4),
-    TmaConfig(128, 128, 64, 8, 4, 2),
     TmaConfig(256, 128, 64, 8, 3, 2),
-    TmaConfig(256, 128, 64, 8, 3, 4),
-    TmaConfig(128, 256, 64, 8, 3, 2, warp_specialize=True),
-    TmaConfig(128, 256, 64, 8, 3, 4, warp_specialize=True),
+    # fp32 (tests): TMA stages live in shared memory, 128x256x64 fp32 needs 96 KiB a stage.
+    TmaConfig(64, 64, 32, 4, 3, 1),
 ]
-# Hopper's TMA tiles for 2-byte dtypes, keyed by (W read by rows, i.e. the forward's Wᵀ;
-# dropout epilogue): the best of the sweep summed over (16384, 4096, 14336) and
-# (16384, 14336, 4096) on the H200 (docs/kernels.md, "Design choices").
+# Hopper's tiles for 2-byte dtypes, keyed by (W read by rows, i.e. the forward's Wᵀ; dropout
+# epilogue): the best of the sweep summed over (16384, 4096, 14336) and (16384, 14336, 4096)
+# on the H200 (docs/kernels.md, "Design choices").
 _TMA_HOPPER = {
     (True, False): _TMA_TILE_CONFIGS[1],
     (True, True): _TMA_TILE_CONFIGS[1],
-    (False, False): _TMA_TILE_CONFIGS[6],  # 256x128: dX without dropout, MN-major W tiles
+    (False, False): _TMA_TILE_CONFIGS[2],  # 256x128: the dX form without dropout
     (False, True): _TMA_TILE_CONFIGS[1],
 }
-# fp32 (tests): TMA stages live in shared memory, 128x256x64 fp32 needs 96 KiB a stage.
-_TMA_FP32 = TmaConfig(64, 64, 32, 4, 3, 1)
+_TMA_FP32 = _TMA_TILE_CONFIGS[3]
 _GROUP_M = 8
 _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops over tiles
+
+
+def _hopper_config(key: tuple) -> TmaConfig:
+    """Hopper's tile for problem ``key`` (ends with element size, W by rows, dropout)."""
+    return _TMA_HOPPER[key[-2:]] if key[-3] == 2 else _TMA_FP32
 
 
 def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
@@ -586,61 +360,6 @@ def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = N
         else out.stride(1) == 1 and aligned(out, out.stride(0))
     )
     return z.stride(1) == 1 and aligned(z, z.stride(0)) and w_ok and out_ok
-
-
-def tma_kernel_runs(z: torch.Tensor, w: torch.Tensor) -> bool:
-    """True when ``lora_gemm(z, w, ...)`` with ``kernel="auto"`` runs the TMA kernel.
-
-    That is on Hopper (the one GPU its tiles were measured on) when TMA can describe the
-    operands; a study that wants the other kernel passes ``kernel`` explicitly.
-    """
-    return _utils.is_hopper(z.device) and tma_supported(z, w)
-
-
-def _launch_plain(z, w, s, m, bias, dropouts, layout, seed, out, cfg, col_offset=0, mask_d=None):
-    """Launch the plain kernel; returns Triton's compiled kernel (registers, spills)."""
-    block_m, block_n, block_k, warps, stages = cfg
-    tokens, inner = z.shape
-    width = w.shape[1]
-    tiles = layout.tiles(block_m, z.device)
-    grid = (tiles.shape[0] * _utils.cdiv(width, block_n),)
-    return _lora_gemm_kernel[grid](
-        z,
-        w,
-        s,
-        m,
-        bias if bias is not None else s,
-        out,
-        tiles,
-        dropouts if dropouts is not None else s,
-        seed,
-        layout.row_offset,
-        col_offset,
-        mask_d or width,
-        tiles.shape[0],
-        width,
-        inner,
-        s.shape[1],
-        z.stride(0),
-        w.stride(0),
-        w.stride(1),
-        s.stride(0),
-        m.stride(0),
-        m.stride(1),
-        m.stride(2),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        HAS_DROPOUT=dropouts is not None,
-        EVEN_K=inner % block_k == 0,
-        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
-        GROUP_M=_GROUP_M,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        BLOCK_R=_utils.padded_rank(s.shape[1]),
-        num_warps=warps,
-        num_stages=stages,
-    )
 
 
 def _launch_tma(
@@ -707,7 +426,6 @@ def _launch_tma(
         BLOCK_R=_utils.padded_rank(s.shape[1]),
         EPI_SPLIT=cfg.epi_split,
         NUM_PROGRAMS=programs,
-        WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -729,21 +447,6 @@ def _check_inputs(z, w, s, m, layout) -> None:
     _utils.padded_rank(s.shape[1])
 
 
-def _choose_kernel(kernel: str, z, w, out) -> str:
-    if kernel not in ("auto", "plain", "tma"):
-        raise ValueError(f"kernel must be 'auto', 'plain' or 'tma', got {kernel!r}")
-    if kernel == "tma" and not tma_supported(z, w, out):
-        raise ValueError(
-            f"kernel='tma' needs 16-byte aligned rows: z strides {z.stride()}, w strides "
-            f"{w.stride()}, out strides {out.stride()}, {z.element_size()}-byte elements"
-        )
-    if kernel != "auto":
-        return kernel
-    if tma_kernel_runs(z, w):
-        return "tma"
-    return "plain"
-
-
 def lora_gemm(
     z: torch.Tensor,
     w: torch.Tensor,
@@ -753,17 +456,16 @@ def lora_gemm(
     dropouts: torch.Tensor | None,
     layout: AdapterLayout,
     seed: int,
-    config: tuple | None = None,
     *,
-    kernel: str = "auto",
     col_offset: int = 0,
     full_width: int | None = None,
 ) -> torch.Tensor:
     """Launch the GEMM with LoRA epilogue.
 
     Args:
-        z: (T, K) contiguous left operand (X or dY).
-        w: (K, D) right operand, any strides (``weight.t()`` or ``weight``).
+        z: (T, K) contiguous left operand (X or dY), rows 16-byte aligned.
+        w: (K, D) right operand, unit stride in one dimension (``weight.t()`` or ``weight``),
+            the other stride 16-byte aligned.
         s: (T, R) contiguous ``S'`` or ``dS'``.
         m: (A, R, D) per-adapter matrices, any strides.
         bias: (D,) or None.
@@ -771,10 +473,6 @@ def lora_gemm(
         layout: the microbatch's adapter layout; the mask's rows are keyed by
             ``layout.row_offset + t``.
         seed: Philox seed of the dropout mask over the ``(T, D)`` output.
-        config: forces a tile config: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``
-            for the plain kernel, a `TmaConfig` for the TMA kernel.
-        kernel: ``"plain"`` (pointer loads), ``"tma"`` (TMA descriptors, persistent) or
-            ``"auto"`` (TMA on Hopper when the strides allow it, else plain).
         col_offset: for a tensor-parallel shard of the output's columns, the index of its
             column 0 in the full width (a multiple of 8): the mask is columns
             ``col_offset:col_offset + D`` of the ``full_width``-wide mask.
@@ -784,8 +482,8 @@ def lora_gemm(
         (T, D) tensor in ``z``'s dtype.
 
     Raises:
-        ValueError: on shape, dtype or device mismatch (the message names the tensor), an
-            unknown ``kernel``, or ``kernel="tma"`` on strides TMA cannot describe.
+        ValueError: on shape, dtype or device mismatch (the message names the tensor), or on
+            strides TMA cannot describe (the message gives them; `tma_supported`).
         NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
     _check_inputs(z, w, s, m, layout)
@@ -794,9 +492,12 @@ def lora_gemm(
     out = torch.empty(tokens, width, dtype=z.dtype, device=z.device)
     if tokens == 0:
         return out
-    if config is not None and kernel == "auto":
-        kernel = "tma" if isinstance(config, TmaConfig) else "plain"
-    kernel = _choose_kernel(kernel, z, w, out)
+    if not tma_supported(z, w, out):
+        raise ValueError(
+            f"lora_gemm needs TMA-describable operands (a unit stride, 16-byte aligned base "
+            f"and rows): z strides {z.stride()}, w strides {w.stride()}, out strides "
+            f"{out.stride()}, {z.element_size()}-byte elements"
+        )
     args = (z, w, s, m, bias, dropouts, layout, seed, out)
     offsets = {"col_offset": col_offset, "mask_d": mask_d}
     key = (
@@ -808,28 +509,15 @@ def lora_gemm(
         w.stride(1) != 1,
         dropouts is not None,
     )
-    if kernel == "tma":
-        if config is None:
-            config = _utils.pick_config(
-                "lora_gemm_tma",
-                key,
-                z.device,
-                lambda k: _TMA_HOPPER[k[-2:]] if k[-3] == 2 else _TMA_FP32,
-                _TMA_TILE_CONFIGS,
-                lambda cfg: _launch_tma(*args, cfg, **offsets),
-            )
-        _launch_tma(*args, TmaConfig(*config), **offsets)
-    else:
-        if config is None:
-            config = _utils.pick_config(
-                "lora_gemm",
-                key,
-                z.device,
-                lambda _: _TILE_CONFIGS[1],
-                _TILE_CONFIGS,
-                lambda cfg: _launch_plain(*args, cfg, **offsets),
-            )
-        _launch_plain(*args, tuple(config), **offsets)
+    config = _utils.pick_config(
+        "lora_gemm",
+        key,
+        z.device,
+        _hopper_config,
+        _TMA_TILE_CONFIGS,
+        lambda cfg: _launch_tma(*args, cfg, **offsets),
+    )
+    _launch_tma(*args, config, **offsets)
     return out
 
 

@@ -3,19 +3,9 @@
 from dataclasses import dataclass
 
 import torch
+from model_testing import MCORE_MODEL as TINY
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig
-
-TINY = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    ffn_hidden_size=176,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=260,
-    max_position_embeddings=256,
-    init_seed=3,
-)
+from megatron_lorafusion.config import AdapterConfig
 
 # Mixed ranks, scales and targets; adapter 1 skips linear_proj and linear_fc1.
 ADAPTERS = [

@@ -114,9 +114,7 @@ def test_dora_linear_matches_peft_forward_and_gradients(with_bias, device, make_
     lora_a, lora_b = (t.to(device).requires_grad_(True) for t in (lora_a, lora_b))
     mags = torch.stack(m_list).to(device).requires_grad_(True)
     xd, w = x.to(device, copy=True).requires_grad_(True), weight.to(device)
-    out = fused_lora_linear(
-        xd, w, None, lora_a, lora_b, scalings, [0.0] * 3, layout, design="triton"
-    )
+    out = fused_lora_linear(xd, w, None, lora_a, lora_b, scalings, [0.0] * 3, layout, gemm="triton")
     sq = weight_sq_norm(w)
     norms = torch.stack(
         [

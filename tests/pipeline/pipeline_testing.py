@@ -15,22 +15,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from dist_testing import gloo_world
+from model_testing import PIPELINE_MODEL as MODEL
 
-from megatron_lorafusion.config import AdapterConfig, ModelConfig
+from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
 
-# 4 layers: one per stage at PP = 4. vocab 260 and 4 heads / 2 groups divide TP = 2.
-MODEL = ModelConfig(
-    num_layers=4,
-    hidden_size=32,
-    ffn_hidden_size=64,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=260,
-    max_position_embeddings=64,
-    init_seed=3,
-)
 # Different global batch sizes, ranks and targets; adapter 1 skips linear_proj and linear_fc1.
 # Learning rates of 1e-3..2e-3: Adam turns the fp32 reordering of TP's partial sums into
 # weight differences proportional to lr; at 10x these rates TP = 2 against one process measured

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
+from model_testing import TRAIN_MODEL
 
-from megatron_lorafusion.config import MODEL_PRESETS, AdapterConfig, ModelConfig
+from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.mcore.context import load_views
 from megatron_lorafusion.train import AdapterAdamW, AdapterRun
 from megatron_lorafusion.train.checkpoint import (
@@ -115,7 +116,6 @@ def test_checkpoint_flipped_byte_fails_hash(tmp_path):
     assert checkpoint_problems(folder) == [f"{shard}: SHA-256 differs from the manifest"]
 
 
-TP_MODEL = ModelConfig(**{**MODEL_PRESETS["tiny"], "num_layers": 1})  # the train tests' model
 TP_ADAPTERS = [
     AdapterConfig(name="a", rank=4),
     AdapterConfig(name="b", rank=2, target_modules=["linear_fc1"]),
@@ -140,7 +140,7 @@ def _tp_worker(rank, workdir):
     from megatron_lorafusion.train import build_run
 
     with gloo_world(rank, 2, workdir, tp=2):
-        run = build_run(TP_MODEL, TP_ADAPTERS, [[1] * 4] * len(TP_ADAPTERS), seed=1)
+        run = build_run(TRAIN_MODEL, TP_ADAPTERS, [[1] * 4] * len(TP_ADAPTERS), seed=1)
         lora = run.lora
         full = torch.load(os.path.join(workdir, "full.pt"))
         sharding = lora.sharding()
@@ -170,7 +170,7 @@ def test_checkpoint_tp2_shards_merge_to_full_tensors(megatron_single_process, tm
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.train.checkpoint import full_adapter_tensors
 
-    lora = apply_lora(build_gpt_model(TP_MODEL), TP_ADAPTERS, seed=1)
+    lora = apply_lora(build_gpt_model(TRAIN_MODEL), TP_ADAPTERS, seed=1)
     _filled(lora)
     full = {ad.name: lora.adapter_state_dict(a) for a, ad in enumerate(TP_ADAPTERS)}
     torch.save(full, tmp_path / "full.pt")

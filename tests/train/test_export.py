@@ -4,14 +4,12 @@ import json
 
 import pytest
 import torch
+from model_testing import MCORE_MODEL as MODEL  # 4 heads of 16 in 2 groups
 from safetensors.torch import load_file
 
-from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig, ModelConfig
+from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig
 from megatron_lorafusion.train import peft_state_dict, write_peft_folder
 
-MODEL = ModelConfig(
-    num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2
-)  # 4 heads of 16 in 2 groups
 HEAD = MODEL.hidden_size // MODEL.num_attention_heads
 QKV_OUT = (MODEL.num_attention_heads + 2 * MODEL.num_query_groups) * HEAD
 # dtype -> tolerances of the same LoRA model in Megatron and in transformers/peft (issue 6).
@@ -76,11 +74,11 @@ def test_export_folder_is_loadable_by_peft(tmp_path):
     base = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(
             vocab_size=MODEL.vocab_size,
-            hidden_size=64,
-            intermediate_size=176,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            hidden_size=MODEL.hidden_size,
+            intermediate_size=MODEL.ffn_hidden_size,
+            num_hidden_layers=MODEL.num_layers,
+            num_attention_heads=MODEL.num_attention_heads,
+            num_key_value_heads=MODEL.num_query_groups,
         )
     )
     model = peft.PeftModel.from_pretrained(base, str(folder))

@@ -113,21 +113,11 @@ def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
 
 def _lora_plus_run(ratio: float, grads: torch.Tensor | None = None):
     """One AdamW step of a DoRA adapter on a tiny model with LoRA+ ratio ``ratio``."""
-    from megatron_lorafusion.config import ModelConfig
+    from model_testing import TRAIN_MODEL
+
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
 
-    model = build_gpt_model(
-        ModelConfig(
-            num_layers=1,
-            hidden_size=32,
-            ffn_hidden_size=64,
-            num_attention_heads=4,
-            num_query_groups=2,
-            vocab_size=260,
-            max_position_embeddings=64,
-            init_seed=3,
-        )
-    )
+    model = build_gpt_model(TRAIN_MODEL)
     adapter = AdapterConfig(
         name="plus", rank=4, lr=1e-2, weight_decay=0.1, use_dora=True, loraplus_lr_ratio=ratio
     )
