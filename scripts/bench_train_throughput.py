@@ -10,10 +10,11 @@
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
 dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
-adapter (one `AdapterAdamW` round) after every microbatch, and reports tokens/s, the ratio to
-the 1-adapter cell, GPU launches (kernels, memsets, copies seen by torch.profiler) of one
-forward + backward and of one optimizer round, the round's time, peak memory and the mean
-loss of the timed pass. ``--attention`` forces our packed attention's kernel (issue 22); runs
+adapter with tokens in a microbatch right after it (one `AdapterAdamW` launch; a global batch
+of one microbatch, the most steps a job can take), and reports tokens/s, the ratio to the
+1-adapter cell, GPU launches (kernels, memsets, copies seen by torch.profiler) of one
+forward + backward and of one optimizer round of every adapter, that round's time, peak
+memory and the mean loss of the timed pass. ``--attention`` forces our packed attention's kernel (issue 22); runs
 that differ only in it see the same weights and microbatches, so their losses compare. The peers:
 transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4 tokens, SDPA,
 torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear
@@ -340,6 +341,12 @@ def _unwrap(model) -> None:
                 setattr(module, name, child.base)
 
 
+def _present(batch) -> list[int]:
+    """The adapters with tokens in the microbatch: each steps after it (a global batch of one
+    microbatch); an adapter without tokens has no gradient, and no job steps it then."""
+    return [a for a, n in enumerate(batch[2].token_counts()) if n]
+
+
 def _forward_backward(model, lora, batch) -> torch.Tensor:
     """The microbatch's mean loss (detached) after its backward."""
     ids, pos, layout = batch
@@ -368,7 +375,7 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
 
         def train(batch) -> torch.Tensor:
             loss = _forward_backward(model, lora, batch)
-            optimizer.step(everyone)
+            optimizer.step(_present(batch))
             return loss
 
         row = _measure(train, batches, args)
