@@ -457,7 +457,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
 
 
 def timings(tokens_list, shapes, csv_path):
-    auto = FUSED_MODULE._resolve_gemm(
+    auto = FUSED_MODULE.resolve_gemm(
         "auto",
         torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),
         torch.empty(16, 16, device="cuda", dtype=torch.bfloat16),

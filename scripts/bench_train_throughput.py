@@ -14,8 +14,9 @@ adapter with tokens in a microbatch right after it (one `AdapterAdamW` launch; a
 of one microbatch, the most steps a job can take), and reports tokens/s, the ratio to the
 1-adapter cell, GPU launches (kernels, memsets, copies seen by torch.profiler) of one
 forward + backward and of one optimizer round of every adapter, that round's time, peak
-memory and the mean loss of the timed pass. ``--attention`` forces our packed attention's kernel (issue 22); runs
-that differ only in it see the same weights and microbatches, so their losses compare. The peers:
+memory and the mean loss of the timed pass. ``--attention`` forces our packed attention's
+kernel (issue 22); runs that differ only in it see the same weights and microbatches, so their
+losses compare. The peers:
 transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4 tokens, SDPA,
 torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear
 cross-entropy too when ``liger_kernel`` is importable (it patches transformers for good, so it

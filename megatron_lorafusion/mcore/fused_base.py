@@ -34,8 +34,8 @@ from megatron_lorafusion.ops import (
     rope_ref,
     swiglu,
     swiglu_ref,
+    triton_usable,
 )
-from megatron_lorafusion.ops._utils import triton
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (the fused loss gives them 0 and no gradient)."""
@@ -74,7 +74,7 @@ def input_rebuild(
 
 def use_fused_kernels(x: torch.Tensor) -> bool:
     """True when the base model's Triton ops run on ``x``: a CUDA tensor, Triton importable."""
-    return x.is_cuda and triton is not None
+    return x.is_cuda and triton_usable(x)
 
 
 class FrozenRMSNorm(torch.nn.RMSNorm):

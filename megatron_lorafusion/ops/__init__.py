@@ -10,7 +10,7 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
-from megatron_lorafusion.ops._utils import HostCopy, copy_to_device
+from megatron_lorafusion.ops._utils import HostCopy, copy_to_device, triton_usable
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
 from megatron_lorafusion.ops.dora_scale import (
     DoRAScaleFunction,
@@ -20,7 +20,11 @@ from megatron_lorafusion.ops.dora_scale import (
     dora_weight_norm_ref,
     weight_sq_norm,
 )
-from megatron_lorafusion.ops.fused_lora_linear import LoRALinearFunction, fused_lora_linear
+from megatron_lorafusion.ops.fused_lora_linear import (
+    LoRALinearFunction,
+    fused_lora_linear,
+    resolve_gemm,
+)
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.linear_cross_entropy import (
     LinearCrossEntropyFunction,
@@ -108,9 +112,11 @@ __all__ = [
     "packed_slot",
     "qkv_rope",
     "qkv_rope_ref",
+    "resolve_gemm",
     "rope",
     "rope_ref",
     "swiglu",
     "swiglu_ref",
+    "triton_usable",
     "weight_sq_norm",
 ]

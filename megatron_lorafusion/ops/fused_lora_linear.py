@@ -41,7 +41,7 @@ from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 _GEMMS = ("auto", "cublas", "triton")
 
 
-def _resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     """The forward GEMM ``"auto"`` stands for; ``"cublas"`` and ``"triton"`` stay as they are.
 
     ``"triton"`` on Hopper when TMA can describe X and W: it beat or tied cuBLAS + expand on
@@ -218,6 +218,6 @@ def fused_lora_linear(
         drop,
         layout,
         seed,
-        _resolve_gemm(gemm, x, weight),
+        resolve_gemm(gemm, x, weight),
         rebuild,
     )

@@ -209,12 +209,12 @@ def test_auto_gemm_is_triton_only_on_hopper(device):
     x = torch.zeros(32, 64, dtype=torch.float16, device=device)
     weight = torch.zeros(48, 64, dtype=torch.float16, device=device)
     hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
-    assert module._resolve_gemm("auto", x, weight) == ("triton" if hopper else "cublas")
+    assert module.resolve_gemm("auto", x, weight) == ("triton" if hopper else "cublas")
     x_odd = torch.zeros(32, 60, dtype=torch.float16, device=device)  # 120-byte rows
     weight_odd = torch.zeros(48, 60, dtype=torch.float16, device=device)
-    assert module._resolve_gemm("auto", x_odd, weight_odd) == "cublas"
-    assert module._resolve_gemm("triton", x, weight) == "triton"
-    assert module._resolve_gemm("cublas", x_odd, weight_odd) == "cublas"
+    assert module.resolve_gemm("auto", x_odd, weight_odd) == "cublas"
+    assert module.resolve_gemm("triton", x, weight) == "triton"
+    assert module.resolve_gemm("cublas", x_odd, weight_odd) == "cublas"
 
 
 def test_triton_gemm_rejects_unaligned_rows(device, make_layout, make_lora):
