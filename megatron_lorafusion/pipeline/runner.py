@@ -187,7 +187,8 @@ class _State:
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
     tokens: int = 0  # this rank's forward tokens so far
-    logged: tuple[float, int] | None = None  # (perf_counter, tokens) at the last step log line
+    # (perf_counter, tokens, tokens/s) at the last step log line
+    logged: tuple[float, int, float] | None = None
 
 
 def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch]):
@@ -497,11 +498,17 @@ class _Runner:
         self.state.unconfirmed.clear()
 
     def _tokens_per_s(self) -> float:
-        """Run-wide tokens/s since the last step log line (this replica's times DP)."""
+        """Run-wide tokens/s since the last step log line (this replica's times DP).
+
+        Steps confirmed together at the end of a call saw no forward since the last line:
+        they report that line's rate.
+        """
         now = time.perf_counter()
-        since, tokens = self.state.logged or (self.t0, 0)
-        self.state.logged = (now, self.state.tokens)
-        return (self.state.tokens - tokens) * self.g.dp_size / max(now - since, 1e-9)
+        since, tokens, rate = self.state.logged or (self.t0, 0, 0.0)
+        if self.state.tokens > tokens:
+            rate = (self.state.tokens - tokens) * self.g.dp_size / max(now - since, 1e-9)
+            self.state.logged = (now, self.state.tokens, rate)
+        return rate
 
 
 def _share_losses(adapters: Sequence[AdapterRun], groups: PipelineGroups) -> None:

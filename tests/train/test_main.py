@@ -65,6 +65,8 @@ def test_train_two_adapters_losses_fall_and_exports(tmp_path, caplog):
     line = re.compile(r"adapter (sort|add) step \d+ \| loss [\d.]+ \| lr \S+ \| [\d.]+k tok/s")
     assert len(step_lines) == 60, f"one log line per adapter step (log_every 1): {step_lines[:3]}"
     assert all(line.fullmatch(m) for m in step_lines), f"step lines lack a rate: {step_lines[:3]}"
+    idle = [m for m in step_lines if m.endswith(" 0.0k tok/s")]
+    assert not idle, f"steps confirmed at a segment's end report the last rate, not 0: {idle}"
     for name, curve in losses.items():
         assert len(curve) == 30, f"{name} took {len(curve)} steps, expected 30"
         assert _mean(curve[-5:]) < 0.85 * _mean(curve[:5]), f"{name} loss did not fall: {curve}"
