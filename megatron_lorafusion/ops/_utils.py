@@ -99,8 +99,8 @@ class HostCopy:
     """A device tensor's values on their way to the host, read without stalling the host.
 
     On CUDA the copy into pinned memory is queued on the current stream now and `tolist`
-    waits for that copy alone, not for the work queued after it; so a value read one step
-    later costs no wait, where ``t.tolist()`` then would wait for everything queued since.
+    waits for the work queued up to that copy, not after it; so a value read one step later
+    costs no wait, where ``t.tolist()`` then would wait for everything queued since.
     """
 
     def __init__(self, t: torch.Tensor):

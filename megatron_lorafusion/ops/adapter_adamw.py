@@ -118,26 +118,33 @@ def _check(weights, grads, exp_avg, exp_avg_sq, rows, hyper, lr_groups, squared_
                 f"{name} must be contiguous fp32 of shape {tuple(weights.shape)}, got "
                 f"{tuple(t.shape)} {t.dtype}"
             )
-    if rows.dim() != 1 or rows.dtype != torch.int64:
-        raise ValueError(f"rows must be (k,) int64, got {tuple(rows.shape)} {rows.dtype}")
+    if rows.dim() != 1 or rows.dtype != torch.int64 or not rows.is_contiguous():
+        raise ValueError(
+            f"rows must be contiguous (k,) int64, got {tuple(rows.shape)} {rows.dtype}, "
+            f"strides {rows.stride()}"
+        )
     expected = (rows.shape[0], HYPER_COLUMNS)
     if tuple(hyper.shape) != expected or hyper.dtype != torch.float32:
         raise ValueError(
             f"hyper must be fp32 of shape {expected}, got {tuple(hyper.shape)} {hyper.dtype}"
         )
     if squared_norms is not None and (
-        tuple(squared_norms.shape) != (weights.shape[0],) or squared_norms.dtype != torch.float32
+        tuple(squared_norms.shape) != (weights.shape[0],)
+        or squared_norms.dtype != torch.float32
+        or not squared_norms.is_contiguous()
     ):
         raise ValueError(
-            f"squared_norms must be fp32 of shape ({weights.shape[0]},), got "
-            f"{tuple(squared_norms.shape)} {squared_norms.dtype}"
+            f"squared_norms must be contiguous fp32 of shape ({weights.shape[0]},), got "
+            f"{tuple(squared_norms.shape)} {squared_norms.dtype}, strides {squared_norms.stride()}"
         )
     if losses is not None and (
-        tuple(losses.shape) != expected[:1] or not losses.is_floating_point()
+        tuple(losses.shape) != expected[:1]
+        or not losses.is_floating_point()
+        or not losses.is_contiguous()
     ):
         raise ValueError(
-            f"losses must be floating point of shape {expected[:1]}, got "
-            f"{tuple(losses.shape)} {losses.dtype}"
+            f"losses must be contiguous floating point of shape {expected[:1]}, got "
+            f"{tuple(losses.shape)} {losses.dtype}, strides {losses.stride()}"
         )
     if lr_groups is not None and (
         tuple(lr_groups.shape) != (weights.shape[1],) or lr_groups.dtype != torch.bool
@@ -206,7 +213,8 @@ def adapter_adamw_(
         grads: (A, S) fp32 accumulated gradients; the stepped rows are zeroed in place.
         exp_avg: (A, S) fp32 first moments; updated in place.
         exp_avg_sq: (A, S) fp32 second moments; updated in place.
-        rows: (k,) int64 the adapters of this step, each once.
+        rows: (k,) int64 the adapters of this step, each once, each in ``[0, A)`` (not
+            checked: that would read them back).
         hyper: (k, HYPER_COLUMNS) fp32, per adapter ``rows[j]`` its ``LR, BETA1, BETA2, EPS,
             WEIGHT_DECAY, BIAS_CORRECTION1, BIAS_CORRECTION2`` (``1 − β^step`` of this step),
             ``STEP`` (1: step, 0: leave its row as it is), ``LR_B`` (the learning rate of the

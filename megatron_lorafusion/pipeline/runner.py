@@ -116,7 +116,7 @@ class AdapterOptimizer(Protocol):
         whose norm or loss is not finite is not stepped (decided on the device).
         """
 
-    def check(self, losses: dict[int, float] | None = None) -> None:
+    def check(self) -> None:
         """Raise when the last step refused a non-finite loss or norm (names the adapter)."""
 
     def lr(self, adapter_id: int) -> float:
@@ -182,7 +182,7 @@ class _State:
     stash: dict[int, _Stash] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     pending: dict[int, _PendingStep] = field(default_factory=dict)
-    unconfirmed: list[tuple[tuple[int, ...], HostCopy]] = field(default_factory=list)  # losses
+    unconfirmed: tuple[tuple[int, ...], HostCopy] | None = None  # the last step's losses
     loss_sums: torch.Tensor | None = None  # (A,) float64 on the device: each batch so far
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
@@ -468,34 +468,36 @@ class _Runner:
             losses=group.sums if self.g.is_last else None,
         )
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
-        self.state.unconfirmed.append((group.adapters, HostCopy(group.sums)))
+        self.state.unconfirmed = (group.adapters, HostCopy(group.sums))
 
     def _confirm_steps(self) -> None:
-        """Record, check and log the losses of the steps queued since the last call."""
+        """Record, check and log the losses of the step queued last (one step group at most).
+
+        Raises the optimizer's error when the step refused an adapter; the other adapters of
+        that group stepped but are not recorded (the run stops, nothing is saved).
+        """
+        if self.state.unconfirmed is None:
+            return
+        (adapters, sums), self.state.unconfirmed = self.state.unconfirmed, None
+        losses = sums.tolist()
+        self.optimizer.check()
         rate = None
-        for adapters, sums in self.state.unconfirmed:
-            losses = sums.tolist()
-            # Only the last stage has the losses: it stops every rank.
-            self.optimizer.check(
-                dict(zip(adapters, losses, strict=True)) if self.g.is_last else None
-            )
-            for b, loss in zip(adapters, losses, strict=True):
-                run = self.adapters[b]
-                # Only the last stage computes losses; others record NaN until `_share_losses`.
-                run.losses.append(loss if self.g.is_last else float("nan"))
-                if self.g.is_last and self.g.dp_rank == 0 and run.step % self.log_every == 0:
-                    rate = self._tokens_per_s() if rate is None else rate
-                    logger.info(
-                        "adapter %s step %d | loss %.4f | lr %.1e | %.1fk tok/s",
-                        run.name,
-                        run.step,
-                        run.losses[-1],
-                        self.optimizer.lr(b),
-                        rate / 1e3,
-                    )
-                if self.on_step is not None:
-                    self.on_step(b, run)
-        self.state.unconfirmed.clear()
+        for b, loss in zip(adapters, losses, strict=True):
+            run = self.adapters[b]
+            # Only the last stage computes losses; others record NaN until `_share_losses`.
+            run.losses.append(loss if self.g.is_last else float("nan"))
+            if self.g.is_last and self.g.dp_rank == 0 and run.step % self.log_every == 0:
+                rate = self._tokens_per_s() if rate is None else rate
+                logger.info(
+                    "adapter %s step %d | loss %.4f | lr %.1e | %.1fk tok/s",
+                    run.name,
+                    run.step,
+                    run.losses[-1],
+                    self.optimizer.lr(b),
+                    rate / 1e3,
+                )
+            if self.on_step is not None:
+                self.on_step(b, run)
 
     def _tokens_per_s(self) -> float:
         """Run-wide tokens/s since the last step log line (this replica's times DP).
@@ -561,7 +563,8 @@ def run_pipeline(
         hidden_size: ``H`` of the activations passed between stages.
         activation_dtype: dtype of those activations (the model's compute dtype).
         device: where receive buffers live (the model's device).
-        on_step: called on every rank after adapter ``a`` steps, with ``(a, run)``.
+        on_step: called on every rank once adapter ``a``'s step is confirmed (its loss on the
+            host: at the next step group or the end of the call), with ``(a, run)``.
         record_events: time every operation (the calibration study, docs/pipeline.md); on a GPU
             compute times are CUDA-event times on the compute stream, from after the
             operation's receive to its end (no host synchronisation).
@@ -609,7 +612,7 @@ def run_pipeline(
         # holds the process at exit until the group timeout, delaying its peers' errors.
         runner.state.sends.clear()
         runner.state.pending.clear()
-        runner.state.unconfirmed.clear()
+        runner.state.unconfirmed = None
         runner.state.stash.clear()  # and posted receives
         if wgrad_queue is not None:
             wgrad_queue.clear()

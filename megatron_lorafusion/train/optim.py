@@ -140,6 +140,7 @@ class AdapterAdamW:
         self._norms: HostCopy | None = None  # (A,) squared norms of the last step's gradients
         self._norms_host: list[float] | None = None
         self._unchecked: list[int] = []  # the last step's adapters, until `check`
+        self._losses: tuple[tuple[int, ...], HostCopy] | None = None  # and what they stepped on
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
@@ -235,24 +236,29 @@ class AdapterAdamW:
         self._unchecked = stepping
         self._norms = None if norms is None else HostCopy(norms)
         self._norms_host = None
+        self._losses = None if losses is None else (ids, HostCopy(losses))
 
-    def check(self, losses: Mapping[int, float] | None = None) -> None:
+    def check(self) -> None:
         """Raise `DivergenceError` when the last step refused an adapter, naming the first.
 
         The kernel refused every stepping adapter whose loss or gradient norm was NaN or
-        infinite; this reads that step's norms back (a wait for the step alone, not for work
-        queued after it). A refused adapter's weights, moments and step count stay those
-        before the step.
-
-        Args:
-            losses: adapter id -> the loss the last step stepped on (the caller's host copy
-                of the ``losses`` it passed), or None.
+        infinite; this reads that step's losses and norms back (a wait for the work queued up
+        to the step, not after it). A refused adapter's weights, moments, gradients and step
+        count stay those before the step; the other adapters of that step took it. Stopped
+        adapters are not checked: they do not step.
         """
         stepping, self._unchecked = self._unchecked, []
-        norms = self._host_norms() if stepping and self._norms is not None else None
+        if not stepping:
+            return
+        norms = None if self._norms is None else self._host_norms()
+        if self._losses is None:
+            losses = None
+        else:
+            ids, copy = self._losses
+            losses = dict(zip(ids, copy.tolist(), strict=True))
         refused = []
         for a in stepping:
-            if losses is not None and a in losses and not math.isfinite(losses[a]):
+            if losses is not None and not math.isfinite(losses[a]):
                 refused.append((a, f"loss {losses[a]}"))
             elif norms is not None and not math.isfinite(norms[a]):
                 refused.append((a, f"gradient norm {norms[a]}"))

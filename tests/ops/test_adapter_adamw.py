@@ -5,6 +5,8 @@ multiplies, so fp32 tolerances are tight. torch's AdamW updates ``m`` by ``lerp`
 the bias corrections differently: a few ulps of the weights per step.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -141,12 +143,15 @@ def test_adapter_adamw_names_bad_tensor(device):
         adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, rows, hyper[:1])
     with pytest.raises(ValueError, match="weights must be a contiguous"):
         adapter_adamw_(weights.t(), grads, exp_avg, exp_avg_sq, rows, hyper)
-    with pytest.raises(ValueError, match=r"rows must be \(k,\) int64"):
+    with pytest.raises(ValueError, match=r"rows must be contiguous \(k,\) int64"):
         adapter_adamw_(weights, grads, exp_avg, exp_avg_sq, rows.int(), hyper)
-    with pytest.raises(ValueError, match=r"squared_norms must be fp32 of shape \(2,\)"):
+    with pytest.raises(ValueError, match=re.escape("squared_norms must be contiguous fp32 of")):
         adapter_adamw_(*_tables(2, 8, device, 1), rows, hyper, squared_norms=torch.ones(3))
-    with pytest.raises(ValueError, match=r"losses must be floating point of shape \(2,\)"):
+    bad_losses = re.escape("losses must be contiguous floating point of shape (2,)")
+    with pytest.raises(ValueError, match=bad_losses):
         adapter_adamw_(*_tables(2, 8, device, 1), rows, hyper, losses=torch.ones(1))
+    with pytest.raises(ValueError, match=bad_losses):  # a strided view would be misread
+        adapter_adamw_(*_tables(2, 8, device, 1), rows, hyper, losses=torch.ones(4)[::2])
 
 
 def test_max_norm_steps_as_torchs_clipped_gradient(device):
@@ -170,14 +175,15 @@ def test_max_norm_steps_as_torchs_clipped_gradient(device):
     assert not torch.equal(clipped[0], grads[0]), "adapter 0 must have been clipped"
 
 
+@pytest.mark.parametrize("loss_dtype", [torch.float64, torch.float32])  # runner; a DP bucket
 @pytest.mark.parametrize("bad", ["nan norm", "inf norm", "nan loss", "inf loss"])
-def test_adapter_adamw_leaves_a_row_with_a_non_finite_norm_or_loss(bad, device):
+def test_adapter_adamw_leaves_a_row_with_a_non_finite_norm_or_loss(bad, loss_dtype, device):
     """The device gate: that row is not touched (not even its gradient), the others step."""
     tables = _tables(3, 300, device, seed=7)
     rows = torch.tensor([2, 0, 1], device=device)  # any order: hyper row j is adapter rows[j]
     hyper = _hyper([1e-3, 2e-3, 3e-3], [1, 1, 1], [0.0] * 3, {0, 1, 2}, device)
     squared = torch.linalg.vector_norm(tables[1], dim=1).square()
-    losses = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=device)
+    losses = torch.tensor([1.0, 2.0, 3.0], dtype=loss_dtype, device=device)
     value = float("nan") if bad.startswith("nan") else float("inf")
     if bad.endswith("norm"):
         squared[rows[1]] = value

@@ -98,17 +98,30 @@ def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
     opt.check()  # checked once: no error
 
     lora = _table(torch.randn(2, 11, generator=torch.Generator().manual_seed(3)))
-    opt = AdapterAdamW(lora, adapters[:2], [10] * 2)
-    before = lora.weights.clone()
+    unclipped = [AdapterConfig(name=f"a{i}", lr=1e-2, max_grad_norm=0.0) for i in range(2)]
+    opt = AdapterAdamW(lora, unclipped, [10] * 2)  # no norms: the loss alone gates the step
+    before, grads = lora.weights.clone(), lora.grads.clone()
     opt.step([0, 1], losses=torch.tensor([1.5, float("inf")], dtype=torch.float64))
     assert torch.equal(lora.weights[1], before[1]), "a step on an infinite loss must not move"
+    assert torch.equal(lora.grads[1], grads[1]), "nor drop its gradient"
     assert not torch.equal(lora.weights[0], before[0]), "adapter a0's loss is finite"
     with pytest.raises(DivergenceError, match=r"adapter 'a1': loss inf at step 1; training"):
-        opt.check({0: 1.5, 1: float("inf")})  # the caller's host copy of the losses
+        opt.step([0])
     assert opt.steps == [1, 0], f"a refused step is not counted, got {opt.steps}"
     opt.step([0, 1], losses=torch.tensor([1.5, 2.0], dtype=torch.float64))
-    opt.check({0: 1.5, 1: 2.0})  # finite: no error
+    opt.check()  # finite: no error
     assert opt.steps == [2, 1]
+
+
+def test_stopped_adapter_with_a_nan_loss_neither_steps_nor_stops_the_run():
+    lora = _table(torch.randn(2, 11, generator=torch.Generator().manual_seed(4)))
+    opt = _optimizer(lora, [1.0, 1.0])
+    opt.stopped.add(1)
+    before = lora.weights.clone()
+    opt.step([0, 1], losses=torch.tensor([1.5, float("nan")], dtype=torch.float64))
+    opt.check()  # adapter 1 is stopped: its loss is not checked
+    assert torch.equal(lora.weights[1], before[1]), "a stopped adapter must not move"
+    assert opt.steps == [1, 0]
 
 
 def _lora_plus_run(ratio: float, grads: torch.Tensor | None = None):
