@@ -49,11 +49,17 @@ def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     on Hopper only (on the H200 its pointer-load predecessor ran 25-35 % behind cuBLAS).
 
     Raises:
-        ValueError: for ``"triton"`` on strides TMA cannot describe (the message gives them).
+        ValueError: for ``"triton"`` on a GPU other than Hopper, or on strides TMA cannot
+            describe (the message gives them).
     """
     if gemm == "auto":
         hopper = _utils.is_hopper(x.device)
         return "triton" if hopper and tma_supported(x, weight) else "cublas"
+    if gemm == "triton" and x.is_cuda and not _utils.is_hopper(x.device):
+        raise ValueError(
+            f"gemm='triton' runs on Hopper GPUs only (its TMA tiles were built and measured "
+            f"there), got {torch.cuda.get_device_name(x.device)}; use gemm='cublas' or 'auto'"
+        )
     if gemm == "triton" and not tma_supported(x, weight):
         raise ValueError(
             f"gemm='triton' needs operands TMA can describe (16-byte aligned rows): x strides "

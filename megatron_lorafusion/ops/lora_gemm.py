@@ -229,8 +229,8 @@ class TmaConfig(NamedTuple):
 
 # The configs the kernel runs: the interpreter's first (small blocks, several tiles per
 # program), then Hopper's (the best of the ten-config H200 sweep summed over (16384, 4096,
-# 14336) and (16384, 14336, 4096), docs/kernels.md) and fp32's; GPUs other than Hopper time
-# each once per problem key (`_utils.pick_config`).
+# 14336) and (16384, 14336, 4096), docs/kernels.md) and fp32's. `fused_lora_linear` runs the
+# kernel on Hopper only; `_utils.pick_config` would time these on another GPU.
 _TMA_TILE_CONFIGS = [
     TmaConfig(16, 32, 16, 4, 1, 2),
     TmaConfig(128, 256, 64, 8, 3, 2),
