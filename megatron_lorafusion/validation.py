@@ -500,7 +500,7 @@ def _validate_eval(a: AdapterConfig, cfg: JobConfig, where: str) -> list[str]:
     return p
 
 
-PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/dataset.py
+PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/templates.py
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 
