@@ -13,15 +13,13 @@ import os
 import re
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_lorafusion.adapter_types import adapter_type
-from megatron_lorafusion.config import (
-    TARGET_MODULES,
-    AdapterConfig,
-    DataConfig,
-    DatasetConfig,
-    JobConfig,
-)
+from megatron_lorafusion.targets import TARGET_MODULES
+
+if TYPE_CHECKING:  # config calls validate: a runtime import back would be a cycle
+    from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig, JobConfig
 
 __all__ = [
     "DATA_SUFFIXES",
