@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from megatron_lorafusion.config import AdapterConfig
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: config imports validation, which imports this module
     import torch
+
+    from megatron_lorafusion.config import AdapterConfig
 
 __all__ = ["ADAPTER_TYPES", "DORA", "LORA", "AdapterType", "adapter_type"]
 

@@ -24,20 +24,9 @@ from typing import Any, Literal
 import yaml
 
 from megatron_lorafusion.hf_config import hf_model_fields
+from megatron_lorafusion.targets import ALL_LINEAR, FUSED_LINEARS, PROJECTIONS, TARGET_MODULES
+from megatron_lorafusion.validation import validate
 
-FUSED_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-"""Megatron's adaptable linears of a decoder layer, in layer-seed order."""
-PROJECTIONS: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-"""The Hugging Face projections each Megatron linear fuses, in the fused linear's row order."""
-ALL_LINEAR = "all-linear"
-TARGET_MODULES = (*FUSED_LINEARS, *(p for ps in PROJECTIONS.values() for p in ps), ALL_LINEAR)
-"""Names ``target_modules`` accepts: ours (one LoRA per fused linear), Hugging Face's (one
-LoRA per projection, as PEFT trains them) and PEFT's ``all-linear`` (every projection)."""
 MAX_FUSED_RANK = 256
 """Largest rank of one adapter on one fused linear (the kernels' register limit)."""
 
@@ -665,8 +654,6 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> JobConf
     cfg = _build(JobConfig, raw, "job", problems)
     # Section names read better without the "job." prefix.
     problems = [q.removeprefix("job.") for q in problems]
-    from megatron_lorafusion.validation import validate  # it imports this module
-
     problems += _unmasked(validate(cfg) + _target_problems(cfg), problems)
     if problems:
         raise ConfigError(problems)

@@ -13,15 +13,13 @@ import os
 import re
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_lorafusion.adapter_types import adapter_type
-from megatron_lorafusion.config import (
-    TARGET_MODULES,
-    AdapterConfig,
-    DataConfig,
-    DatasetConfig,
-    JobConfig,
-)
+from megatron_lorafusion.targets import TARGET_MODULES
+
+if TYPE_CHECKING:  # config calls validate: a runtime import back would be a cycle
+    from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig, JobConfig
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -500,7 +498,7 @@ def _validate_eval(a: AdapterConfig, cfg: JobConfig, where: str) -> list[str]:
     return p
 
 
-PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/dataset.py
+PROMPT_TEMPLATES = ("alpaca",)  # names registered in data/templates.py
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 
 

@@ -2,13 +2,13 @@
 
 from megatron_lorafusion.data.batch import PackedBatch, pack_microbatch
 from megatron_lorafusion.data.dataset import (
-    PROMPT_TEMPLATES,
     DataError,
     TokenizedSample,
     load_adapter_dataset,
     training_order,
 )
 from megatron_lorafusion.data.synthetic import TASKS, write_task
+from megatron_lorafusion.data.templates import PROMPT_TEMPLATES
 from megatron_lorafusion.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [

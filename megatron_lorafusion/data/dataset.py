@@ -24,6 +24,7 @@ import torch
 from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig
 from megatron_lorafusion.data._errors import DataError
 from megatron_lorafusion.data.hf import dataset_identity, read_rows
+from megatron_lorafusion.data.templates import PROMPT_TEMPLATES
 from megatron_lorafusion.data.tokenizer import ByteTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,16 +37,6 @@ __all__ = [
     "training_order",
 ]
 
-# Registered prompt templates: name -> (template with input, template without input).
-PROMPT_TEMPLATES: dict[str, tuple[str, str]] = {
-    "alpaca": (
-        "Below is an instruction that describes a task, paired with an input that provides "
-        "further context. Write a response that appropriately completes the request.\n\n"
-        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
-        "Below is an instruction that describes a task. Write a response that appropriately "
-        "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
-    ),
-}
 _CACHE_VERSION = 2  # 2: truncation cuts the prompt first, samples without a trained token go
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megatron_lorafusion.config import DataConfig, DatasetConfig
 from megatron_lorafusion.data._errors import DataError
+from megatron_lorafusion.data.templates import PROMPT_TEMPLATES
 
 __all__ = ["RawRows", "dataset_identity", "read_rows"]
 
@@ -107,8 +108,6 @@ def _csv_as_text(path: Path) -> dict:
 
 def _text_fields(d: DatasetConfig) -> set[str]:
     """The row keys ``d`` reads as text: prompt and response, or a template's placeholders."""
-    from megatron_lorafusion.data.dataset import PROMPT_TEMPLATES  # it imports this module
-
     fields = {d.response_field}
     if d.template is None:
         fields.add(d.prompt_field)

@@ -51,7 +51,7 @@ from megatron_lorafusion.ops import (
     packed_slot,
     weight_sq_norm,
 )
-from megatron_lorafusion.ops.lora_linear import InputRebuild
+from megatron_lorafusion.ops.saved_input import InputRebuild
 
 
 class LayoutSource(Protocol):

@@ -34,7 +34,6 @@ from megatron_lorafusion.ops.linear_cross_entropy import (
 from megatron_lorafusion.ops.lora_dropout import fused_dropout_keep_mask
 from megatron_lorafusion.ops.lora_expand import lora_expand, lora_expand_ref
 from megatron_lorafusion.ops.lora_linear import (
-    InputRebuild,
     dropout_keep_mask,
     lora_down_ref,
     lora_linear,
@@ -62,6 +61,7 @@ from megatron_lorafusion.ops.packed_factor import (
 )
 from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
+from megatron_lorafusion.ops.saved_input import InputRebuild
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [

@@ -30,10 +30,10 @@ from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
-from megatron_lorafusion.ops.lora_linear import InputRebuild, save_input, saved_input
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
+from megatron_lorafusion.ops.saved_input import InputRebuild, save_input, saved_input
 
 # The forward's frozen GEMM: "triton" (`lora_gemm`, the LoRA term in its epilogue) or
 # "cublas" (`lora_expand`, then cuBLAS accumulates onto it); "auto" picks one. The backward's

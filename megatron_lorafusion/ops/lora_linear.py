@@ -3,13 +3,11 @@
 This file holds the public functional `lora_linear` and its readable torch reference,
 split at the small tensor ``S = drop(X)·Aᵀ`` (T × R) as in LoRAFusion (arXiv 2510.00206,
 Sec. 4): `lora_down_ref` makes ``S``, `lora_up_ref` maps it back to the output width.
-`InputRebuild` lets the LoRA ops rebuild X in backward instead of saving it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,58 +15,7 @@ import torch.nn.functional as F
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.philox import philox_keep_mask
-
-
-@dataclass(frozen=True, eq=False)
-class InputRebuild:
-    """How a LoRA op rebuilds its input X in backward instead of saving it (selective recompute).
-
-    ``fn(*sources)`` must return X bit for bit: the very function that produced X (the same
-    kernel on CUDA, the same reference elsewhere) on the tensors it read. Worth it when the
-    producer's own backward saves ``sources`` anyway (a norm's input, SwiGLU's input): the
-    op then keeps no tensor of its own for X. The op saves ``sources`` (detached, so an
-    in-place write to them before backward fails autograd's version check) in X's place and
-    calls ``fn`` under ``torch.no_grad()`` in backward; ``fn`` must be pure (no state read
-    that may change between forward and backward).
-
-    Attributes:
-        fn: ``(*sources) -> X``, the (T, H) input of the op.
-        sources: the tensors ``fn`` reads.
-    """
-
-    fn: Callable[..., torch.Tensor]
-    sources: tuple[torch.Tensor, ...]
-
-
-def save_input(
-    ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, rebuild: InputRebuild | None
-) -> tuple[torch.Tensor, ...]:
-    """What an autograd function saves for X: X, or the (detached) sources that rebuild it."""
-    ctx.rebuild_fn = None if rebuild is None else rebuild.fn
-    ctx.input_meta = (tuple(x.shape), x.dtype, x.is_contiguous())
-    ctx.num_input_tensors = 1 if rebuild is None else len(rebuild.sources)
-    return (x,) if rebuild is None else tuple(t.detach() for t in rebuild.sources)
-
-
-def saved_input(
-    ctx: torch.autograd.function.FunctionCtx, saved: tuple[torch.Tensor, ...]
-) -> torch.Tensor:
-    """X back from what `save_input` saved (rebuilt without autograd when sources were saved).
-
-    Raises:
-        RuntimeError: when the rebuilt X has another shape or dtype than the forward's.
-    """
-    if ctx.rebuild_fn is None:
-        return saved[0]
-    shape, dtype, contiguous = ctx.input_meta
-    with torch.no_grad():
-        x = ctx.rebuild_fn(*saved)
-    if (tuple(x.shape), x.dtype) != (shape, dtype):
-        raise RuntimeError(
-            f"the rebuilt LoRA input is {tuple(x.shape)} {x.dtype}, the forward's "
-            f"was {shape} {dtype}"
-        )
-    return x.contiguous() if contiguous else x
+from megatron_lorafusion.ops.saved_input import InputRebuild
 
 
 def dropout_keep_mask(

@@ -21,17 +21,11 @@ import torch
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
-from megatron_lorafusion.ops.lora_linear import (
-    InputRebuild,
-    dropout_keep_mask,
-    lora_down_ref,
-    lora_up_ref,
-    save_input,
-    saved_input,
-)
+from megatron_lorafusion.ops.lora_linear import dropout_keep_mask, lora_down_ref, lora_up_ref
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
+from megatron_lorafusion.ops.saved_input import InputRebuild, save_input, saved_input
 
 
 class LoRADownFunction(torch.autograd.Function):

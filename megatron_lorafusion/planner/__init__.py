@@ -15,9 +15,8 @@ from megatron_lorafusion.planner.check import (
     check_plan,
 )
 from megatron_lorafusion.planner.cost import CostModel
-from megatron_lorafusion.planner.greedy import plan_greedy
 from megatron_lorafusion.planner.makespan import Job, plan_jobs, simulate_makespan, stream_jobs
-from megatron_lorafusion.planner.plan import iter_plan_chunks, plan_microbatches
+from megatron_lorafusion.planner.plan import iter_plan_chunks, plan_greedy, plan_microbatches
 from megatron_lorafusion.planner.policy import (
     LengthPolicyResult,
     apply_length_policy,

@@ -3,16 +3,14 @@
 `pack_ffd` places a segment's samples largest first into the first bin (at or after the
 adapter's release bin) with room, padding each adapter's part of a bin to the tile height,
 and then moves the emptiest movable bin to the end so it can merge with the next group.
-`plan_greedy` runs the whole planner (grouping, release constraints, tail merging) with only
-this packer.
 """
 
 from __future__ import annotations
 
 from megatron_lorafusion.planner._segment import Segment, padded
-from megatron_lorafusion.planner.types import Plan, PlanProblem, Sample
+from megatron_lorafusion.planner.types import Sample
 
-__all__ = ["pack_ffd", "plan_greedy"]
+__all__ = ["pack_ffd"]
 
 
 class _Bin:
@@ -68,14 +66,3 @@ def pack_ffd(segment: Segment) -> list[list[Sample]]:
         emptiest = min(range(movable, len(bins)), key=lambda b: (bins[b].load, -b))
         bins.append(bins.pop(emptiest))
     return [b.members for b in bins]
-
-
-def plan_greedy(problem: PlanProblem) -> Plan:
-    """Plan with first-fit-decreasing only (no PuLP): `plan_microbatches(problem, "greedy")`.
-
-    Raises:
-        ValueError: if the problem is invalid (see `PlanProblem`).
-    """
-    from megatron_lorafusion.planner.plan import plan_microbatches
-
-    return plan_microbatches(problem, solver="greedy")

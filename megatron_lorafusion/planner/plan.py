@@ -8,6 +8,8 @@ of `milp`. A segment's last microbatch stays open and becomes bin 0 of the next 
 global batch finished (bubble lemma), and empty bins forced that way are idle microbatches.
 The MILP stream is compared with the pure-greedy stream of the same rounds and the one
 with fewer microbatches is kept, so the MILP packing is never longer than the greedy one.
+`plan_greedy` runs the whole planner (grouping, release constraints, tail merging) with only
+the first-fit-decreasing packer.
 
 Makespan first: three streams of one-adapter microbatches of the whole run are built too
 (`CANDIDATES`: round-robin cut by first-fit-decreasing or as mLoRA cuts, and the
@@ -55,6 +57,7 @@ __all__ = [
     "DEFAULT_SOLVER",
     "DEFAULT_TIME_LIMIT_S",
     "iter_plan_chunks",
+    "plan_greedy",
     "plan_microbatches",
 ]
 
@@ -329,6 +332,15 @@ def plan_microbatches(
     plan = Plan(tuple(mbs), problem.capacity, problem.tile_height, problem.num_adapters, report)
     check_plan(plan, problem)
     return plan
+
+
+def plan_greedy(problem: PlanProblem) -> Plan:
+    """Plan with first-fit-decreasing only (no PuLP): `plan_microbatches(problem, "greedy")`.
+
+    Raises:
+        ValueError: if the problem is invalid (see `PlanProblem`).
+    """
+    return plan_microbatches(problem, solver="greedy")
 
 
 def iter_plan_chunks(
