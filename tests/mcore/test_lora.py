@@ -339,8 +339,9 @@ def test_factors_are_views_of_one_cast_per_version_of_the_weights(tiny_model):
     context = apply_lora(tiny_model, ADAPTERS, seed=2)
     compute = context.compute_weights(torch.float16)
     start, end = compute.data_ptr(), compute.data_ptr() + compute.nbytes
+    layout = AdapterLayout.from_samples([0], [4], len(ADAPTERS))
     for name, wrapper in context.wrappers.items():
-        lora_a, lora_b = _compute_factors(wrapper, torch.float16)
+        lora_a, lora_b = _compute_factors(wrapper, torch.float16, layout)
         for factor, fp32 in ((lora_a, wrapper.lora_A), (lora_b, wrapper.lora_B)):
             assert start <= factor.data_ptr() < end, f"{name}: a copy, not a view of the cast"
             torch.testing.assert_close(factor, fp32.half(), atol=0, rtol=0, msg=name)
