@@ -115,17 +115,22 @@ def packed_factors_bwd(
             f"columns {column}..{column + width_a + width_b} lie outside the table's "
             f"{grads.shape[1]}"
         )
-    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.int64):
-        raise ValueError(f"rows must be (k,) int64, got {tuple(rows.shape)} {rows.dtype}")
+    if rows is not None and (
+        rows.dim() != 1 or rows.dtype != torch.int64 or rows.device != grads.device
+    ):
+        raise ValueError(
+            f"rows must be (k,) int64 on {grads.device}, got {tuple(rows.shape)} {rows.dtype} "
+            f"on {rows.device}"
+        )
     if rows is None:
         rows = torch.arange(grads.shape[0], device=grads.device)
+    if rows.numel() == 0:
+        return
     if not triton_usable(grads):
         a_cols = slice(column, column + width_a)
         b_cols = slice(column + width_a, column + width_a + width_b)
         grads[rows, a_cols] += grad_a[rows].reshape(rows.numel(), -1)
         grads[rows, b_cols] += grad_b[rows].reshape(rows.numel(), -1)
-        return
-    if rows.numel() == 0:
         return
     grid = (triton.cdiv(width_a + width_b, _BLOCK), rows.numel())
     _packed_factors_bwd_kernel[grid](

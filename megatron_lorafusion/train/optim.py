@@ -201,7 +201,7 @@ class AdapterAdamW:
         if not stepping:
             return
         norms = None
-        if self.needs_norms(stepping):
+        if self.needs_norms(ids):  # the configs only: every rank issues the same collectives
             norms = self.squared_norms(stepping) if squared_norms is None else squared_norms
         beta1, beta2 = _BETAS
         rows = []

@@ -69,6 +69,19 @@ def test_packed_factors_bwd_adds_only_the_rows_it_is_given(device, make_layout):
     torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="an empty row set adds nothing")
 
 
+def test_packed_factors_bwd_torch_path_takes_an_empty_row_set(monkeypatch):
+    import megatron_lorafusion.ops.packed_factor as packed_factor
+
+    monkeypatch.setattr(packed_factor, "triton_usable", lambda t: False)  # the CPU torch path
+    grads = torch.full((3, 20), 0.5)
+    grad_a, grad_b = torch.ones(3, 2, 4), torch.ones(3, 3, 2)
+    packed_factors_bwd(grads, 2, grad_a, grad_b, torch.tensor([], dtype=torch.int64))
+    assert torch.equal(grads, torch.full((3, 20), 0.5)), "no row given: nothing added"
+    packed_factors_bwd(grads, 2, grad_a, grad_b, torch.tensor([1]))
+    assert grads[1, 2:16].eq(1.5).all(), "row 1's slot gets its gradient"
+    assert grads[[0, 2]].eq(0.5).all(), "rows not given are untouched"
+
+
 def test_packed_factors_are_views_and_accumulate_into_the_grad_table_only(device):
     weights = _table(4, 40, device).requires_grad_()
     grads = torch.zeros(weights.shape, device=device)
