@@ -153,9 +153,17 @@ def _check(weights, grads, exp_avg, exp_avg_sq, rows, hyper, lr_groups, squared_
             f"lr_groups must be bool of shape ({weights.shape[1]},), got "
             f"{tuple(lr_groups.shape)} {lr_groups.dtype}"
         )
-    named = (grads, exp_avg, exp_avg_sq, rows, hyper, lr_groups, squared_norms, losses)
-    names = ("grads", "exp_avg", "exp_avg_sq", "rows", "hyper", "lr_groups", "squared_norms")
-    for name, t in zip((*names, "losses"), named, strict=True):
+    others = {
+        "grads": grads,
+        "exp_avg": exp_avg,
+        "exp_avg_sq": exp_avg_sq,
+        "rows": rows,
+        "hyper": hyper,
+        "lr_groups": lr_groups,
+        "squared_norms": squared_norms,
+        "losses": losses,
+    }
+    for name, t in others.items():
         if t is not None and t.device != weights.device:
             raise ValueError(f"{name} is on {t.device}, weights on {weights.device}")
 

@@ -15,7 +15,7 @@ Each stepping adapter's gradient row is clipped to its ``max_grad_norm`` inside 
 (``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1),
 from one norm over the table's rows. Nothing is read back before the launch: an adapter with
 a NaN or infinite norm or loss is left unstepped on the device, and the next step (or
-`check`) reads the norms back and raises, by when the GPU is long past them.
+`check`) reads the norms and losses back and raises, by when the GPU is long past them.
 """
 
 from __future__ import annotations
