@@ -16,6 +16,7 @@ TRITON_MODULES = ("triton.language.standard", "triton.language.random", "triton.
 KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops._utils",
     "megatron_lorafusion.ops.adapter_adamw",
+    "megatron_lorafusion.ops.row_norms",
     "megatron_lorafusion.ops.packed_factor",
     "megatron_lorafusion.ops.lora_dropout",
     "megatron_lorafusion.ops.lora_shrink",

@@ -180,6 +180,18 @@ class LoRAContext:
             columns[col : col + rows * cols] = factor != "lora_A"
         return columns.to(self.weights.device)
 
+    def replicated_columns(self) -> torch.Tensor:
+        """(S,) bool on the tables' device: the columns of factors TP does not split.
+
+        Their gradients agree across the TP ranks (`sharding`: None), so a norm over the TP
+        group counts them on one rank only.
+        """
+        replicated = {name for name, split in self.sharding().items() if split is None}
+        columns = torch.zeros(self.weights.shape[1], dtype=torch.bool)
+        for name, _, _, col, rows, cols in self._slots:
+            columns[col : col + rows * cols] = name in replicated
+        return columns.to(self.weights.device)
+
     def adapter_tensors(self, adapter_id: int) -> dict[str, torch.Tensor]:
         """Views of one adapter's factors on this rank (TP shards, fp32), writable in place.
 

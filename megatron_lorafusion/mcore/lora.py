@@ -276,14 +276,18 @@ def _scale_columns(
     return out if bias is None else out + bias
 
 
-def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _compute_factors(
+    wrapper: nn.Module, dtype: torch.dtype, layout: AdapterLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``lora_a`` (A, R, H_local) and ``lora_b`` (A, N_local, R) in ``dtype``.
 
     Views of the context's compute-dtype table (`LoRAContext.compute_weights`, one cast per
     microbatch whatever the number of adapters and layers); in backward one launch adds both
-    gradients into the context's gradient table (`ops.packed_factors`). Off-block entries of
-    per-projection adapters (``lora_B_off``) are zeroed here, so their gradient that lands in
-    the table is exactly zero (one masked fill of B, A × N_local × R elements).
+    gradients of the microbatch's adapters (``layout``'s, the whole microbatch's under
+    sequence parallelism) into the context's gradient table (`ops.packed_factors`).
+    Off-block entries of per-projection adapters (``lora_B_off``) are zeroed here, so their
+    gradient that lands in the table is exactly zero (one masked fill of B, A × N_local × R
+    elements).
     """
     if wrapper.lora_A_grad is None:
         raise RuntimeError(
@@ -298,6 +302,7 @@ def _compute_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tens
         wrapper.lora_column,
         tuple(wrapper.lora_A.shape[1:]),
         tuple(wrapper.lora_B.shape[1:]),
+        layout.present(context.grads.device),
     )
     if wrapper.lora_B_off is not None:
         lora_b = lora_b.masked_fill(wrapper.lora_B_off, 0.0)
@@ -483,7 +488,7 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     layout = _current_layout(wrapper, x.shape[0] * (wrapper.tp_size if gathers_rows else 1))
     if wrapper.sequence_parallel:
         _sequence_shard(wrapper, layout)  # checks T % tp before any collective
-    lora_a, lora_b = _compute_factors(wrapper, input_.dtype)  # (A,R,H_l), (A,N_l,R)
+    lora_a, lora_b = _compute_factors(wrapper, input_.dtype, layout)  # (A,R,H_l), (A,N_l,R)
     queue = getattr(wrapper.context, "wgrad_queue", None)
     defer = queue is not None and wrapper.training and torch.is_grad_enabled()
     rebuild = _input_rebuild(wrapper, input_, defer)

@@ -61,6 +61,7 @@ from megatron_lorafusion.ops.packed_factor import (
 )
 from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
+from megatron_lorafusion.ops.row_norms import row_squared_norms, row_squared_norms_ref
 from megatron_lorafusion.ops.saved_input import InputRebuild
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
@@ -115,6 +116,8 @@ __all__ = [
     "resolve_gemm",
     "rope",
     "rope_ref",
+    "row_squared_norms",
+    "row_squared_norms_ref",
     "swiglu",
     "swiglu_ref",
     "triton_usable",

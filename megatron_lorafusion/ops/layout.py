@@ -135,6 +135,14 @@ class AdapterLayout:
             if offsets[a + 1] > offsets[a]
         ]
 
+    def present(self, device: torch.device | str) -> torch.Tensor:
+        """(k,) int64 ids of the adapters with at least one token here, cached per device."""
+        key = ("present", str(device))
+        if key not in self._cache:
+            ids = [a for a, n in enumerate(self.token_counts()) if n]
+            self._cache[key] = copy_to_device(torch.tensor(ids, dtype=torch.int64), device)
+        return self._cache[key]
+
     def row_adapter(self, device: torch.device | str) -> torch.Tensor:
         """(T,) int64 adapter id of each token row, cached per device."""
         key = ("row_adapter", str(device))

@@ -5,7 +5,9 @@ Every adapter factor of a rank is row ``a`` of one (A, S) fp32 table; a layer's 
 the compute dtype: `cast_table` copies the whole table once per version of the weights (one
 launch for every layer and adapter), and `packed_factors` hands each layer views of that copy
 (no launch). Backward adds the layer's two gradients into its columns of the fp32 gradient
-table in one launch (`packed_factors_bwd`). The kernels use 64-bit offsets: torch's copy and
+table in one launch (`packed_factors_bwd`), for the microbatch's adapters only: the others'
+gradients are zero, and reading and adding them would cost traffic in proportion to every
+adapter of the run. The kernels use 64-bit offsets: torch's copy and
 add index a strided view in 32 bits and split into several launches once ``A·S`` passes 2³¹
 bytes (16 adapters of rank 64 on a 1B model, 64 of rank 8 on an 8B one).
 """
@@ -28,9 +30,16 @@ if triton is not None:
 
     @triton.jit
     def _packed_factors_bwd_kernel(
-        table_ptr, grad_a_ptr, grad_b_ptr, row_stride, width_a, width_b, BLOCK: tl.constexpr
+        table_ptr,
+        grad_a_ptr,
+        grad_b_ptr,
+        rows_ptr,
+        row_stride,
+        width_a,
+        width_b,
+        BLOCK: tl.constexpr,
     ):
-        adapter = tl.program_id(1).to(tl.int64)
+        adapter = tl.load(rows_ptr + tl.program_id(1))
         cols = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         in_a = cols < width_a
         in_b = (cols >= width_a) & (cols < width_a + width_b)
@@ -81,6 +90,7 @@ def packed_factors_bwd(
     column: int,
     grad_a: torch.Tensor,
     grad_b: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> None:
     """Add ``[grad_a | grad_b]`` into ``grads``' columns ``column ..`` in place (one launch).
 
@@ -89,6 +99,9 @@ def packed_factors_bwd(
         column: first column of the layer's ``lora_A`` slot; ``lora_B``'s follows it.
         grad_a: (A, R, H) gradient of ``lora_A``, any float dtype.
         grad_b: (A, N, R) gradient of ``lora_B``.
+        rows: (k,) int64 the adapters whose gradients are added (the others' are not read),
+            or None: every adapter. An adapter without tokens in the microbatch has zero
+            gradients, so the microbatch's adapters (`AdapterLayout.present`) suffice.
     """
     _check_table("grads", grads)
     width_a, width_b = grad_a[0].numel(), grad_b[0].numel()
@@ -102,17 +115,29 @@ def packed_factors_bwd(
             f"columns {column}..{column + width_a + width_b} lie outside the table's "
             f"{grads.shape[1]}"
         )
-    if not triton_usable(grads):
-        grads[:, column : column + width_a] += grad_a.reshape(grads.shape[0], -1)
-        grads[:, column + width_a : column + width_a + width_b] += grad_b.reshape(
-            grads.shape[0], -1
+    if rows is not None and (
+        rows.dim() != 1 or rows.dtype != torch.int64 or rows.device != grads.device
+    ):
+        raise ValueError(
+            f"rows must be (k,) int64 on {grads.device}, got {tuple(rows.shape)} {rows.dtype} "
+            f"on {rows.device}"
         )
+    if rows is None:
+        rows = torch.arange(grads.shape[0], device=grads.device)
+    if rows.numel() == 0:
         return
-    grid = (triton.cdiv(width_a + width_b, _BLOCK), grads.shape[0])
+    if not triton_usable(grads):
+        a_cols = slice(column, column + width_a)
+        b_cols = slice(column + width_a, column + width_a + width_b)
+        grads[rows, a_cols] += grad_a[rows].reshape(rows.numel(), -1)
+        grads[rows, b_cols] += grad_b[rows].reshape(rows.numel(), -1)
+        return
+    grid = (triton.cdiv(width_a + width_b, _BLOCK), rows.numel())
     _packed_factors_bwd_kernel[grid](
         grads[:, column:],
         grad_a.contiguous(),
         grad_b.contiguous(),
+        rows.contiguous(),
         grads.stride(0),
         width_a,
         width_b,
@@ -128,9 +153,9 @@ class PackedFactorsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weights, compute, grads, column, shape_a, shape_b):
+    def forward(ctx, weights, compute, grads, column, shape_a, shape_b, rows):
         """Views of ``compute``: ``lora_A`` at ``column``, ``lora_B`` right after it."""
-        ctx.grads, ctx.column = grads, column
+        ctx.grads, ctx.column, ctx.rows = grads, column, rows
         ctx.shape_a, ctx.shape_b = shape_a, shape_b
         width_a = shape_a[0] * shape_a[1]
         return _slot(compute, column, shape_a), _slot(compute, column + width_a, shape_b)
@@ -143,8 +168,8 @@ class PackedFactorsFunction(torch.autograd.Function):
             grad_a = ctx.grads.new_zeros(adapters, *ctx.shape_a)
         if grad_b is None:
             grad_b = ctx.grads.new_zeros(adapters, *ctx.shape_b)
-        packed_factors_bwd(ctx.grads, ctx.column, grad_a, grad_b)
-        return None, None, None, None, None, None
+        packed_factors_bwd(ctx.grads, ctx.column, grad_a, grad_b, ctx.rows)
+        return None, None, None, None, None, None, None
 
 
 def packed_factors(
@@ -154,6 +179,7 @@ def packed_factors(
     column: int,
     shape_a: tuple[int, int],
     shape_b: tuple[int, int],
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's ``lora_A`` and ``lora_B`` in the compute dtype, their gradients into ``grads``.
 
@@ -164,11 +190,13 @@ def packed_factors(
         column: first column of the layer's ``lora_A`` slot; ``lora_B``'s follows it.
         shape_a: ``(R, H)`` of ``lora_A[a]``.
         shape_b: ``(N, R)`` of ``lora_B[a]``.
+        rows: (k,) int64 the adapters whose gradients backward adds (`packed_factors_bwd`),
+            or None: every adapter.
 
     Returns:
         (A, R, H) and (A, N, R) views of ``compute`` (adapter stride S).
     """
-    return PackedFactorsFunction.apply(weights, compute, grads, column, shape_a, shape_b)
+    return PackedFactorsFunction.apply(weights, compute, grads, column, shape_a, shape_b, rows)
 
 
 class PackedSlotFunction(torch.autograd.Function):

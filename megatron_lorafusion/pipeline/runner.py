@@ -99,8 +99,8 @@ class AdapterOptimizer(Protocol):
     def needs_norms(self, adapter_ids: Iterable[int]) -> bool:
         """A step of these adapters reads gradient norms (same answer on every rank)."""
 
-    def squared_norms(self) -> torch.Tensor:
-        """(A,) squared gradient norms of this rank's rows (summed over its TP peers)."""
+    def squared_norms(self, adapter_ids: Iterable[int]) -> torch.Tensor:
+        """(A,) squared gradient norms of these adapters' rows (summed over TP peers)."""
 
     def step(
         self,
@@ -433,7 +433,7 @@ class _Runner:
         for first (DP replicas reach this step at the same action).
         """
         self._receive_bucket(group)
-        group.norms = self.optimizer.squared_norms()
+        group.norms = self.optimizer.squared_norms(group.adapters)
         group.norm_work = dist.all_reduce(group.norms, group=self.g.norm_group, async_op=True)
 
     def _receive_bucket(self, group: _PendingStep) -> None:

@@ -13,7 +13,8 @@ the table (`LoRAContext.loraplus_columns`) in the same launch.
 
 Each stepping adapter's gradient row is clipped to its ``max_grad_norm`` inside the launch
 (``torch.nn.utils.clip_grad_norm_``'s rule, coefficient ``max / (norm + 1e-6)`` capped at 1),
-from one norm over the table's rows. Nothing is read back before the launch: an adapter with
+from one pass over the stepping rows (`ops.row_squared_norms`: the other adapters' rows are
+not read). Nothing is read back before the launch: an adapter with
 a NaN or infinite norm or loss is left unstepped on the device, and the next step (or
 `check`) reads the norms and losses back and raises, by when the GPU is long past them.
 """
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_lorafusion.config import AdapterConfig
-from megatron_lorafusion.ops import HostCopy, copy_to_device
+from megatron_lorafusion.ops import HostCopy, copy_to_device, row_squared_norms
 from megatron_lorafusion.ops.adapter_adamw import (
     BETA1,
     BETA2,
@@ -50,13 +51,10 @@ if TYPE_CHECKING:  # mcore imports Megatron (~2 s): not before the job summary i
 _BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, as PEFT recipes use them
 _EPS = 1e-8
 
-SquaredNormReduce = Callable[[torch.Tensor], torch.Tensor]
-"""``(grads (A, S) fp32) -> (A,) fp32``: every adapter's squared gradient norm over all ranks
-holding its factors (each factor counted once); the default, one process, sums the row."""
-
-
-def _local_squared_norms(grads: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(grads, dim=1).square()  # one read of the table, no copy
+SquaredNormReduce = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(grads (A, S) fp32, rows (k,) int64) -> (A,) fp32``: the squared gradient norm of each
+adapter of ``rows`` over all ranks holding its factors (each factor counted once), 0 for the
+other adapters; the default, one process, sums the row (`ops.row_squared_norms`)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,7 +115,7 @@ class AdapterAdamW:
         adapters: Sequence[AdapterConfig],
         total_steps: Sequence[int],
         *,
-        squared_norms: SquaredNormReduce = _local_squared_norms,
+        squared_norms: SquaredNormReduce = row_squared_norms,
         track_grad_norms: bool = False,
     ):
         if len(adapters) != lora.num_adapters or len(total_steps) != lora.num_adapters:
@@ -159,13 +157,15 @@ class AdapterAdamW:
             self.adapters[a].max_grad_norm > 0 for a in adapter_ids
         )
 
-    def squared_norms(self) -> torch.Tensor:
-        """(A,) fp32 squared gradient norms of every row, over this rank's model-parallel peers.
+    def squared_norms(self, adapter_ids: Iterable[int]) -> torch.Tensor:
+        """(A,) fp32 squared gradient norms of these adapters over this rank's TP peers.
 
-        The ``squared_norms`` hook (a TP all-reduce under TP): a pipeline stage sums the
-        result over its stages and passes it to `step`.
+        The other adapters read 0: only these rows of the gradient table are read. The
+        ``squared_norms`` hook (a TP all-reduce under TP); a pipeline stage sums the result
+        over its stages and passes it to `step`.
         """
-        return self._squared_norms(self.lora.grads)
+        rows = _device_rows(tuple(adapter_ids), str(self.lora.grads.device))
+        return self._squared_norms(self.lora.grads, rows)
 
     def step(
         self,
@@ -202,7 +202,7 @@ class AdapterAdamW:
             return
         norms = None
         if self.needs_norms(ids):  # the configs only: every rank issues the same collectives
-            norms = self.squared_norms() if squared_norms is None else squared_norms
+            norms = self.squared_norms(stepping) if squared_norms is None else squared_norms
         beta1, beta2 = _BETAS
         rows = []
         for a in ids:
@@ -327,17 +327,10 @@ def tensor_parallel_squared_norms(lora: LoRAContext, tp_rank: int, tp_group) -> 
     """
     import torch.distributed as dist
 
-    weight = torch.ones_like(lora.grads)  # (A, S) 1 where this rank counts the column
-    if tp_rank != 0:
-        replicated = [n for n, split in lora.sharding().items() if split is None]
-        for a in range(lora.num_adapters):
-            views = lora.adapter_views(weight, a)
-            for name in replicated:
-                if name in views:
-                    views[name].zero_()
+    counted = None if tp_rank == 0 else ~lora.replicated_columns()  # (S,) or every column
 
-    def reduce(grads: torch.Tensor) -> torch.Tensor:
-        squared = (grads.square() * weight).sum(dim=1)  # (A,)
+    def reduce(grads: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        squared = row_squared_norms(grads, rows, counted)  # (A,)
         dist.all_reduce(squared, group=tp_group)
         return squared
 

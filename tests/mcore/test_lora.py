@@ -339,8 +339,9 @@ def test_factors_are_views_of_one_cast_per_version_of_the_weights(tiny_model):
     context = apply_lora(tiny_model, ADAPTERS, seed=2)
     compute = context.compute_weights(torch.float16)
     start, end = compute.data_ptr(), compute.data_ptr() + compute.nbytes
+    layout = AdapterLayout.from_samples([0], [4], len(ADAPTERS))
     for name, wrapper in context.wrappers.items():
-        lora_a, lora_b = _compute_factors(wrapper, torch.float16)
+        lora_a, lora_b = _compute_factors(wrapper, torch.float16, layout)
         for factor, fp32 in ((lora_a, wrapper.lora_A), (lora_b, wrapper.lora_B)):
             assert start <= factor.data_ptr() < end, f"{name}: a copy, not a view of the cast"
             torch.testing.assert_close(factor, fp32.half(), atol=0, rtol=0, msg=name)
@@ -366,3 +367,42 @@ def test_cuda_wrapper_forward_copies_no_factor(megatron_single_process):
         wrapper(x)
     copies = [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
     assert not copies, f"the wrapper's forward copied: {copies}"
+
+
+def test_backward_adds_the_gradients_of_the_microbatchs_adapters_only(tiny_model, monkeypatch):
+    """Every layer's gradient add gets the layout's adapters (here 0 and 2, not 1), and the
+    absent adapter's row of the gradient table stays exactly zero."""
+    import megatron_lorafusion.ops.packed_factor as packed_factor
+
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    randomize_lora_b(context, seed=3)
+    given = []
+    add = packed_factor.packed_factors_bwd
+
+    def spy(grads, column, grad_a, grad_b, rows=None):
+        given.append(None if rows is None else rows.tolist())
+        add(grads, column, grad_a, grad_b, rows)
+
+    monkeypatch.setattr(packed_factor, "packed_factors_bwd", spy)
+    batch = make_packed_batch([0, 2], [5, 7], len(ADAPTERS), seed=4)
+    run_model(tiny_model.train(), context, batch, labels=batch.input_ids).sum().backward()
+    assert given, "no gradient was added"
+    assert all(rows == [0, 2] for rows in given), given
+    assert not context.grads[1].any(), "adapter 1 has no tokens: its gradients stay zero"
+    assert context.grads[0].any(), "adapter 0 has tokens"
+    assert context.grads[2].any(), "adapter 2 has tokens"
+
+
+def test_replicated_columns_cover_every_replicated_factor_and_nothing_else(tiny_model):
+    """The TP norm's column mask: every entry of a factor TP does not split, for every
+    adapter; no entry of a split one (columns outside every adapter's views, the padding
+    beyond its rank, hold zero gradients and may go either way)."""
+    context = apply_lora(tiny_model, ADAPTERS, seed=2)
+    replicated = {name for name, split in context.sharding().items() if split is None}
+    assert replicated, "a column-parallel lora_A and a row-parallel lora_B are replicated"
+    mask = context.replicated_columns().expand(context.num_adapters, -1).contiguous()
+    for a in range(context.num_adapters):
+        for name, view in context.adapter_views(mask, a).items():
+            want = name in replicated
+            assert bool(view.all()) == want, (a, name)
+            assert bool(view.any()) == want, (a, name)

@@ -49,6 +49,39 @@ def test_packed_factors_bwd_adds_both_gradients_into_their_columns_only(
     torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="gradients added into the table")
 
 
+def test_packed_factors_bwd_adds_only_the_rows_it_is_given(device, make_layout):
+    layout = make_layout([5, 0, 3, 0], device)  # adapters 0 and 2 have tokens
+    rows = layout.present(device)
+    assert rows.tolist() == [0, 2]
+    shape_a, shape_b = (2, 700), (900, 2)  # several column blocks per row
+    width = 1 + 2 * 700 + 900 * 2
+    grads = torch.full((4, width), 0.5, device=device)
+    gen = torch.Generator().manual_seed(2)
+    grad_a = torch.randn(4, *shape_a, generator=gen).to(device)  # rows 1 and 3 not zero:
+    grad_b = torch.randn(4, *shape_b, generator=gen).to(device)  # they must not be read
+    packed_factors_bwd(grads, 1, grad_a, grad_b, rows)
+    want = torch.full_like(grads, 0.5)
+    for a in (0, 2):
+        want[a, 1 : 1 + 1400] += grad_a[a].reshape(-1)
+        want[a, 1 + 1400 :] += grad_b[a].reshape(-1)
+    torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="only the given rows added")
+    packed_factors_bwd(grads, 1, grad_a, grad_b, rows[:0])  # no adapter: nothing to add
+    torch.testing.assert_close(grads, want, atol=0, rtol=0, msg="an empty row set adds nothing")
+
+
+def test_packed_factors_bwd_torch_path_takes_an_empty_row_set(monkeypatch):
+    import megatron_lorafusion.ops.packed_factor as packed_factor
+
+    monkeypatch.setattr(packed_factor, "triton_usable", lambda t: False)  # the CPU torch path
+    grads = torch.full((3, 20), 0.5)
+    grad_a, grad_b = torch.ones(3, 2, 4), torch.ones(3, 3, 2)
+    packed_factors_bwd(grads, 2, grad_a, grad_b, torch.tensor([], dtype=torch.int64))
+    assert torch.equal(grads, torch.full((3, 20), 0.5)), "no row given: nothing added"
+    packed_factors_bwd(grads, 2, grad_a, grad_b, torch.tensor([1]))
+    assert grads[1, 2:16].eq(1.5).all(), "row 1's slot gets its gradient"
+    assert grads[[0, 2]].eq(0.5).all(), "rows not given are untouched"
+
+
 def test_packed_factors_are_views_and_accumulate_into_the_grad_table_only(device):
     weights = _table(4, 40, device).requires_grad_()
     grads = torch.zeros(weights.shape, device=device)
