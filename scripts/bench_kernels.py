@@ -375,7 +375,7 @@ def components(tokens, hidden, out, adapters=4, p=0.1):
         ("dX += dY·W (addmm_, reads C)", lambda: grad_x.addmm_(dy, weight), flops),
         (
             "TMA lora_gemm X·Wᵀ + S'·Bᵀ",
-            lambda: lora_gemm(x, weight.t(), s, b_t, None, None, layout, 1),
+            lambda: lora_gemm(x, weight, s, b_t, None, layout),
             flops,
         ),
         ("shrink X p=0", lambda: lora_shrink(x, lora_a, scales, None, layout, 1), 0),

@@ -54,13 +54,13 @@ def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     """
     if gemm == "auto":
         hopper = _utils.is_hopper(x.device)
-        return "triton" if hopper and tma_supported(x, weight.t()) else "cublas"
+        return "triton" if hopper and tma_supported(x, weight) else "cublas"
     if gemm == "triton" and x.is_cuda and not _utils.is_hopper(x.device):
         raise ValueError(
             f"gemm='triton' runs on Hopper GPUs only (its TMA tiles were built and measured "
             f"there), got {torch.cuda.get_device_name(x.device)}; use gemm='cublas' or 'auto'"
         )
-    if gemm == "triton" and not tma_supported(x, weight.t()):
+    if gemm == "triton" and not tma_supported(x, weight):
         raise ValueError(
             f"gemm='triton' needs operands TMA can describe (16-byte aligned rows): x strides "
             f"{x.stride()}, weight strides {weight.stride()}, {x.element_size()}-byte "
@@ -99,7 +99,7 @@ class LoRALinearFunction(torch.autograd.Function):
         s = lora_shrink_fwd(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
         if gemm == "triton":
-            y = lora_gemm(x, weight.t(), s, b_t, bias, None, layout, seed)
+            y = lora_gemm(x, weight, s, b_t, bias, layout)
         else:
             y = lora_expand_fwd(s, b_t, bias, None, layout, seed)
             y.addmm_(x, weight.t())  # cuBLAS, reads the LoRA term + bias as C: (T, N)

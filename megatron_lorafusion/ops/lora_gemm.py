@@ -1,16 +1,15 @@
-"""Triton GEMM with the LoRA term in its epilogue: ``out = Z·Wop + drop_a(S·M_a) + b``.
+"""Triton GEMM with the LoRA term in its epilogue: ``Y = X·Wᵀ + S'·B_aᵀ + b``.
 
 LoRAFusion's fused up-projection (arXiv 2510.00206, Sec. 4.1): the frozen product and the
-LoRA up-projection in one kernel, so the (T, D) output is written once. M-tiles come from
-`AdapterLayout.tiles` (each tile inside one adapter's segment), so the epilogue reads a
-single adapter's ``M_a`` and dropout. `fused_lora_linear` calls it in the forward: ``Z = X``,
-``Wop = Wᵀ``, ``S = S'``, ``M = Bᵀ``, no dropout; the kernel also takes ``Wop = W`` and a
-dropout epilogue (the dX form ``Z = dY``, ``S = dS'``, ``M = A``, docs/kernels.md).
+LoRA up-projection in one kernel, so the (T, N) output is written once. `fused_lora_linear`
+runs it in the forward (``gemm="triton"``, the default on Hopper); ``S'`` already holds the
+dropout and the scale. M-tiles come from `AdapterLayout.tiles` (each tile inside one
+adapter's segment), so the epilogue reads a single adapter's ``B_a``.
 
-Hopper-style: Z, W and the output go through TMA tensor descriptors (host-side
-``TensorDescriptor``; before Hopper Triton rewrites them into pointer loads); a persistent
-grid of one program per SM walks the tiles in grouped order; the epilogue runs on column
-sub-tiles so the LoRA product and the dropout RNG need fewer registers.
+Hopper-style: X, W and Y go through TMA tensor descriptors (host-side ``TensorDescriptor``);
+a persistent grid of one program per SM walks the tiles in grouped order; the epilogue runs
+on column sub-tiles so the LoRA product needs fewer registers. The dX form (``dY·W`` with a
+dropout epilogue) lost to cuBLAS and was removed: docs/kernels.md, "What we tried".
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from megatron_lorafusion.ops._utils import keep_mask_tile
-
     @triton.jit
     def _tile_coords(t, n_tiles, n_cols, GROUP_M: tl.constexpr):
         """Grouped order: GROUP_M row tiles sweep the N tiles together, sharing W in L2."""
@@ -38,134 +35,78 @@ if triton is not None:
         return first + (t % per_group) % size, (t % per_group) // size
 
     @triton.jit
-    def _add_lora_term(
+    def _epilogue(
         acc,
         s,
-        m,
-        p,
-        seed,
-        rows,
-        col0,
-        row_offset,
-        col_offset,
-        mask_d,
-        HAS_DROPOUT: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-    ):
-        """``acc + drop(s·m)`` for one fp32 output tile ``acc``, the LoRA term of the epilogue.
-
-        ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``m`` (BLOCK_R, BLOCK_N) columns of the
-        adapter's ``Bᵀ`` (or ``A``), ``col0`` the output column of ``acc``'s column 0. The
-        dropout mask is regenerated from the seed, keyed by whole-microbatch rows and
-        full-width columns, so a shard draws its part of it.
-        """
-        if HAS_DROPOUT:
-            lora = tl.dot(s, m, input_precision=DOT_PRECISION)
-            if p > 0:
-                keep = keep_mask_tile(
-                    seed, row_offset + rows, col_offset + col0, mask_d, p, acc.shape[1]
-                )
-                lora = tl.where(keep, lora * (1.0 / (1.0 - p)), 0.0)
-            acc += lora
-        else:
-            acc = tl.dot(s, m, acc, input_precision=DOT_PRECISION)
-        return acc
-
-    @triton.jit
-    def _tma_epilogue(
-        acc,
-        s,
-        out_desc,
-        out_ptr,
-        m_ptr,
+        y_desc,
+        y_ptr,
+        b_ptr,
         bias_ptr,
         adapter,
-        p,
-        seed,
-        row_offset,
-        col_offset,
-        mask_d,
         row_start,
         row_end,
-        D,
+        N,
         R,
         col0,
-        stride_ma,
-        stride_mr,
-        stride_md,
-        stride_ot,
+        stride_ba,
+        stride_br,
+        stride_bn,
+        stride_yt,
         HAS_BIAS: tl.constexpr,
-        HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        """Add the LoRA term (and bias) to one column sub-tile ``acc`` and store it."""
+        """Add ``s·B_aᵀ`` (and the bias) to one column sub-tile ``acc`` and store it.
+
+        ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``col0`` the output column of ``acc``'s
+        column 0.
+        """
         BLOCK_M: tl.constexpr = acc.shape[0]
         SUB_N: tl.constexpr = acc.shape[1]
         BLOCK_R: tl.constexpr = s.shape[1]
         cols = col0 + tl.arange(0, SUB_N)
-        col_ok = cols < D
+        col_ok = cols < N
         ranks = tl.arange(0, BLOCK_R)
-        m = tl.load(
-            m_ptr
-            + adapter.to(tl.int64) * stride_ma
-            + ranks[:, None] * stride_mr
-            + cols[None, :] * stride_md,
+        b = tl.load(
+            b_ptr
+            + adapter.to(tl.int64) * stride_ba
+            + ranks[:, None] * stride_br
+            + cols[None, :] * stride_bn,
             mask=(ranks < R)[:, None] & col_ok[None, :],
             other=0.0,
         )  # (BLOCK_R, SUB_N)
-        rows = row_start + tl.arange(0, BLOCK_M)
-        acc = _add_lora_term(
-            acc,
-            s,
-            m,
-            p,
-            seed,
-            rows,
-            col0,
-            row_offset,
-            col_offset,
-            mask_d,
-            HAS_DROPOUT,
-            DOT_PRECISION,
-        )
+        acc = tl.dot(s, b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        val = acc.to(out_ptr.dtype.element_ty)
+        val = acc.to(y_ptr.dtype.element_ty)
         if row_end - row_start == BLOCK_M:
-            out_desc.store([row_start, col0], val)  # TMA clips columns at D
+            y_desc.store([row_start, col0], val)  # TMA clips columns at N
         else:
             # Ragged tile: TMA clips only at the tensor edge, so rows past row_end (the next
             # adapter's) must not be written; a masked pointer store keeps them intact.
-            out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+            rows = row_start + tl.arange(0, BLOCK_M)
+            out = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :]
             tl.store(out, val, mask=(rows < row_end)[:, None] & col_ok[None, :])
 
-    @triton.jit(do_not_specialize=["seed", "row_offset", "col_offset"])
+    @triton.jit
     def _lora_gemm_tma_kernel(
-        z_desc,
+        x_desc,
         w_desc,
-        out_desc,
+        y_desc,
         s_ptr,
-        m_ptr,
+        b_ptr,
         bias_ptr,
-        out_ptr,
+        y_ptr,
         tiles_ptr,
-        p_ptr,
-        seed,
-        row_offset,
-        col_offset,
-        mask_d,
         n_tiles,
-        D,
+        N,
         K,
         R,
         stride_st,
-        stride_ma,
-        stride_mr,
-        stride_md,
-        stride_ot,
+        stride_ba,
+        stride_br,
+        stride_bn,
+        stride_yt,
         HAS_BIAS: tl.constexpr,
-        HAS_DROPOUT: tl.constexpr,
-        W_BY_ROWS: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -175,7 +116,7 @@ if triton is not None:
         EPI_SPLIT: tl.constexpr,
         NUM_PROGRAMS: tl.constexpr,
     ):
-        n_cols = tl.cdiv(D, BLOCK_N)
+        n_cols = tl.cdiv(N, BLOCK_N)
         k_steps = tl.cdiv(K, BLOCK_K)
         SUB_N: tl.constexpr = BLOCK_N // EPI_SPLIT
         # flatten=True (one pipeline across tiles) fails in triton 3.6's TritonGPUFuseNestedLoops
@@ -191,12 +132,9 @@ if triton is not None:
             # tensor edge reads as zeros, so there is no K mask.
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_steps):
-                z = z_desc.load([row_start, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-                if W_BY_ROWS:
-                    w = w_desc.load([col0, ki * BLOCK_K]).T  # Wop = Wᵀ: (N, K) row-major
-                else:
-                    w = w_desc.load([ki * BLOCK_K, col0])  # (BLOCK_K, BLOCK_N)
-                acc = tl.dot(z, w, acc, input_precision=DOT_PRECISION)
+                x = x_desc.load([row_start, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+                w = w_desc.load([col0, ki * BLOCK_K]).T  # W is (N, K) row-major: Wᵀ tile
+                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             rows = row_start + tl.arange(0, BLOCK_M)
             ranks = tl.arange(0, BLOCK_R)
             s = tl.load(
@@ -204,91 +142,69 @@ if triton is not None:
                 mask=(rows < row_end)[:, None] & (ranks < R)[None, :],
                 other=0.0,
             )  # (BLOCK_M, BLOCK_R)
-            p = 0.0
-            if HAS_DROPOUT:
-                p = tl.load(p_ptr + adapter)
-            # Sub-tiles of SUB_N columns: the LoRA product and the RNG live for one
-            # sub-tile at a time (the full-width epilogue spilled: 105 TFLOP/s, docs/kernels.md).
+            # Sub-tiles of SUB_N columns: the LoRA product lives for one sub-tile at a time.
             if EPI_SPLIT == 1:
-                _tma_epilogue(
+                _epilogue(
                     acc,
                     s,
-                    out_desc,
-                    out_ptr,
-                    m_ptr,
+                    y_desc,
+                    y_ptr,
+                    b_ptr,
                     bias_ptr,
                     adapter,
-                    p,
-                    seed,
-                    row_offset,
-                    col_offset,
-                    mask_d,
                     row_start,
                     row_end,
-                    D,
+                    N,
                     R,
                     col0,
-                    stride_ma,
-                    stride_mr,
-                    stride_md,
-                    stride_ot,
+                    stride_ba,
+                    stride_br,
+                    stride_bn,
+                    stride_yt,
                     HAS_BIAS,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
             else:  # EPI_SPLIT == 2
                 # (BLOCK_M, BLOCK_N) -> column halves (BLOCK_M, BLOCK_N / 2)
                 a0, a1 = acc.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                _tma_epilogue(
+                _epilogue(
                     a0,
                     s,
-                    out_desc,
-                    out_ptr,
-                    m_ptr,
+                    y_desc,
+                    y_ptr,
+                    b_ptr,
                     bias_ptr,
                     adapter,
-                    p,
-                    seed,
-                    row_offset,
-                    col_offset,
-                    mask_d,
                     row_start,
                     row_end,
-                    D,
+                    N,
                     R,
                     col0,
-                    stride_ma,
-                    stride_mr,
-                    stride_md,
-                    stride_ot,
+                    stride_ba,
+                    stride_br,
+                    stride_bn,
+                    stride_yt,
                     HAS_BIAS,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
-                _tma_epilogue(
+                _epilogue(
                     a1,
                     s,
-                    out_desc,
-                    out_ptr,
-                    m_ptr,
+                    y_desc,
+                    y_ptr,
+                    b_ptr,
                     bias_ptr,
                     adapter,
-                    p,
-                    seed,
-                    row_offset,
-                    col_offset,
-                    mask_d,
                     row_start,
                     row_end,
-                    D,
+                    N,
                     R,
                     col0 + SUB_N,
-                    stride_ma,
-                    stride_mr,
-                    stride_md,
-                    stride_ot,
+                    stride_ba,
+                    stride_br,
+                    stride_bn,
+                    stride_yt,
                     HAS_BIAS,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
 
@@ -318,108 +234,73 @@ class TmaConfig(NamedTuple):
 _TMA_TILE_CONFIGS = [
     TmaConfig(16, 32, 16, 4, 1, 2),
     TmaConfig(128, 256, 64, 8, 3, 2),
-    TmaConfig(256, 128, 64, 8, 3, 2),
     # fp32 (tests): TMA stages live in shared memory, 128x256x64 fp32 needs 96 KiB a stage.
     TmaConfig(64, 64, 32, 4, 3, 1),
 ]
-# Hopper's tiles for 2-byte dtypes, keyed by (W read by rows, i.e. the forward's Wᵀ; dropout
-# epilogue): the best of the sweep summed over (16384, 4096, 14336) and (16384, 14336, 4096)
-# on the H200 (docs/kernels.md, "Design choices").
-_TMA_HOPPER = {
-    (True, False): _TMA_TILE_CONFIGS[1],
-    (True, True): _TMA_TILE_CONFIGS[1],
-    (False, False): _TMA_TILE_CONFIGS[2],  # 256x128: the dX form without dropout
-    (False, True): _TMA_TILE_CONFIGS[1],
-}
-_TMA_FP32 = _TMA_TILE_CONFIGS[3]
+_TMA_HOPPER, _TMA_FP32 = _TMA_TILE_CONFIGS[1], _TMA_TILE_CONFIGS[2]
 _GROUP_M = 8
 _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops over tiles
 
 
 def _hopper_config(key: tuple) -> TmaConfig:
-    """Hopper's tile for problem ``key`` (ends with element size, W by rows, dropout)."""
-    return _TMA_HOPPER[key[-2:]] if key[-3] == 2 else _TMA_FP32
+    """Hopper's tile for problem ``key`` (ends with the element size)."""
+    return _TMA_HOPPER if key[-1] == 2 else _TMA_FP32
 
 
-def tma_supported(z: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> bool:
-    """True when TMA descriptors can cover ``z``, ``w`` and ``out``.
+def tma_supported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """True when TMA descriptors can cover ``x`` (T, K), ``weight`` (N, K) and ``out`` (T, N).
 
-    TMA needs a unit stride in one dimension, 16-byte aligned bases and 16-byte aligned
-    strides in the other (so ``D·itemsize`` and ``K·itemsize`` multiples of 16). ``out``
-    None stands for the fresh contiguous (T, D) output `lora_gemm` allocates.
+    TMA needs unit-stride rows, 16-byte aligned bases and 16-byte aligned row strides (so
+    ``K·itemsize`` and ``N·itemsize`` multiples of 16). ``out`` None stands for the fresh
+    contiguous output `lora_gemm` allocates.
     """
 
-    def aligned(t: torch.Tensor, other_stride: int) -> bool:
-        return t.data_ptr() % 16 == 0 and (other_stride * t.element_size()) % 16 == 0
+    def rows_ok(t: torch.Tensor) -> bool:
+        return (
+            t.stride(1) == 1
+            and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0
+        )
 
-    w_ok = (w.stride(1) == 1 and aligned(w, w.stride(0))) or (
-        w.stride(0) == 1 and aligned(w, w.stride(1))
+    out_ok = (weight.shape[0] * x.element_size()) % 16 == 0 if out is None else rows_ok(out)
+    return rows_ok(x) and rows_ok(weight) and out_ok
+
+
+def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig):
+    """Launch the kernel; returns Triton's compiled kernel (registers, spills)."""
+    tokens, inner = x.shape
+    width = weight.shape[0]
+    tiles = layout.tiles(cfg.block_m, x.device)
+    x_desc = TensorDescriptor(x, [tokens, inner], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(
+        weight, [width, inner], [weight.stride(0), 1], [cfg.block_n, cfg.block_k]
     )
-    out_ok = (
-        (w.shape[1] * z.element_size()) % 16 == 0
-        if out is None
-        else out.stride(1) == 1 and aligned(out, out.stride(0))
-    )
-    return z.stride(1) == 1 and aligned(z, z.stride(0)) and w_ok and out_ok
-
-
-def _launch_tma(
-    z,
-    w,
-    s,
-    m,
-    bias,
-    dropouts,
-    layout,
-    seed,
-    out,
-    cfg: TmaConfig,
-    col_offset=0,
-    mask_d=None,
-):
-    """Launch the TMA kernel; returns Triton's compiled kernel (registers, spills)."""
-    tokens, inner = z.shape
-    width = w.shape[1]
-    tiles = layout.tiles(cfg.block_m, z.device)
-    z_desc = TensorDescriptor(z, [tokens, inner], [z.stride(0), 1], [cfg.block_m, cfg.block_k])
-    by_rows = w.stride(1) != 1  # w = weight.t(): describe weight (D, K) and transpose tiles
-    if by_rows:
-        w_desc = TensorDescriptor(w, [width, inner], [w.stride(1), 1], [cfg.block_n, cfg.block_k])
-    else:
-        w_desc = TensorDescriptor(w, [inner, width], [w.stride(0), 1], [cfg.block_k, cfg.block_n])
-    out_desc = TensorDescriptor(
+    y_desc = TensorDescriptor(
         out, [tokens, width], [out.stride(0), 1], [cfg.block_m, cfg.block_n // cfg.epi_split]
     )
     work = tiles.shape[0] * _utils.cdiv(width, cfg.block_n)
-    programs = _INTERPRETER_PROGRAMS if z.device.type != "cuda" else _utils.sm_count(z.device.index)
+    programs = _INTERPRETER_PROGRAMS if x.device.type != "cuda" else _utils.sm_count(x.device.index)
     programs = max(1, min(programs, work))
     return _lora_gemm_tma_kernel[(programs,)](
-        z_desc,
+        x_desc,
         w_desc,
-        out_desc,
+        y_desc,
         s,
-        m,
+        b_t,
         bias if bias is not None else s,
         out,
         tiles,
-        dropouts if dropouts is not None else s,
-        seed,
-        layout.row_offset,
-        col_offset,
-        mask_d or width,
         tiles.shape[0],
         width,
         inner,
         s.shape[1],
         s.stride(0),
-        m.stride(0),
-        m.stride(1),
-        m.stride(2),
+        b_t.stride(0),
+        b_t.stride(1),
+        b_t.stride(2),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        HAS_DROPOUT=dropouts is not None,
-        W_BY_ROWS=by_rows,
-        DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         GROUP_M=_GROUP_M,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -432,113 +313,81 @@ def _launch_tma(
     )
 
 
-def _check_inputs(z, w, s, m, layout) -> None:
-    _utils.check_tensor("z", z, (layout.num_tokens, None), _utils.KERNEL_DTYPES, z.device)
-    inner = z.shape[1]
-    if w.dim() != 2 or w.shape[0] != inner or w.dtype != z.dtype or w.device != z.device:
+def _check_inputs(x, weight, s, b_t, layout) -> None:
+    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils.KERNEL_DTYPES, x.device)
+    inner = x.shape[1]
+    _utils.check_tensor("weight", weight, (None, inner), (x.dtype,), x.device, contiguous=False)
+    _utils.check_tensor("s", s, (x.shape[0], None), (x.dtype,), x.device)
+    want = (layout.num_adapters, s.shape[1], weight.shape[0])
+    if tuple(b_t.shape) != want or b_t.dtype != x.dtype:
         raise ValueError(
-            f"w has shape {tuple(w.shape)} {w.dtype}, expected (K={inner}, D) {z.dtype}"
-        )
-    _utils.check_tensor("s", s, (z.shape[0], None), (z.dtype,), z.device)
-    want = (layout.num_adapters, s.shape[1], w.shape[1])
-    if tuple(m.shape) != want or m.dtype != z.dtype:
-        raise ValueError(
-            f"m has shape {tuple(m.shape)} {m.dtype}, expected (A, R, D)={want} {z.dtype}"
+            f"b_t has shape {tuple(b_t.shape)} {b_t.dtype}, expected (A, R, N)={want} {x.dtype}"
         )
     _utils.padded_rank(s.shape[1])
 
 
 def lora_gemm(
-    z: torch.Tensor,
-    w: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
     s: torch.Tensor,
-    m: torch.Tensor,
+    b_t: torch.Tensor,
     bias: torch.Tensor | None,
-    dropouts: torch.Tensor | None,
     layout: AdapterLayout,
-    seed: int,
-    *,
-    col_offset: int = 0,
-    full_width: int | None = None,
 ) -> torch.Tensor:
-    """Launch the GEMM with LoRA epilogue.
+    """``Y = X·Wᵀ + S'·B_aᵀ + b`` per adapter segment, in one launch.
 
     Args:
-        z: (T, K) contiguous left operand (X or dY), rows 16-byte aligned.
-        w: (K, D) right operand, unit stride in one dimension (``weight.t()`` or ``weight``),
-            the other stride 16-byte aligned.
-        s: (T, R) contiguous ``S'`` or ``dS'``.
-        m: (A, R, D) per-adapter matrices, any strides.
-        bias: (D,) or None.
-        dropouts: (A,) fp32 dropout applied to the LoRA term, or None.
-        layout: the microbatch's adapter layout; the mask's rows are keyed by
-            ``layout.row_offset + t``.
-        seed: Philox seed of the dropout mask over the ``(T, D)`` output.
-        col_offset: for a tensor-parallel shard of the output's columns, the index of its
-            column 0 in the full width (a multiple of 8): the mask is columns
-            ``col_offset:col_offset + D`` of the ``full_width``-wide mask.
-        full_width: the full width of the mask (default ``D``).
+        x: (T, K) input, unit-stride rows, 16-byte aligned.
+        weight: (N, K) frozen weight, unit-stride rows, 16-byte aligned.
+        s: (T, R) contiguous ``S'`` (scale and dropout already applied).
+        b_t: (A, R, N) every adapter's ``Bᵀ``, any strides.
+        bias: (N,) or None.
+        layout: the microbatch's adapter layout.
 
     Returns:
-        (T, D) tensor in ``z``'s dtype.
+        (T, N) tensor in ``x``'s dtype.
 
     Raises:
         ValueError: on shape, dtype or device mismatch (the message names the tensor), or on
             strides TMA cannot describe (the message gives them; `tma_supported`).
-        NotImplementedError: for a ``col_offset`` that is not a multiple of 8.
     """
-    _check_inputs(z, w, s, m, layout)
-    mask_d = _utils.mask_width(w.shape[1], col_offset, full_width)
-    tokens, width = z.shape[0], w.shape[1]
-    out = torch.empty(tokens, width, dtype=z.dtype, device=z.device)
+    _check_inputs(x, weight, s, b_t, layout)
+    tokens, width = x.shape[0], weight.shape[0]
+    out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    if not tma_supported(z, w, out):
+    if not tma_supported(x, weight, out):
         raise ValueError(
-            f"lora_gemm needs TMA-describable operands (a unit stride, 16-byte aligned base "
-            f"and rows): z strides {z.stride()}, w strides {w.stride()}, out strides "
-            f"{out.stride()}, {z.element_size()}-byte elements"
+            f"lora_gemm needs TMA-describable operands (unit-stride, 16-byte aligned rows): "
+            f"x strides {x.stride()}, weight strides {weight.stride()}, out strides "
+            f"{out.stride()}, {x.element_size()}-byte elements"
         )
-    args = (z, w, s, m, bias, dropouts, layout, seed, out)
-    offsets = {"col_offset": col_offset, "mask_d": mask_d}
-    key = (
-        tokens,
-        width,
-        z.shape[1],
-        _utils.padded_rank(s.shape[1]),
-        z.element_size(),
-        w.stride(1) != 1,
-        dropouts is not None,
-    )
+    args = (x, weight, s, b_t, bias, layout, out)
+    key = (tokens, width, x.shape[1], _utils.padded_rank(s.shape[1]), x.element_size())
     config = _utils.pick_config(
         "lora_gemm",
         key,
-        z.device,
+        x.device,
         _hopper_config,
         _TMA_TILE_CONFIGS,
-        lambda cfg: _launch_tma(*args, cfg, **offsets),
+        lambda cfg: _launch(*args, cfg),
     )
-    _launch_tma(*args, config, **offsets)
+    _launch(*args, config)
     return out
 
 
 def lora_gemm_ref(
-    z: torch.Tensor,
-    w: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
     s: torch.Tensor,
-    m: torch.Tensor,
+    b_t: torch.Tensor,
     bias: torch.Tensor | None,
-    keep_mask: torch.Tensor | None,
-    dropouts: torch.Tensor | None,
     layout: AdapterLayout,
 ) -> torch.Tensor:
-    """Torch reference of `lora_gemm` with an explicit ``(T, D)`` bool keep-mask."""
-    out = z.float() @ w.float()
+    """Torch reference of `lora_gemm` (fp32 accumulation)."""
+    out = x.float() @ weight.float().t()
     for adapter, start, end in layout.segments():
-        part = s[start:end].float() @ m[adapter].float()  # (T_a, D)
-        if keep_mask is not None and dropouts is not None and float(dropouts[adapter]) > 0:
-            part = part * keep_mask[start:end] / (1.0 - float(dropouts[adapter]))
-        out[start:end] += part
+        out[start:end] += s[start:end].float() @ b_t[adapter].float()  # (T_a, N)
     if bias is not None:
         out += bias.float()
-    return out.to(z.dtype)
+    return out.to(x.dtype)
