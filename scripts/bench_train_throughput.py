@@ -7,16 +7,19 @@
         --compare-attention flex   # issue 15's cell on FlexAttention too, in the same process
     python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
     python -m scripts.bench_train_throughput --shapes llama3.2-1b --microbatches 24 --passes 3
+    python -m scripts.bench_train_throughput --shapes llama3.2-1b --no-compare --rounds 3
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
 dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
 adapter with tokens in a microbatch right after it (one `AdapterAdamW` launch; a global batch of
 one microbatch, the most steps a job can take), and reports tokens/s, the ratio to the 1-adapter
 cell (timed before and again after the other counts of its rank and dropout, the mean of both:
-clocks drift over a run), GPU launches (kernels, memsets, copies seen by torch.profiler) of one
-forward + backward and of one optimizer round of every adapter, that round's time, peak memory
-and the mean loss of the timed pass. ``--attention`` forces our packed attention's kernel (issue
-22); runs that differ only in it see the same weights and microbatches, so their losses compare.
+clocks drift over a run; with ``--rounds N`` every count of a rank and dropout is timed in turn
+N times instead, each cell its median round), GPU launches (kernels, memsets, copies seen by
+torch.profiler) of one forward + backward and of one optimizer round of every adapter, that
+round's time, peak memory and the mean loss of the timed pass. ``--attention`` forces our packed
+attention's kernel (issue 22); runs that differ only in it see the same weights and
+microbatches, so their losses compare.
 The peers: transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4
 tokens, SDPA, torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused
 linear cross-entropy too when ``liger_kernel`` is importable (it patches transformers for good,
@@ -150,10 +153,11 @@ def _sm_clock_mhz(device) -> int | None:
 
 
 def _measure(train, batches, args) -> dict:
-    """Tokens/s of ``train(batch)`` over every batch after a warm-up pass over the same (the
-    median of ``args.passes`` timed passes), the SM clock right after them, the peak memory
-    since the last reset, and the mean of the losses ``train`` returns in the first pass."""
-    for batch in batches:  # warm-up: every kernel compiled and autotuned
+    """Tokens/s of ``train(batch)`` over every batch after a warm-up over the first
+    ``args.warmup`` of them (the median of ``args.passes`` timed passes), the SM clock right
+    after them, the peak memory since the last reset, and the mean of the losses ``train``
+    returns in the first pass."""
+    for batch in batches[: args.warmup]:  # warm-up: every kernel compiled and autotuned
         train(batch)
     seconds, losses = [], None
     for _ in range(args.passes):
@@ -328,6 +332,13 @@ def _guarded(fn, *args) -> dict:
     return result
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """One cell from its rounds: the median round's row by tokens/s (the lower middle of an
+    even count), or the last note when no round ran."""
+    timed = sorted((r for r in rows if r.get("tokens_s")), key=lambda r: r["tokens_s"])
+    return timed[(len(timed) - 1) // 2] if timed else rows[-1]
+
+
 def _put(results: dict, key: tuple, row: dict) -> None:
     """Store a result and log it at once on stderr, so a run cut short still shows its cells."""
     results[key] = row
@@ -424,10 +435,23 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
         _put(results, (shape, what, *cell), _guarded(_ours, model, model_cfg, args, *cell))
 
     counts = sorted(args.adapters)
-    again = 1 in counts and len(counts) > 1  # clocks drift: one adapter again, after the rest
+    # Clocks drift: one adapter again after the rest, or every count in turn, round after round.
+    again = 1 in counts and len(counts) > 1 and args.rounds == 1
     for rank, dropout in itertools.product(args.ranks, args.dropouts) if args.matrix else []:
-        for count in counts:
-            run("ours", (rank, dropout, count))
+        timed = {count: [] for count in counts}
+        for round_ in range(args.rounds):
+            args.warmup = None if round_ == 0 else 2  # compiled and tuned in the first round
+            for count in counts:
+                row = _guarded(_ours, model, model_cfg, args, rank, dropout, count)
+                timed[count].append(row)
+                print(
+                    f"# round {round_ + 1}, {(shape, rank, dropout, count)}: {row}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        args.warmup = None
+        for count, rows in timed.items():
+            _put(results, (shape, "ours", rank, dropout, count), _median_row(rows))
         if again:
             run("ours again", (rank, dropout, 1))
     if args.compare and (shape, "ours", *COMPARE) not in results:
@@ -616,6 +640,13 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument(
         "--passes", type=int, default=1, help="timed passes per cell (tokens/s of the median)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="matrix: time every adapter count of a rank and dropout in turn this many times "
+        "(each cell the median round); above 1 the 1-adapter cell is not timed again",
+    )
     parser.add_argument("--matrix", action=on_off, default=True, help="issue 21's matrix")
     parser.add_argument("--compare", action=on_off, default=True, help="issue 15's table")
     parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
@@ -643,8 +674,12 @@ def _parse_args(argv: list[str] | None):
     args = parser.parse_args(argv)
     if args.tokens < 16 or args.tokens % 4:
         parser.error(f"--tokens must be a multiple of 4 and >= 16, got {args.tokens}")
-    if min(args.microbatches, args.passes, *args.adapters, *args.ranks, args.layers or 1) < 1:
-        parser.error("--microbatches, --passes, --adapters, --ranks and --layers must be positive")
+    sizes = (args.microbatches, args.passes, args.rounds, *args.adapters, *args.ranks)
+    if min(*sizes, args.layers or 1) < 1:
+        parser.error(
+            "--microbatches, --passes, --rounds, --adapters, --ranks and --layers must be positive"
+        )
+    args.warmup = None  # every microbatch; `_run_ours` shortens it after a matrix's first round
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     args.backend = args.attention if args.device.type == "cuda" else "loop"
     return args

@@ -86,6 +86,41 @@ def test_bench_train_throughput_cpu_dry_run_prints_every_row(bench, tmp_path, ca
     assert {r["attention"] for r in rows} == {"loop"}, rows
 
 
+def test_bench_rounds_time_each_count_in_turn_and_keep_the_median(bench, capsys):
+    argv = "--device cpu --shapes llama3.2-1b --layers 1 --tokens 256 --microbatches 2"
+    extra = "--ranks 4 --dropouts 0.0 --adapters 1 2 --rounds 3 --no-compare --no-peers"
+    bench.main([*argv.split(), *extra.split()])
+    captured = capsys.readouterr()
+    (matrix,) = _tables(captured.out)
+    assert [row["adapters"] for row in matrix] == ["1", "2"], "no '1, again' with rounds"
+    assert matrix[0]["× 1 adapter"] == "1.00", matrix
+    logged = [line for line in captured.err.splitlines() if line.startswith("# round ")]
+    order = [(line.split(",")[0], line.split(")")[0].rsplit(", ", 1)[1]) for line in logged]
+    want = [(f"# round {k}", count) for k in (1, 2, 3) for count in ("1", "2")]
+    assert order == want, logged
+    for count in ("1", "2"):  # the printed cell is one of its rounds, the median one
+        speeds = sorted(
+            float(line.split("'tokens_s': ")[1].split(",")[0])
+            for line in logged
+            if line.split(")")[0].endswith(f", {count}")
+        )
+        row = next(r for r in matrix if r["adapters"] == count)
+        assert abs(_tokens_per_s(row) - speeds[1]) <= 0.5, (row, speeds)
+
+
+def test_bench_median_row_skips_notes_and_falls_back_to_the_last(bench):
+    rows = [
+        {"tokens_s": 3.0},
+        {"note": "CUDA OOM at 1.0 GiB"},
+        {"tokens_s": 1.0},
+        {"tokens_s": 2.0},
+    ]
+    assert bench._median_row(rows) == {"tokens_s": 2.0}
+    assert bench._median_row([{"tokens_s": 5.0}, {"tokens_s": 4.0}]) == {"tokens_s": 4.0}
+    notes = [{"note": "a"}, {"note": "b"}]
+    assert bench._median_row(notes) == {"note": "b"}
+
+
 def test_bench_microbatches_cover_every_adapter_adapter_major(bench):
     one, many = (bench._microbatches(8192, 2, a, vocab=100, device="cpu") for a in (1, 64))
     assert len(one) == 2
