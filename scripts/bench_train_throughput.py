@@ -32,7 +32,9 @@ from the microbatch's index, so every cell of a shape sees the same lengths; sam
 adapters round-robin over the whole stream, adapter-major inside a microbatch. With 64 adapters
 an 8192-token microbatch holds ~7 samples, so ``--microbatches`` is a minimum, extended until
 every adapter has a sample. Time: CUDA-synchronised wall clock of every microbatch (host
-included) after a warm-up pass over the same ones, the median of ``--passes`` timed passes; each
+included) after a warm-up pass over the same ones (over two of them in a matrix cell's later
+``--rounds``, whose kernels and microbatches are ready), the median of ``--passes`` timed
+passes; each
 cell reports the SM clock after its timing (clocks drop under sustained load, so cells compare
 only at like clocks). A cell out of memory prints the reason;
 each result is logged on stderr as it lands, the tables follow at the end.
@@ -42,6 +44,7 @@ each result is logged on stderr as it lands, the tables follow at the end.
 import argparse
 import bisect
 import csv
+import functools
 import gc
 import importlib.metadata
 import itertools
@@ -113,8 +116,12 @@ def _adapters(count: int, rank: int, dropout: float) -> list[AdapterConfig]:
     return [AdapterConfig(name=f"a{i}", **shape) for i in range(count)]
 
 
+@functools.lru_cache(maxsize=8)
 def _microbatches(tokens: int, minimum: int, num_adapters: int, vocab: int, device) -> list:
-    """``(ids (1, T), positions (1, T), AdapterLayout)`` of each microbatch (module docstring)."""
+    """``(ids (1, T), positions (1, T), AdapterLayout)`` of each microbatch (module docstring).
+
+    Cached: a matrix cell's later rounds reuse its microbatches, layouts' device copies
+    included, as its timed passes reuse those of its warm-up."""
     low, high = (256, 2048) if tokens >= 1024 else (tokens // 4, tokens)
     batches, drawn = [], 0
     while len(batches) < minimum or drawn < num_adapters:
@@ -334,9 +341,13 @@ def _guarded(fn, *args) -> dict:
 
 def _median_row(rows: list[dict]) -> dict:
     """One cell from its rounds: the median round's row by tokens/s (the lower middle of an
-    even count), or the last note when no round ran."""
+    even count) with the first round's loss (every cell's first round trains its adapters
+    from the same start over the same steps, so their losses compare), or the last note when
+    no round ran."""
     timed = sorted((r for r in rows if r.get("tokens_s")), key=lambda r: r["tokens_s"])
-    return timed[(len(timed) - 1) // 2] if timed else rows[-1]
+    if not timed:
+        return rows[-1]
+    return {**timed[(len(timed) - 1) // 2], "loss": rows[0].get("loss")}
 
 
 def _put(results: dict, key: tuple, row: dict) -> None:
@@ -444,11 +455,9 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
             for count in counts:
                 row = _guarded(_ours, model, model_cfg, args, rank, dropout, count)
                 timed[count].append(row)
-                print(
-                    f"# round {round_ + 1}, {(shape, rank, dropout, count)}: {row}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                if args.rounds > 1:
+                    cell = (shape, rank, dropout, count)
+                    print(f"# round {round_ + 1}, {cell}: {row}", file=sys.stderr, flush=True)
         args.warmup = None
         for count, rows in timed.items():
             _put(results, (shape, "ours", rank, dropout, count), _median_row(rows))
@@ -705,6 +714,7 @@ def main(argv: list[str] | None = None) -> None:
         f"liger-kernel {_version('liger-kernel')} | {str(args.dtype).removeprefix('torch.')} | "
         f"attention {args.backend} | "
         f"{args.tokens}-token microbatches, >= {args.microbatches} timed after a warm-up pass"
+        + (f", matrix cells in {args.rounds} rounds" if args.rounds > 1 else "")
     )
     print("# build s: " + ", ".join(f"{k} {v:.1f}" for k, v in builds.items()))
     if args.matrix:

@@ -108,6 +108,21 @@ def test_bench_rounds_time_each_count_in_turn_and_keep_the_median(bench, capsys)
         assert abs(_tokens_per_s(row) - speeds[1]) <= 0.5, (row, speeds)
 
 
+def test_bench_rounds_warm_up_fully_first_then_on_two_microbatches(bench, monkeypatch):
+    seen, measure = [], bench._measure
+
+    def recording(train, batches, args):
+        seen.append(args.warmup)
+        return measure(train, batches, args)
+
+    monkeypatch.setattr(bench, "_measure", recording)
+    argv = "--device cpu --shapes llama3.2-1b --layers 1 --tokens 256 --microbatches 2"
+    bench.main([*argv.split(), *"--ranks 4 --dropouts 0.0 --adapters 1 2 --rounds 2".split()])
+    # 2 counts x 2 rounds; then issue 15's cell, our floor, PEFT's floor, PEFT's matrix
+    # cell and PEFT's cell of issue 15, all warmed up on every microbatch
+    assert seen == [None, None, 2, 2, None, None, None, None, None], seen
+
+
 def test_bench_median_row_skips_notes_and_falls_back_to_the_last(bench):
     rows = [
         {"tokens_s": 3.0},
@@ -115,8 +130,9 @@ def test_bench_median_row_skips_notes_and_falls_back_to_the_last(bench):
         {"tokens_s": 1.0},
         {"tokens_s": 2.0},
     ]
-    assert bench._median_row(rows) == {"tokens_s": 2.0}
-    assert bench._median_row([{"tokens_s": 5.0}, {"tokens_s": 4.0}]) == {"tokens_s": 4.0}
+    assert bench._median_row(rows) == {"tokens_s": 2.0, "loss": None}
+    two = [{"tokens_s": 5.0, "loss": 1.5}, {"tokens_s": 4.0, "loss": 2.5}]
+    assert bench._median_row(two) == {"tokens_s": 4.0, "loss": 1.5}, "the first round's loss"
     notes = [{"note": "a"}, {"note": "b"}]
     assert bench._median_row(notes) == {"note": "b"}
 
