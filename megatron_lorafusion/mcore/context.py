@@ -7,7 +7,7 @@ caller sets each microbatch's `AdapterLayout` and reads or loads one adapter's w
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -175,10 +175,7 @@ class LoRAContext:
         Every ``lora_B`` slot and every row-vector slot (DoRA's magnitude): PEFT's
         ``create_loraplus_optimizer`` puts B and every 1-D parameter in B's group.
         """
-        columns = torch.zeros(self.weights.shape[1], dtype=torch.bool)
-        for _, factor, _, col, rows, cols in self._slots:
-            columns[col : col + rows * cols] = factor != "lora_A"
-        return columns.to(self.weights.device)
+        return self._slot_columns(lambda name, factor: factor != "lora_A")
 
     def replicated_columns(self) -> torch.Tensor:
         """(S,) bool on the tables' device: the columns of factors TP does not split.
@@ -187,9 +184,16 @@ class LoRAContext:
         group counts them on one rank only.
         """
         replicated = {name for name, split in self.sharding().items() if split is None}
+        return self._slot_columns(lambda name, factor: name in replicated)
+
+    def _slot_columns(self, marked: Callable[[str, str], bool]) -> torch.Tensor:
+        """(S,) bool on the tables' device: True on the columns of the ``marked`` slots.
+
+        ``marked(name, factor)`` decides for each slot (its parameter name and factor).
+        """
         columns = torch.zeros(self.weights.shape[1], dtype=torch.bool)
-        for name, _, _, col, rows, cols in self._slots:
-            columns[col : col + rows * cols] = name in replicated
+        for name, factor, _, col, rows, cols in self._slots:
+            columns[col : col + rows * cols] = marked(name, factor)
         return columns.to(self.weights.device)
 
     def adapter_tensors(self, adapter_id: int) -> dict[str, torch.Tensor]:

@@ -135,12 +135,19 @@ class AdapterLayout:
             if offsets[a + 1] > offsets[a]
         ]
 
+    def present_ids(self) -> tuple[int, ...]:
+        """Ids of the adapters with at least one token here, in order (cached)."""
+        if "present_ids" not in self._cache:
+            counts = self.token_counts()
+            self._cache["present_ids"] = tuple(a for a, n in enumerate(counts) if n)
+        return self._cache["present_ids"]
+
     def present(self, device: torch.device | str) -> torch.Tensor:
-        """(k,) int64 ids of the adapters with at least one token here, cached per device."""
+        """(k,) int64 `present_ids` on ``device``, cached per device."""
         key = ("present", str(device))
         if key not in self._cache:
-            ids = [a for a, n in enumerate(self.token_counts()) if n]
-            self._cache[key] = copy_to_device(torch.tensor(ids, dtype=torch.int64), device)
+            ids = torch.tensor(self.present_ids(), dtype=torch.int64)
+            self._cache[key] = copy_to_device(ids, device)
         return self._cache[key]
 
     def row_adapter(self, device: torch.device | str) -> torch.Tensor:

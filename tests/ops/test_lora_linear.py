@@ -157,3 +157,13 @@ def test_layout_cached_counts_follow_its_own_segments():
     other = dataclasses.replace(layout, seg_offsets=torch.tensor([0, 5, 9]))
     assert (other.token_counts(), other.num_tokens) == ([5, 4], 9)
     assert not torch.equal(layout.tiles(4, "cpu"), other.tiles(4, "cpu"))
+
+
+def test_layout_present_ids_skip_adapters_without_tokens():
+    layout = AdapterLayout.from_samples([1, 3, 3], [2, 4, 1], 5)
+    assert layout.present_ids() == (1, 3)
+    assert layout.present("cpu").tolist() == [1, 3]
+    assert layout.present("cpu").dtype == torch.int64
+    empty = AdapterLayout.from_samples([], [], 2)
+    assert empty.present_ids() == ()
+    assert empty.present("cpu").shape == (0,)
