@@ -34,10 +34,9 @@ an 8192-token microbatch holds ~7 samples, so ``--microbatches`` is a minimum, e
 every adapter has a sample. Time: CUDA-synchronised wall clock of every microbatch (host
 included) after a warm-up pass over the same ones (over two of them in a matrix cell's later
 ``--rounds``, whose kernels and microbatches are ready), the median of ``--passes`` timed
-passes; each
-cell reports the SM clock after its timing (clocks drop under sustained load, so cells compare
-only at like clocks). A cell out of memory prints the reason;
-each result is logged on stderr as it lands, the tables follow at the end.
+passes; each cell reports the SM clock after its timing (clocks drop under sustained load, so
+cells compare only at like clocks). A cell out of memory prints the reason; each result is
+logged on stderr as it lands, the tables follow at the end.
 ``--device cpu``: an fp32 dry run on tiny sizes (hidden 64; PEFT runs too, Liger cannot).
 """
 
@@ -159,12 +158,12 @@ def _sm_clock_mhz(device) -> int | None:
         return None
 
 
-def _measure(train, batches, args) -> dict:
+def _measure(train, batches, args, warmup: int | None = None) -> dict:
     """Tokens/s of ``train(batch)`` over every batch after a warm-up over the first
-    ``args.warmup`` of them (the median of ``args.passes`` timed passes), the SM clock right
-    after them, the peak memory since the last reset, and the mean of the losses ``train``
-    returns in the first pass."""
-    for batch in batches[: args.warmup]:  # warm-up: every kernel compiled and autotuned
+    ``warmup`` of them (None: all; the median of ``args.passes`` timed passes), the SM clock
+    right after them, the peak memory since the last reset, and the mean of the losses
+    ``train`` returns in the first pass."""
+    for batch in batches[:warmup]:  # warm-up: every kernel compiled and autotuned
         train(batch)
     seconds, losses = [], None
     for _ in range(args.passes):
@@ -364,10 +363,10 @@ def _unwrap(model) -> None:
                 setattr(module, name, child.base)
 
 
-def _present(batch) -> list[int]:
+def _present(batch) -> tuple[int, ...]:
     """The adapters with tokens in the microbatch: each steps after it (a global batch of one
     microbatch); an adapter without tokens has no gradient, and no job steps it then."""
-    return [a for a, n in enumerate(batch[2].token_counts()) if n]
+    return batch[2].present_ids()
 
 
 def _forward_backward(model, lora, batch) -> torch.Tensor:
@@ -381,8 +380,17 @@ def _forward_backward(model, lora, batch) -> torch.Tensor:
     return loss.detach()
 
 
-def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count: int) -> dict:
-    """One matrix cell: LoRA applied afresh, timed, probed, and swapped out again."""
+def _ours(
+    model,
+    model_cfg: ModelConfig,
+    args,
+    rank: int,
+    dropout: float,
+    count: int,
+    warmup: int | None = None,
+) -> dict:
+    """One matrix cell: LoRA applied afresh, timed (``warmup``: `_measure`'s), probed, and
+    swapped out again."""
     adapters, everyone = _adapters(count, rank, dropout), list(range(count))
     try:
         lora = apply_lora(model, adapters, seed=0)
@@ -401,7 +409,7 @@ def _ours(model, model_cfg: ModelConfig, args, rank: int, dropout: float, count:
             optimizer.step(_present(batch))
             return loss
 
-        row = _measure(train, batches, args)
+        row = _measure(train, batches, args, warmup)
         if args.profile and (rank, dropout, count) == COMPARE:
             _kernel_profile(f"ours, {count} adapters", lambda: train(batches[0]), args.device)
             if args.device.type == "cuda":
@@ -451,14 +459,13 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
     for rank, dropout in itertools.product(args.ranks, args.dropouts) if args.matrix else []:
         timed = {count: [] for count in counts}
         for round_ in range(args.rounds):
-            args.warmup = None if round_ == 0 else 2  # compiled and tuned in the first round
+            warmup = None if round_ == 0 else 2  # compiled and tuned in the first round
             for count in counts:
-                row = _guarded(_ours, model, model_cfg, args, rank, dropout, count)
+                row = _guarded(_ours, model, model_cfg, args, rank, dropout, count, warmup)
                 timed[count].append(row)
                 if args.rounds > 1:
                     cell = (shape, rank, dropout, count)
                     print(f"# round {round_ + 1}, {cell}: {row}", file=sys.stderr, flush=True)
-        args.warmup = None
         for count, rows in timed.items():
             _put(results, (shape, "ours", rank, dropout, count), _median_row(rows))
         if again:
@@ -688,7 +695,6 @@ def _parse_args(argv: list[str] | None):
         parser.error(
             "--microbatches, --passes, --rounds, --adapters, --ranks and --layers must be positive"
         )
-    args.warmup = None  # every microbatch; `_run_ours` shortens it after a matrix's first round
     args.dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
     args.backend = args.attention if args.device.type == "cuda" else "loop"
     return args

@@ -111,9 +111,9 @@ def test_bench_rounds_time_each_count_in_turn_and_keep_the_median(bench, capsys)
 def test_bench_rounds_warm_up_fully_first_then_on_two_microbatches(bench, monkeypatch):
     seen, measure = [], bench._measure
 
-    def recording(train, batches, args):
-        seen.append(args.warmup)
-        return measure(train, batches, args)
+    def recording(train, batches, args, warmup=None):
+        seen.append(warmup)
+        return measure(train, batches, args, warmup)
 
     monkeypatch.setattr(bench, "_measure", recording)
     argv = "--device cpu --shapes llama3.2-1b --layers 1 --tokens 256 --microbatches 2"
