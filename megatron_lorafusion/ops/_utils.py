@@ -1,10 +1,10 @@
 """Shared helpers of the Triton ops: availability, input checks, tile-config choice, dropout RNG.
 
 The dropout mask of the fused path is counter-based (Philox, see `keep_mask_tile`): element
-``(t, h)`` is keyed by its row in the whole microbatch (``layout.row_offset + t``) and its column
-in the layer's full input width (``col_offset + h`` for a tensor-parallel shard of columns), so
-any kernel, at any tiling and on any shard, regenerates the same mask from
-``(layout.dropout_seed, layer_seed)``.
+``(t, h)`` is keyed by its row's key (``layout.row_keys``: what the token is, not where it sits)
+and its column in the layer's full input width (``col_offset + h`` for a tensor-parallel shard
+of columns), so any kernel, at any tiling, on any shard and in any microbatch, regenerates the
+same mask from ``(layout.dropout_seed, layer_seed)``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def mask_width(width: int, col_offset: int, full_width: int | None) -> int:
         full_width: the layer's full input width, or None for ``width`` (no column shard).
 
     Returns:
-        The full width (the ``D`` that keys the Philox counters).
+        The full width (the mask's columns, which key its Philox counters, are numbered in it).
 
     Raises:
         ValueError: when the shard's columns do not lie inside ``[0, full_width)``.
@@ -252,8 +252,8 @@ if triton is not None:
     _PHILOX_ROUNDS = tl.constexpr(7)  # Philox4x32-7 passes BigCrush (Salmon et al., SC'11)
 
     @triton.jit
-    def philox4x32(c0, c1, seed, N_ROUNDS: tl.constexpr):
-        """Philox4x32 of counters ``(c0, c1, 0, 0)`` (uint32) under a 64-bit ``seed``.
+    def philox4x32(c0, c1, c2, seed, N_ROUNDS: tl.constexpr):
+        """Philox4x32 of counters ``(c0, c1, c2, 0)`` (uint32) under a 64-bit ``seed``.
 
         Written out here rather than calling ``tl.randint4x``, whose ``@jit`` wrappers are fixed
         when triton is imported (which breaks the interpreter if it is switched on later), and
@@ -262,7 +262,6 @@ if triton is not None:
         seed = seed.to(tl.uint64)  # a scalar kernel argument (seed is never specialised)
         k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
         k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        c2 = c0 ^ c0
         c3 = c0 ^ c0
         for _ in tl.static_range(N_ROUNDS):
             prev0 = c0
@@ -276,22 +275,24 @@ if triton is not None:
         return c0, c1, c2, c3
 
     @triton.jit
-    def _philox_words(seed, rows, col_start, D, BLOCK_D: tl.constexpr):
-        """The four (BLOCK_T, BLOCK_D // 8) uint32 Philox words of ``rows`` × ``BLOCK_D`` columns.
+    def _philox_words(seed, keys, col_start, BLOCK_D: tl.constexpr):
+        """The four (BLOCK_T, BLOCK_D // 8) uint32 Philox words of ``keys`` × ``BLOCK_D`` columns.
 
-        The columns are ``col_start .. col_start + BLOCK_D``, ``col_start`` a multiple of 8.
-        Counter ``t·ceil(D/8) + d // 8`` covers columns ``8·(d // 8) ..+8`` of row ``t``; its words
-        ``r0..r3`` hold their eight 16-bit draws, column ``8g + j`` taking half ``j % 2`` (low
-        first) of word ``(r0, r2, r1, r3)[j // 2]`` (the order `_keep_from_words` joins them in).
-        The counters' columns come from the scalar start, not from a column vector: reducing
-        a vector to one counter per eight columns cost a layout conversion (a shared-memory
-        round trip and two barriers) in every loop step.
+        ``keys`` (BLOCK_T,) int64 are the rows' dropout keys; the columns are ``col_start ..
+        col_start + BLOCK_D``, ``col_start`` a multiple of 8. Counter ``(d // 8, key)`` covers
+        columns ``8·(d // 8) ..+8`` of a row; its words ``r0..r3`` hold their eight 16-bit
+        draws, column ``8g + j`` taking half ``j % 2`` (low first) of word ``(r0, r2, r1,
+        r3)[j // 2]`` (the order `_keep_from_words` joins them in). The counters' columns come
+        from the scalar start, not from a column vector: reducing a vector to one counter per
+        eight columns cost a layout conversion (a shared-memory round trip and two barriers)
+        in every loop step.
         """
         group = col_start // 8 + tl.arange(0, BLOCK_D // 8)  # one counter per 8 columns
-        counters = rows.to(tl.int64)[:, None] * ((D + 7) // 8) + group[None, :]  # (BLOCK_T, G)
-        return philox4x32(
-            counters.to(tl.uint32), (counters >> 32).to(tl.uint32), seed, _PHILOX_ROUNDS
-        )
+        keys = keys.to(tl.int64)
+        c0 = tl.broadcast_to(group[None, :], (keys.shape[0], BLOCK_D // 8)).to(tl.uint32)
+        c1 = tl.broadcast_to((keys & 0xFFFFFFFF)[:, None], c0.shape).to(tl.uint32)
+        c2 = tl.broadcast_to((keys >> 32)[:, None], c0.shape).to(tl.uint32)
+        return philox4x32(c0, c1, c2, seed, _PHILOX_ROUNDS)
 
     @triton.jit
     def _drop_threshold(p):
@@ -307,17 +308,18 @@ if triton is not None:
         return halves.reshape(BLOCK_T, BLOCK_D) >= _drop_threshold(p)
 
     @triton.jit
-    def keep_mask_tile(seed, rows, col_start, D, p, BLOCK_D: tl.constexpr):
+    def keep_mask_tile(seed, keys, col_start, p, BLOCK_D: tl.constexpr):
         """(BLOCK_T, BLOCK_D) dropout keep-mask (True keeps) of a tile of a ``(T, D)`` input.
 
-        The tile is ``rows`` × columns ``col_start .. col_start + BLOCK_D``, ``col_start`` a
-        multiple of 8.
+        The tile is the rows whose dropout keys are ``keys`` (BLOCK_T,) int64 (`AdapterLayout.
+        row_keys`) × columns ``col_start .. col_start + BLOCK_D``, ``col_start`` a multiple of 8.
 
         One Philox call yields 128 random bits, cut into eight 16-bit draws for eight
         consecutive columns: 8× less integer work than one ``tl.rand`` per element.
-        Element ``(t, d)`` uses draw ``d % 8`` of counter ``t·ceil(D/8) + d // 8``, so any tiling
-        whose column blocks start at multiples of 8 regenerates the same mask. The drop
-        threshold is ``p`` rounded to 1/65536 (keep probability off by at most 2⁻¹⁷).
+        Element ``(t, d)`` uses draw ``d % 8`` of counter ``(d // 8, key_t)``, so any tiling
+        whose column blocks start at multiples of 8 regenerates the same mask, and a row's
+        mask depends on its key only. The drop threshold is ``p`` rounded to 1/65536 (keep
+        probability off by at most 2⁻¹⁷).
         """
-        r0, r1, r2, r3 = _philox_words(seed, rows, col_start, D, BLOCK_D)
+        r0, r1, r2, r3 = _philox_words(seed, keys, col_start, BLOCK_D)
         return _keep_from_words(r0, r1, r2, r3, p, BLOCK_D)

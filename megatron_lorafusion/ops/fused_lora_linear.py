@@ -178,7 +178,7 @@ def fused_lora_linear(
         layout: the microbatch's adapter layout.
         layer_seed: the layer's seed; the mask is `fused_dropout_keep_mask` of
             ``(layout, dropouts, H, layer_seed)``, whose rows are those of the whole
-            microbatch (``layout.row_offset``) for a sharded layout.
+            microbatch (its rows keep their ``layout.row_keys``) for a sharded layout.
         training: dropout only when True; all-zero dropouts take a path with no mask.
         gemm: the forward's frozen GEMM: ``"triton"`` (`lora_gemm`, the LoRA term in its
             epilogue; needs 16-byte aligned rows), ``"cublas"`` (LoRA term written first,

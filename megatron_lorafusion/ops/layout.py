@@ -26,16 +26,21 @@ class AdapterLayout:
         seg_offsets: (A + 1,) int64 on CPU, token offset of each adapter's segment.
         cu_seqlens: (S + 1,) int32 on the compute device, token offset of each sample.
         max_seqlen: longest sample, in tokens.
-        dropout_seed: seed of this microbatch's dropout masks; layers mix in their own id.
-        row_offset: index of row 0 in the whole microbatch; non-zero only for a `shard`, so
-            dropout masks (keyed by the whole-microbatch row) agree with the unsharded layout.
+        dropout_seed: seed of the dropout masks (a training job's ``train.seed``); layers mix
+            in their own id (`_utils.mixed_seed`).
+        row_keys: (T,) int64 on the compute device, the dropout key of each token row: with
+            the layer's seed and the column it keys that element's draw (`_utils.keep_mask_tile`).
+            A job gives each row ``key(adapter, sample) + position in the sample``, so a token's
+            mask depends on what it is, never on the microbatch it lands in (DESIGN.md "Every
+            adapter on its own"); by default row ``t`` of the microbatch has key ``t``. A
+            `shard` keeps its rows' keys, so its masks are the rows of the unsharded ones.
     """
 
     seg_offsets: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
     dropout_seed: int = 0
-    row_offset: int = 0
+    row_keys: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, init=False, repr=False)  # derived, host and device
 
     @classmethod
@@ -46,6 +51,7 @@ class AdapterLayout:
         num_adapters: int,
         device: torch.device | str = "cpu",
         dropout_seed: int = 0,
+        sample_keys: Sequence[int] | None = None,
     ) -> AdapterLayout:
         """Build the layout of samples already ordered adapter-major.
 
@@ -53,8 +59,10 @@ class AdapterLayout:
             sample_adapters: adapter id of each sample, non-decreasing.
             sample_lengths: token count of each sample (> 0).
             num_adapters: ``A``, the number of adapters in the run.
-            device: where ``cu_seqlens`` lives (the model's device).
-            dropout_seed: seed of this microbatch's dropout masks.
+            device: where ``cu_seqlens`` and ``row_keys`` live (the model's device).
+            dropout_seed: seed of the dropout masks (layers mix in their own id).
+            sample_keys: per sample, its dropout key (taken mod ``2**62``; row ``i`` of a sample
+                gets ``key + i``); None: row ``t`` of the microbatch gets key ``t``.
 
         Raises:
             ValueError: on unordered adapters, ids outside ``[0, A)`` or empty samples.
@@ -70,6 +78,10 @@ class AdapterLayout:
             raise ValueError(f"adapter ids must lie in [0, {num_adapters}), got {sample_adapters}")
         if any(n <= 0 for n in sample_lengths):
             raise ValueError(f"sample lengths must be positive, got {list(sample_lengths)}")
+        if sample_keys is not None and len(sample_keys) != len(sample_lengths):
+            raise ValueError(
+                f"sample_keys has {len(sample_keys)} entries, sample_lengths {len(sample_lengths)}"
+            )
         counts = [0] * num_adapters
         for a, n in zip(sample_adapters, sample_lengths, strict=True):
             counts[a] += n
@@ -77,18 +89,27 @@ class AdapterLayout:
         seg_offsets[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
         cu_seqlens = torch.zeros(len(sample_lengths) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.cumsum(torch.tensor(list(sample_lengths), dtype=torch.int32), 0)
+        total = int(seg_offsets[-1])
+        if sample_keys is None:
+            row_keys = torch.arange(total, dtype=torch.int64)
+        else:  # (T,) key of the row's sample + the row's position in its sample
+            lengths = torch.tensor(list(sample_lengths), dtype=torch.int64)
+            keys = torch.tensor([k % 2**62 for k in sample_keys], dtype=torch.int64)
+            starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.int64), lengths)
+            row_keys = torch.repeat_interleave(keys, lengths) + (torch.arange(total) - starts)
         return cls(
             seg_offsets=seg_offsets,
             cu_seqlens=copy_to_device(cu_seqlens, device),
             max_seqlen=max(sample_lengths, default=0),
             dropout_seed=dropout_seed,
+            row_keys=copy_to_device(row_keys, device),
         )
 
     def shard(self, start: int, end: int) -> AdapterLayout:
         """The layout of token rows ``start:end`` (a sequence-parallel rank's share).
 
-        Segments and samples are clipped to the range; ``row_offset`` grows by ``start`` so
-        dropout masks match the rows of the whole microbatch.
+        Segments and samples are clipped to the range; the rows keep their dropout keys, so
+        masks match the rows of the whole microbatch.
 
         Raises:
             ValueError: when ``0 <= start <= end <= T`` does not hold.
@@ -105,8 +126,16 @@ class AdapterLayout:
             cu_seqlens=bounds.to(torch.int32).to(self.cu_seqlens.device),
             max_seqlen=int(torch.diff(bounds).max()) if bounds.numel() > 1 else 0,
             dropout_seed=self.dropout_seed,
-            row_offset=self.row_offset + start,
+            row_keys=self.keys()[start:end],
         )
+
+    def keys(self) -> torch.Tensor:
+        """(T,) int64 `row_keys` (row ``t``: key ``t`` when the layout was built without them)."""
+        if self.row_keys is not None:
+            return self.row_keys
+        if "keys" not in self._cache:
+            self._cache["keys"] = torch.arange(self.num_tokens, device=self.cu_seqlens.device)
+        return self._cache["keys"]
 
     @property
     def num_adapters(self) -> int:

@@ -20,14 +20,14 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile
 
-    @triton.jit(do_not_specialize=["seed", "row_off"])
+    @triton.jit(do_not_specialize=["seed"])
     def _keep_mask_kernel(
         out_ptr,
         tiles_ptr,
         p_ptr,
+        keys_ptr,
         seed,
         D,
-        row_off,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -39,8 +39,9 @@ if triton is not None:
         col_start = tl.program_id(1) * BLOCK_D
         cols = col_start + tl.arange(0, BLOCK_D)
         p = tl.load(p_ptr + adapter)
-        # Rows keyed by their place in the whole microbatch, so a shard draws its rows' mask.
-        keep = keep_mask_tile(seed, rows + row_off, col_start, D, p, BLOCK_D)  # p = 0 keeps all
+        # Rows keyed by their dropout keys, so a shard draws its rows' mask.
+        keys = tl.load(keys_ptr + rows, mask=rows < row_end, other=0)
+        keep = keep_mask_tile(seed, keys, col_start, p, BLOCK_D)  # p = 0 keeps all
         out = out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
         tl.store(out, keep.to(tl.int8), mask=(rows < row_end)[:, None] & (cols < D)[None, :])
 
@@ -58,13 +59,13 @@ def fused_dropout_keep_mask(
 ) -> torch.Tensor | None:
     """The keep-mask the fused path draws for one layer in one microbatch.
 
-    Like `dropout_keep_mask`, row ``t`` is row ``layout.row_offset + t`` of the whole
+    Like `dropout_keep_mask`, row ``t`` is keyed by ``layout.row_keys[t]``, the same as in the whole
     microbatch's mask, so a `AdapterLayout.shard` gets the rows of the unsharded mask; a
     tensor-parallel shard of columns ``c:c + H_l`` uses columns ``c:c + H_l`` of this mask
     drawn at the full width ``hidden``.
 
     Args:
-        layout: the microbatch's adapter layout (its ``dropout_seed`` and ``row_offset`` key
+        layout: the microbatch's adapter layout (its ``dropout_seed`` and ``row_keys`` key
             the mask).
         dropouts: (A,) dropout probability of each adapter, in [0, 1).
         hidden: ``H``, the layer's (full, unsharded) in-features.
@@ -90,6 +91,6 @@ def fused_dropout_keep_mask(
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
     grid = (tiles.shape[0], _utils.cdiv(hidden, _BLOCK_D))
     _keep_mask_kernel[grid](
-        out, tiles, p, seed, hidden, layout.row_offset, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D
+        out, tiles, p, layout.keys(), seed, hidden, BLOCK_T=_BLOCK_T, BLOCK_D=_BLOCK_D
     )
     return out.bool()

@@ -21,7 +21,7 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile
 
-    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
+    @triton.jit(do_not_specialize=["seed", "col_off"])
     def _lora_expand_kernel(
         s_ptr,
         m_ptr,
@@ -30,12 +30,11 @@ if triton is not None:
         tiles_ptr,
         scale_ptr,
         p_ptr,
+        keys_ptr,
         seed,
         D,
         R,
-        row_off,
         col_off,
-        mask_d,
         stride_st,
         stride_ma,
         stride_mr,
@@ -78,9 +77,8 @@ if triton is not None:
             acc = acc * tl.load(scale_ptr + adapter)
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-            keep = keep_mask_tile(
-                seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p, BLOCK_D
-            )
+            keys = tl.load(keys_ptr + rows, mask=row_ok, other=0)
+            keep = keep_mask_tile(seed, keys, pid_d * BLOCK_D + col_off, p, BLOCK_D)
             acc = tl.where(keep, acc * (1.0 / (1.0 - p)), 0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -129,8 +127,8 @@ def lora_expand(
         scales: (A,) fp32 per-adapter scale ``c_a`` on the product, or None for 1.
         col_offset: for a tensor-parallel shard of the output's columns, the index of its
             column 0 in the full width (a multiple of 8): the mask is columns
-            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; mask rows are
-            ``layout.row_offset + t``.
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; its rows are keyed by
+            ``layout.row_keys``.
         full_width: the full width of the mask (default ``D``).
 
     Returns:
@@ -155,10 +153,8 @@ def lora_expand(
     if scales is not None:
         _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), s.device)
     _utils.check_dropouts(dropouts, adapters, s.device)
-    mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_expand_fwd(
-        s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset, mask_d
-    )
+    _utils.mask_width(width, col_offset, full_width)
+    return lora_expand_fwd(s, m, bias, dropouts, layout, seed, out_dtype, scales, col_offset)
 
 
 def lora_expand_fwd(
@@ -171,12 +167,11 @@ def lora_expand_fwd(
     out_dtype: torch.dtype | None = None,
     scales: torch.Tensor | None = None,
     col_offset: int = 0,
-    mask_d: int | None = None,
 ) -> torch.Tensor:
     """Launch the expand on inputs already checked (`lora_expand` checks, then calls this).
 
-    The autograd functions check their inputs once and call this in forward and backward.
-    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    The autograd functions check their inputs once and call this in forward and backward
+    (``col_offset`` already checked).
     """
     tokens, rank = s.shape
     width = m.shape[2]
@@ -196,12 +191,11 @@ def lora_expand_fwd(
             tiles,
             scales if scales is not None else s,
             dropouts if dropouts is not None else s,
+            layout.keys(),
             seed,
             width,
             rank,
-            layout.row_offset,
             col_offset,
-            mask_d or width,
             s.stride(0),
             m.stride(0),
             m.stride(1),

@@ -29,9 +29,10 @@ def dropout_keep_mask(
 
     The same counter-based Philox mask the fused kernels draw (`ops.philox`), so both paths
     drop the same elements. It depends only on ``(layout.dropout_seed, layer_seed)`` and the
-    rows' place in the whole microbatch (``layout.row_offset``), so activation recompute
-    regenerates it exactly and a `AdapterLayout.shard` gets the rows of the unsharded mask;
-    a tensor-parallel shard of the columns slices them from the full-width mask.
+    rows' dropout keys (``layout.row_keys``: a job keys each token by its adapter, sample and
+    position, never by the microbatch), so activation recompute regenerates it exactly and a
+    `AdapterLayout.shard` gets the rows of the unsharded mask; a tensor-parallel shard of the
+    columns slices them from the full-width mask.
 
     Args:
         layout: the microbatch's adapter layout.
@@ -50,9 +51,8 @@ def dropout_keep_mask(
     # Drop threshold round(p·65536) per row, rounded in fp32 as the kernels do.
     p = torch.tensor(list(dropouts), dtype=torch.float32)
     thresholds = (p * 65536.0 + 0.5).to(torch.int64)[layout.row_adapter("cpu")]
-    rows = torch.arange(layout.num_tokens, device=device) + layout.row_offset
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
-    return philox_keep_mask(seed, rows, hidden, thresholds.to(device))
+    return philox_keep_mask(seed, layout.keys().to(device), hidden, thresholds.to(device))
 
 
 def lora_down_ref(

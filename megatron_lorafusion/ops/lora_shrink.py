@@ -20,7 +20,7 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile
 
-    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
+    @triton.jit(do_not_specialize=["seed", "col_off"])
     def _lora_shrink_kernel(
         z_ptr,
         m_ptr,
@@ -28,12 +28,11 @@ if triton is not None:
         tiles_ptr,
         scale_ptr,
         p_ptr,
+        keys_ptr,
         seed,
         D,
         R,
-        row_off,
         col_off,
-        mask_d,
         stride_zt,
         stride_ma,
         stride_mr,
@@ -58,7 +57,8 @@ if triton is not None:
         p = 0.0
         if HAS_DROPOUT:
             p = tl.load(p_ptr + adapter)
-        mask_rows = rows + row_off  # the mask's rows and columns are the whole microbatch's
+        if HAS_DROPOUT:  # the rows' dropout keys; the mask's columns are the whole input's
+            keys = tl.load(keys_ptr + rows, mask=row_ok, other=0)
         acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
@@ -67,7 +67,7 @@ if triton is not None:
             if HAS_DROPOUT:
                 # No run-time `if p > 0` here: a branch in the loop body stops Triton from
                 # pipelining the loads; p = 0 keeps everything anyway.
-                keep = keep_mask_tile(seed, mask_rows, d0 + col_off, mask_d, p, BLOCK_D)
+                keep = keep_mask_tile(seed, keys, d0 + col_off, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             m = tl.load(
                 m_base + cols[:, None] * stride_md,  # (BLOCK_D, BLOCK_R) = M_aᵀ tile
@@ -128,8 +128,8 @@ def lora_shrink(
         out_dtype: dtype of the result (default ``z.dtype``).
         col_offset: for a tensor-parallel shard of the input's columns, the index of ``z``'s
             column 0 in the full-width input (a multiple of 8): the mask is columns
-            ``col_offset:col_offset + D`` of the ``full_width``-wide mask. Mask rows are
-            ``layout.row_offset + t``.
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; its rows are keyed by
+            ``layout.row_keys``.
         full_width: the full input width (default ``D``).
 
     Returns:
@@ -150,8 +150,8 @@ def lora_shrink(
         raise ValueError(f"m is {m.dtype} on {m.device}, expected {z.dtype} on {z.device}")
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), z.device)
     _utils.check_dropouts(dropouts, adapters, z.device)
-    mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_shrink_fwd(z, m, scales, dropouts, layout, seed, out_dtype, col_offset, mask_d)
+    _utils.mask_width(width, col_offset, full_width)
+    return lora_shrink_fwd(z, m, scales, dropouts, layout, seed, out_dtype, col_offset)
 
 
 def lora_shrink_fwd(
@@ -163,12 +163,11 @@ def lora_shrink_fwd(
     seed: int,
     out_dtype: torch.dtype | None = None,
     col_offset: int = 0,
-    mask_d: int | None = None,
 ) -> torch.Tensor:
     """Launch the shrink on inputs already checked (`lora_shrink` checks, then calls this).
 
-    The autograd functions check their inputs once and call this in forward and backward.
-    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    The autograd functions check their inputs once and call this in forward and backward
+    (``col_offset`` already checked).
     """
     tokens, width = z.shape
     rank = m.shape[1]
@@ -186,12 +185,11 @@ def lora_shrink_fwd(
             tiles,
             scales,
             dropouts if dropouts is not None else scales,
+            layout.keys(),
             seed,
             width,
             rank,
-            layout.row_offset,
             col_offset,
-            mask_d or width,
             z.stride(0),
             m.stride(0),
             m.stride(1),

@@ -4,7 +4,7 @@
 ``Δ = s_a·S·B_aᵀ``; LoRAFusion (arXiv 2510.00206, Sec. 4) splits the graph at the same small
 tensor. A row-parallel layer shards ``A`` along H, so each rank's `lora_down` gives a partial
 ``S`` that is all-reduced before `lora_up`; the dropout mask of such a shard is the block
-``(layout.row_offset + t, col_offset + h)`` of the full-width mask, so every rank drops what
+``(layout.row_keys[t], col_offset + h)`` of the full-width mask, so every rank drops what
 the unsharded layer would. On CUDA both run autograd functions over the grouped Triton
 kernels; elsewhere the torch reference (`lora_down_ref`, `lora_up_ref`). Given an
 `InputRebuild`, `lora_down` saves X's sources instead of X on both paths and rebuilds X in
@@ -37,15 +37,15 @@ class LoRADownFunction(torch.autograd.Function):
 
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, mask_d, rebuild):
+    def forward(ctx, x, lora_a, ones, dropouts, layout, seed, col_offset, rebuild):
         """``ones``: (A,) fp32 ones (the shrink's scale); ``dropouts`` None = no mask."""
         s = lora_shrink_fwd(
-            x, lora_a, ones, dropouts, layout, seed, col_offset=col_offset, mask_d=mask_d
+            x, lora_a, ones, dropouts, layout, seed, col_offset=col_offset
         )  # (T, R)
         inputs = save_input(ctx, x, rebuild) if ctx.needs_input_grad[1] else ()
         ctx.num_input_tensors = len(inputs)
         ctx.save_for_backward(*inputs, lora_a, dropouts)
-        ctx.layout, ctx.seed, ctx.col_offset, ctx.mask_d = layout, seed, col_offset, mask_d
+        ctx.layout, ctx.seed, ctx.col_offset = layout, seed, col_offset
         return s
 
     @staticmethod
@@ -56,7 +56,7 @@ class LoRADownFunction(torch.autograd.Function):
         count = ctx.num_input_tensors
         lora_a, dropouts = saved[count:]
         ds = ds.contiguous()
-        mask = {"col_offset": ctx.col_offset, "mask_d": ctx.mask_d}
+        mask = {"col_offset": ctx.col_offset}
         grad_x = grad_a = None
         if ctx.needs_input_grad[1]:
             x = saved_input(ctx, saved[:count])  # (T, H_l)
@@ -75,7 +75,7 @@ class LoRADownFunction(torch.autograd.Function):
             )
         elif ctx.needs_input_grad[0]:
             grad_x = lora_expand_fwd(ds, lora_a, None, dropouts, ctx.layout, ctx.seed, **mask)
-        return grad_x, grad_a, None, None, None, None, None, None, None
+        return grad_x, grad_a, None, None, None, None, None, None
 
 
 class LoRADownRebuildFunction(torch.autograd.Function):
@@ -205,14 +205,14 @@ def fused_lora_down(
     x = x.contiguous()
     _utils.check_tensor("x", x, (layout.num_tokens, None), _utils.KERNEL_DTYPES, x.device)
     _utils.padded_rank(lora_a.shape[1])
-    mask_d = _utils.mask_width(x.shape[1], col_offset, full_width)
+    _utils.mask_width(x.shape[1], col_offset, full_width)
     device = str(x.device)
     ones = _utils.device_params((1.0,) * layout.num_adapters, device)
     counts = layout.token_counts()
     use_mask = training and any(p > 0 and n > 0 for p, n in zip(dropouts, counts, strict=True))
     drop = _utils.device_params(tuple(float(p) for p in dropouts), device) if use_mask else None
     seed = _utils.mixed_seed(layout.dropout_seed, layer_seed)
-    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, mask_d, rebuild)
+    return LoRADownFunction.apply(x, lora_a, ones, drop, layout, seed, col_offset, rebuild)
 
 
 def fused_lora_up(
@@ -257,7 +257,7 @@ def lora_down(
             adapter-major.
         lora_a: (A, R, H_l) down-projections (that rank's columns), ``x``'s dtype.
         dropouts: (A,) dropout probability per adapter, in [0, 1).
-        layout: the microbatch's adapter layout; mask rows are ``layout.row_offset + t``.
+        layout: the microbatch's adapter layout; its ``row_keys`` key the mask's rows.
         layer_seed: the layer's seed (keys the mask with ``layout.dropout_seed``).
         training: dropout only when True.
         col_offset: index of ``x``'s column 0 in the full-width input.

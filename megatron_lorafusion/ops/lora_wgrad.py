@@ -19,7 +19,7 @@ if triton is not None:
 
     from megatron_lorafusion.ops._utils import keep_mask_tile
 
-    @triton.jit(do_not_specialize=["seed", "row_off", "col_off"])
+    @triton.jit(do_not_specialize=["seed", "col_off"])
     def _lora_wgrad_kernel(
         z_ptr,
         s_ptr,
@@ -28,12 +28,11 @@ if triton is not None:
         p_ptr,
         m_ptr,
         ex_ptr,
+        keys_ptr,
         seed,
         D,
         R,
-        row_off,
         col_off,
-        mask_d,
         stride_zt,
         stride_st,
         stride_ma,
@@ -79,10 +78,9 @@ if triton is not None:
                 other=0.0,
             )  # (BLOCK_T, BLOCK_D)
             if HAS_DROPOUT:  # no run-time `if p > 0`: it would stop load pipelining
-                # Mask keyed by the row and column in the whole (unsharded) input.
-                keep = keep_mask_tile(
-                    seed, rows + row_off, pid_d * BLOCK_D + col_off, mask_d, p, BLOCK_D
-                )
+                # Mask keyed by the row's key and the column in the whole (unsharded) input.
+                keys = tl.load(keys_ptr + rows, mask=row_ok, other=0)
+                keep = keep_mask_tile(seed, keys, pid_d * BLOCK_D + col_off, p, BLOCK_D)
                 z = tl.where(keep, z, 0.0)
             s = tl.load(
                 s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
@@ -200,8 +198,8 @@ def lora_wgrad(
         expand_out: (T, D) contiguous output of the fused expand, fully overwritten.
         col_offset: for a tensor-parallel shard of ``z``'s columns, the index of its column 0
             in the full-width input (a multiple of 8): the mask is columns
-            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; mask rows are
-            ``layout.row_offset + t``.
+            ``col_offset:col_offset + D`` of the ``full_width``-wide mask; its rows are keyed by
+            ``layout.row_keys``.
         full_width: the full input width (default ``D``).
 
     Returns:
@@ -233,10 +231,8 @@ def lora_wgrad(
         _utils.check_tensor(
             "expand_out", expand_out, (tokens, width), _utils.KERNEL_DTYPES, z.device
         )
-    mask_d = _utils.mask_width(width, col_offset, full_width)
-    return lora_wgrad_fwd(
-        z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset, mask_d
-    )
+    _utils.mask_width(width, col_offset, full_width)
+    return lora_wgrad_fwd(z, s, out, dropouts, layout, seed, expand_m, expand_out, col_offset)
 
 
 def lora_wgrad_fwd(
@@ -249,12 +245,11 @@ def lora_wgrad_fwd(
     expand_m: torch.Tensor | None = None,
     expand_out: torch.Tensor | None = None,
     col_offset: int = 0,
-    mask_d: int | None = None,
 ) -> torch.Tensor:
     """Launch the weight gradient on inputs already checked (`lora_wgrad` checks first).
 
-    The autograd functions check their inputs once and call this in backward.
-    ``mask_d`` is the full mask width (None: ``D``), ``col_offset`` already checked.
+    The autograd functions check their inputs once and call this in backward (``col_offset``
+    already checked).
     """
     tokens, width = z.shape
     rank = s.shape[1]
@@ -278,12 +273,11 @@ def lora_wgrad_fwd(
             dropouts if dropouts is not None else s,
             m,
             ex,
+            layout.keys(),
             seed,
             width,
             rank,
-            layout.row_offset,
             col_offset,
-            mask_d or width,
             z.stride(0),
             s.stride(0),
             m.stride(0),

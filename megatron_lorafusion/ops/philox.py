@@ -1,8 +1,9 @@
 """The dropout keep-mask of the fused kernels, in torch: Philox4x32-7 on 64-bit integer tensors.
 
 The Triton kernels draw element ``(t, d)`` of a ``(T, D)`` input from one Philox call per
-eight columns (`_utils.keep_mask_tile`); this is the same function on any device, so the torch
-reference and the fused path drop exactly the same elements. uint32 arithmetic is done in
+eight columns, keyed by the row's dropout key (`_utils.keep_mask_tile`); this is the same
+function on any device, so the torch reference and the fused path drop exactly the same
+elements. uint32 arithmetic is done in
 int64: products of a 32-bit constant and a 32-bit word are split at 16 bits so they never
 leave int64's range.
 """
@@ -28,10 +29,9 @@ def _mul_hi_lo(constant: int, word: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return hi, lo
 
 
-def _philox4x32(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
-    """Philox4x32-7 of counters ``(c, 0)`` (c a 64-bit int64 tensor) under a 64-bit seed."""
-    c0, c1 = counters & _M32, (counters >> 32) & _M32
-    c2, c3 = torch.zeros_like(c0), torch.zeros_like(c0)
+def _philox4x32(c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, seed: int):
+    """Philox4x32-7 of counters ``(c0, c1, c2, 0)`` (uint32 words in int64) under a 64-bit seed."""
+    c3 = torch.zeros_like(c0)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     for _ in range(_ROUNDS):
         hi_a, lo_a = _mul_hi_lo(_MUL_A, c2)
@@ -43,20 +43,20 @@ def _philox4x32(counters: torch.Tensor, seed: int) -> tuple[torch.Tensor, ...]:
 
 def philox_keep_mask(
     seed: int,
-    rows: torch.Tensor,
+    keys: torch.Tensor,
     width: int,
     thresholds: torch.Tensor,
     col_offset: int = 0,
     cols: int | None = None,
 ) -> torch.Tensor:
-    """Keep-mask of ``rows`` × columns ``col_offset:col_offset + cols`` of a ``width``-wide input.
+    """Keep-mask of the rows with dropout ``keys`` × columns ``col_offset:col_offset + cols``.
 
     Element ``(t, d)`` keeps iff the 16-bit draw ``d % 8`` of Philox counter
-    ``t·ceil(width / 8) + d // 8`` is ``>=`` its row's threshold (``round(p·65536)``).
+    ``(d // 8, key_t)`` is ``>=`` its row's threshold (``round(p·65536)``).
 
     Args:
         seed: the layer's Philox seed (`_utils.mixed_seed`), in ``[0, 2⁶³)``.
-        rows: (T,) int64 rows of the whole microbatch.
+        keys: (T,) int64 dropout keys of the rows (`AdapterLayout.row_keys`), non-negative.
         width: ``D``, the full width of the mask (the unsharded in-features).
         thresholds: (T,) int64 drop threshold of each row, in ``[0, 65536]``.
         col_offset: first column.
@@ -66,9 +66,12 @@ def philox_keep_mask(
         (T, cols) bool, True keeps.
     """
     cols = width - col_offset if cols is None else cols
-    col = torch.arange(col_offset, col_offset + cols, device=rows.device)
-    counters = rows[:, None] * ((width + 7) // 8) + (col // 8)[None, :]  # (T, cols)
-    c0, c1, c2, c3 = _philox4x32(counters, seed)
+    col = torch.arange(col_offset, col_offset + cols, device=keys.device)
+    shape = (keys.shape[0], cols)
+    c0 = (col // 8)[None, :].expand(shape)
+    c1 = (keys & _M32)[:, None].expand(shape)
+    c2 = (keys >> 32)[:, None].expand(shape)
+    c0, c1, c2, c3 = _philox4x32(c0, c1, c2, seed)
     # Columns 8g..8g+7 read the words in the order (c0, c2, c1, c3), low half first.
     words = torch.stack([c0, c2, c1, c3])  # (4, T, cols)
     slot = (col % 8) // 2

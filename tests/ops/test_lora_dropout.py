@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_lorafusion.ops import (
+    AdapterLayout,
     dropout_keep_mask,
     fused_dropout_keep_mask,
     lora_shrink,
@@ -56,15 +57,16 @@ def test_kernels_apply_the_materialised_mask(width, device, make_layout, make_lo
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg="mask applied")
 
 
-def _philox_keep_mask(seed, rows, cols, width, p):
-    """NumPy Philox4x32-7 of `_utils.keep_mask_tile`: keep-mask of ``rows × cols`` of a
-    ``width``-wide input, an oracle independent of Triton."""
+def _philox_keep_mask(seed, keys, cols, p):
+    """NumPy Philox4x32-7 of `_utils.keep_mask_tile`: keep-mask of the rows with dropout
+    ``keys`` × ``cols``, an oracle independent of Triton (counter ``(col // 8, key)``)."""
     m32 = np.uint64(0xFFFFFFFF)
-    rows, cols = rows.astype(np.uint64), cols.astype(np.uint64)
-    groups = np.uint64((width + 7) // 8)
-    counters = rows[:, None] * groups + (cols // np.uint64(8))[None, :]
-    c0, c1 = counters & m32, counters >> np.uint64(32)
-    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    keys, cols = keys.astype(np.uint64), cols.astype(np.uint64)
+    shape = (len(keys), len(cols))
+    c0 = np.broadcast_to((cols // np.uint64(8))[None, :], shape)
+    c1 = np.broadcast_to((keys & m32)[:, None], shape)
+    c2 = np.broadcast_to((keys >> np.uint64(32))[:, None], shape)
+    c3 = np.zeros(shape, dtype=np.uint64)
     k0, k1 = np.uint64(seed) & m32, np.uint64(seed) >> np.uint64(32)
     for _ in range(7):
         prev0, prev2 = c0, c2
@@ -75,7 +77,7 @@ def _philox_keep_mask(seed, rows, cols, width, p):
         k0, k1 = (k0 + np.uint64(0x9E3779B9)) & m32, (k1 + np.uint64(0xBB67AE85)) & m32
     slot = (cols % np.uint64(8)).astype(np.int64)  # tl.join interleaves: words r0 r2 r1 r3
     words = np.stack([c0, c2, c1, c3])[
-        slot[None, :] // 2, np.arange(len(rows))[:, None], np.arange(len(cols))[None, :]
+        slot[None, :] // 2, np.arange(len(keys))[:, None], np.arange(len(cols))[None, :]
     ]
     draws = (words >> (np.uint64(16) * (cols % np.uint64(2)))[None, :]) & np.uint64(0xFFFF)
     threshold = np.uint64(np.float32(p) * np.float32(65536.0) + np.float32(0.5))
@@ -83,11 +85,28 @@ def _philox_keep_mask(seed, rows, cols, width, p):
 
 
 def test_fused_dropout_keep_mask_matches_numpy_philox(device, make_layout):
-    """The default (unsharded) mask is Philox of (row, column): pinned by an independent oracle."""
+    """The default mask is Philox of (row, column): pinned by an independent oracle."""
     layout = make_layout([30, 21], device, seed=6)
     keep = fused_dropout_keep_mask(layout, [0.3, 0.3], 44, layer_seed=2, device=device)
-    want = _philox_keep_mask(mixed_seed(6, 2), np.arange(51), np.arange(44), 44, 0.3)
+    want = _philox_keep_mask(mixed_seed(6, 2), np.arange(51), np.arange(44), 0.3)
     assert torch.equal(keep.cpu(), want), "fused mask differs from the Philox oracle"
+
+
+def test_fused_dropout_keep_mask_keys_rows_by_sample_and_position(device):
+    """A job keys each row by its sample's key plus its position (keys above 32 bits here):
+    the fused mask is the oracle's of those keys, so a sample draws the same mask wherever
+    it is packed."""
+    keys = [2**40 + 3, 17]
+    layout = AdapterLayout.from_samples(
+        [0, 1], [6, 9], 2, device=device, dropout_seed=4, sample_keys=keys
+    )
+    keep = fused_dropout_keep_mask(layout, [0.4, 0.4], 24, layer_seed=1, device=device)
+    row_keys = np.array([keys[0] + i for i in range(6)] + [keys[1] + i for i in range(9)])
+    want = _philox_keep_mask(mixed_seed(4, 1), row_keys, np.arange(24), 0.4)
+    assert torch.equal(keep.cpu(), want), "rows must be keyed by sample key + position"
+    alone = AdapterLayout.from_samples([0], [9], 1, device=device, dropout_seed=4, sample_keys=[17])
+    keep_alone = fused_dropout_keep_mask(alone, [0.4], 24, layer_seed=1, device=device)
+    assert torch.equal(keep[6:], keep_alone), "a sample's mask must not depend on its microbatch"
 
 
 @pytest.mark.parametrize(("start", "end"), [(0, 25), (25, 80), (13, 61), (78, 80)])
@@ -100,7 +119,7 @@ def test_fused_dropout_keep_mask_shard_gets_rows_of_whole(start, end, device, ma
     assert torch.equal(got, whole[start:end]), "a shard must draw its rows of the whole mask"
     nested = shard.shard(1, end - start)
     got = fused_dropout_keep_mask(nested, dropouts, 40, layer_seed=4, device=device)
-    assert torch.equal(got, whole[start + 1 : end]), "a shard of a shard adds its offsets"
+    assert torch.equal(got, whole[start + 1 : end]), "a shard of a shard keeps its rows' keys"
 
 
 @pytest.mark.parametrize(

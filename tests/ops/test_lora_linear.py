@@ -132,14 +132,28 @@ def test_layout_shard_clips_segments_and_keeps_mask_rows(start, end):
     full_rows = layout.row_adapter("cpu")[start:end]
     assert shard.num_tokens == end - start
     assert torch.equal(shard.row_adapter("cpu"), full_rows), "rows must keep their adapter"
-    assert shard.row_offset == start
+    assert torch.equal(shard.keys(), layout.keys()[start:end]), "rows keep their dropout keys"
     assert int(shard.cu_seqlens[0]) == 0
     assert int(shard.cu_seqlens[-1]) == end - start
     keep = dropout_keep_mask(layout, [0.3, 0.0, 0.5], 24, layer_seed=4, device="cpu")
     keep_shard = dropout_keep_mask(shard, [0.3, 0.0, 0.5], 24, layer_seed=4, device="cpu")
     assert torch.equal(keep_shard, keep[start:end]), "a shard must draw its rows' mask"
     nested = layout.shard(start, end).shard(0, (end - start) // 2)
-    assert nested.row_offset == start, "shards of shards add their offsets"
+    assert torch.equal(nested.keys(), layout.keys()[start : start + (end - start) // 2]), (
+        "shards of shards keep their rows' keys"
+    )
+
+
+def test_dropout_mask_of_a_sample_does_not_depend_on_its_microbatch():
+    """A sample's mask rows depend on its key and positions only (DESIGN.md isolation)."""
+    alone = AdapterLayout.from_samples([0], [9], 1, dropout_seed=3, sample_keys=[77])
+    packed = AdapterLayout.from_samples(
+        [0, 0, 1], [5, 9, 4], 2, dropout_seed=3, sample_keys=[12, 77, 5]
+    )
+    keep_alone = dropout_keep_mask(alone, [0.5], 40, layer_seed=2, device="cpu")
+    keep_packed = dropout_keep_mask(packed, [0.5, 0.5], 40, layer_seed=2, device="cpu")
+    assert torch.equal(keep_packed[5:14], keep_alone), "the sample's rows must draw one mask"
+    assert not torch.equal(keep_packed[0:5], keep_alone[0:5]), "another key draws another mask"
 
 
 def test_layout_shard_rejects_rows_outside_the_microbatch():
