@@ -83,9 +83,7 @@ class PlanVerifier:
         self._seen: set[tuple[int, int]] = set()
 
     def _batch_size(self, adapter: int, batch: int) -> int:
-        p = self._problem
-        gbs = p.global_batch_sizes[adapter]
-        return min(gbs, len(p.lengths[adapter]) - batch * gbs)
+        return len(self._problem.global_batch(adapter, batch))
 
     def feed(self, microbatches: Iterable[Microbatch]) -> None:
         """Check the next microbatches of the plan.
@@ -109,7 +107,7 @@ class PlanVerifier:
         batches: dict[int, int] = {}
         for s in mb.samples:
             self._check_sample(where, s.adapter, s.index, s.tokens)
-            batch = s.index // p.global_batch_sizes[s.adapter]
+            batch = p.batch_of(s.adapter, s.index)
             if batches.setdefault(s.adapter, batch) != batch:
                 raise PlanError(
                     f"{where}: adapter {s.adapter} mixes global batches {batches[s.adapter]} "

@@ -72,6 +72,10 @@ class PlanProblem:
             of other work between consecutive global batches of one adapter).
         tile_height: kernel tile height in tokens; each adapter segment is padded to it.
         seed: seed for any randomised choice, so plans are reproducible.
+        batch_offsets: per adapter, samples of its current global batch already trained
+            before ``lengths[a][0]`` (``0 <= offset < gbs``): its first global batch here holds
+            only the remaining ``gbs - offset`` samples. Empty: all 0. A run that re-plans its
+            remaining samples (an adapter joined or left) mid-batch sets it.
     """
 
     lengths: tuple[tuple[int, ...], ...]
@@ -80,12 +84,14 @@ class PlanProblem:
     num_stages: int = 1
     tile_height: int = 1
     seed: int = 0
+    batch_offsets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Accept lists from callers; store tuples so the problem is hashable and picklable.
         object.__setattr__(self, "lengths", tuple(tuple(int(t) for t in a) for a in self.lengths))
         gbs = tuple(int(g) for g in self.global_batch_sizes)
         object.__setattr__(self, "global_batch_sizes", gbs)
+        object.__setattr__(self, "batch_offsets", tuple(int(o) for o in self.batch_offsets))
         errors = _problem_errors(self)
         if errors:
             raise ValueError("invalid PlanProblem: " + "; ".join(errors))
@@ -100,16 +106,25 @@ class PlanProblem:
         """``A``, adapters in the run."""
         return len(self.lengths)
 
+    def batch_offset(self, adapter: int) -> int:
+        """Samples of ``adapter``'s first global batch trained before this problem."""
+        return self.batch_offsets[adapter] if self.batch_offsets else 0
+
+    def batch_of(self, adapter: int, index: int) -> int:
+        """Global batch of sample ``index`` of ``adapter``."""
+        return (index + self.batch_offset(adapter)) // self.global_batch_sizes[adapter]
+
     def num_global_batches(self, adapter: int) -> int:
-        """Optimizer steps of ``adapter`` (the last global batch may be short)."""
+        """Optimizer steps of ``adapter`` (the first and last global batch may be short)."""
         gbs = self.global_batch_sizes[adapter]
-        return -(-len(self.lengths[adapter]) // gbs)
+        return -(-(len(self.lengths[adapter]) + self.batch_offset(adapter)) // gbs)
 
     def global_batch(self, adapter: int, step: int) -> list[Sample]:
         """Samples of global batch ``step`` of ``adapter``."""
-        gbs = self.global_batch_sizes[adapter]
-        stop = min((step + 1) * gbs, len(self.lengths[adapter]))
-        return [Sample(adapter, i, self.lengths[adapter][i]) for i in range(step * gbs, stop)]
+        gbs, offset = self.global_batch_sizes[adapter], self.batch_offset(adapter)
+        start = max(step * gbs - offset, 0)
+        stop = min((step + 1) * gbs - offset, len(self.lengths[adapter]))
+        return [Sample(adapter, i, self.lengths[adapter][i]) for i in range(start, stop)]
 
 
 def _problem_errors(p: PlanProblem) -> list[str]:
@@ -131,6 +146,14 @@ def _problem_errors(p: PlanProblem) -> list[str]:
     for a, gbs in enumerate(p.global_batch_sizes):
         if gbs < 1:
             errors.append(f"global_batch_sizes[{a}] must be >= 1, got {gbs}")
+    if p.batch_offsets and len(p.batch_offsets) != len(p.lengths):
+        errors.append(
+            f"batch_offsets must be empty or have one entry per adapter ({len(p.lengths)}), "
+            f"got {len(p.batch_offsets)}"
+        )
+    for a, (offset, gbs) in enumerate(zip(p.batch_offsets, p.global_batch_sizes, strict=False)):
+        if not 0 <= offset < max(gbs, 1):
+            errors.append(f"batch_offsets[{a}] must lie in [0, {gbs}), got {offset}")
     limit = p.max_sample_tokens if p.tile_height >= 1 and p.capacity >= p.tile_height else None
     for a, lengths in enumerate(p.lengths):
         if not lengths:

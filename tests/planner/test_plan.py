@@ -222,3 +222,27 @@ def test_plan_lower_bound_counts_the_bubble_lemma():
     # One adapter, 3 global batches of one 10-token sample, S = 4: 1 + 3 idle + 1 + 3 + 1.
     problem = PlanProblem([[10, 10, 10]], [1], 100, 4, 1)
     assert plan_lower_bound(problem) == 9 == len(plan_microbatches(problem).microbatches)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_plan_with_batch_offsets_starts_with_the_rest_of_a_batch(stages):
+    """A re-plan mid-batch: adapter 0 trained 3 of its first batch of 4 already, adapter 1
+    one of 5; the plan's first batches hold the remaining 1 and 4 samples."""
+    problem = PlanProblem(
+        [[5, 9, 3, 7, 8, 2, 6], [4, 4, 6, 2, 9, 3, 5, 7]],
+        [4, 5],
+        capacity=16,
+        num_stages=stages,
+        batch_offsets=[3, 1],
+    )
+    assert [problem.num_global_batches(a) for a in (0, 1)] == [3, 2]
+    assert [s.index for s in problem.global_batch(0, 0)] == [0]
+    assert [s.index for s in problem.global_batch(1, 1)] == [4, 5, 6, 7]
+    plan = plan_microbatches(problem, "greedy")  # check_plan holds batches to the offsets
+    finished = {0: [], 1: []}
+    for position, mb in enumerate(plan.microbatches):
+        for a in mb.finishes:
+            finished[a].append(position)
+    assert [len(f) for f in finished.values()] == [3, 2], "one step per (partial) batch"
+    with pytest.raises(ValueError, match=r"batch_offsets\[1\] must lie in \[0, 5\), got 5"):
+        PlanProblem([[1], [1]], [2, 5], capacity=8, batch_offsets=[0, 5])
