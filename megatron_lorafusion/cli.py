@@ -3,6 +3,10 @@
     lorafusion --version
     lorafusion validate JOB.yaml [section.key=value ...] [--print]   (--print: resolved YAML)
     lorafusion train JOB.yaml [section.key=value ...]
+    lorafusion serve SERVER.yaml [section.key=value ...]   (jobs join and leave; see submit)
+    lorafusion submit --server ROOT JOB.yaml           (queue a job's adapters; prints ids)
+    lorafusion status --server ROOT                    (every job: status, step, loss, ETA)
+    lorafusion cancel --server ROOT NAME               (checkpoint, export, free its row)
     lorafusion synth-data --out-dir DIR [--tasks reverse sort add upper] [--num N]
     lorafusion export RUN_DIR|CHECKPOINT --out DIR [--merge] [--adapters NAME ...]
     lorafusion report RUN_DIR [--png FILE]             (per-adapter table, loss curves)
@@ -52,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("validate", "check a job file and report every problem"),
         ("train", "train the job's adapters together"),
+        ("serve", "run a long-running trainer that jobs join and leave (server section)"),
     ):
         cmd = sub.add_parser(name, help=text, description=text)
         cmd.add_argument("config", help="YAML job file")
@@ -69,6 +74,14 @@ def _parser() -> argparse.ArgumentParser:
                 help="print the resolved job (every default, presets expanded, "
                 "paths resolved) as YAML that train accepts unchanged",
             )
+    submit = sub.add_parser("submit", help="queue a job's adapters on a server")
+    submit.add_argument("--server", required=True, help="the server's root (server.root)")
+    submit.add_argument("job", help="YAML with adapters:, each with its own steps or epochs")
+    status = sub.add_parser("status", help="every job of a server: status, step, loss, ETA")
+    status.add_argument("--server", required=True, help="the server's root (server.root)")
+    cancel = sub.add_parser("cancel", help="stop a server's job: checkpoint, export, free it")
+    cancel.add_argument("--server", required=True, help="the server's root (server.root)")
+    cancel.add_argument("name", help="the job's name")
     report = sub.add_parser("report", help="per-adapter summary and loss curves of a run")
     report.add_argument("run", help="run folder (train.output_dir, with metrics.jsonl)")
     report.add_argument("--png", help="curves PNG (default: RUN/curves.png)")
@@ -80,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export",
         help="write a run's adapters as PEFT folders",
-        description="Write each adapter of a run's newest complete "
-        "checkpoint (or of one checkpoint) as a PEFT folder.",
+        description="Write each adapter of a run (its export if it is done, else its newest "
+        "complete checkpoint), or one checkpoint, as a PEFT folder.",
     )
     export.add_argument("source", help="run folder (train.output_dir) or checkpoint folder")
     export.add_argument("--out", required=True, help="folder for <adapter>/ (and -merged/)")
@@ -93,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--adapters", nargs="+", help="adapter names (default: all)")
     export.add_argument(
         "--checkpoint",
-        help="one checkpoint folder of the run (ckpt_<n>, "
-        "a name under SOURCE/checkpoints/ or a path) instead of its newest",
+        help="one checkpoint folder of an adapter (checkpoints/<adapter>/step_<n>, under "
+        "SOURCE or a path) instead of the run's newest",
     )
     from megatron_lorafusion.sim.commands import add_plan_arguments, add_simulate_arguments
 
@@ -146,13 +159,11 @@ def _job_request(args: argparse.Namespace) -> PlanRequest:
     cfg = load_config(args.job, args.overrides)
     # train.main imports Megatron (its warnings hidden); our INFO lines would repeat the summary
     _quiet_start(False, "WARNING")
-    from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer
-    from megatron_lorafusion.train.evaluate import split_eval_datasets
-    from megatron_lorafusion.train.main import prepare_problem
+    from megatron_lorafusion.data import load_tokenizer
+    from megatron_lorafusion.train.main import make_job, prepare_problem
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
-    problem, _, _ = prepare_problem(cfg, split_eval_datasets(cfg, datasets, tokenizer)[0])
+    problem = prepare_problem(cfg, [make_job(cfg, a, tokenizer) for a in cfg.adapters])
     names = tuple(a.name for a in cfg.adapters)
     return PlanRequest(
         problem, cfg.planner.solver, cfg.planner.time_limit_s, f"job {args.job}", None, names
@@ -206,11 +217,9 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         source = Path(args.source)
-        if args.checkpoint is not None:
+        if args.checkpoint is not None:  # a path, or one relative to the run folder
             named = Path(args.checkpoint)
-            source = (
-                named if named.is_absolute() or named.exists() else (source / "checkpoints" / named)
-            )
+            source = named if named.is_absolute() or named.exists() else source / named
         folders = export_checkpoint(source, args.out, merge=args.merge, names=args.adapters)
     except ValueError as err:  # ConfigError included: a job.json this version cannot read
         print(f"error: {err}", file=sys.stderr)
@@ -228,10 +237,36 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated
 
 
+def _server_files(args: argparse.Namespace) -> int:
+    """``submit``, ``status`` and ``cancel``: files in the server's root, no torch."""
+    from megatron_lorafusion.inbox import ServerRoot, submit_job
+
+    if args.command == "submit":
+        for name in submit_job(args.server, args.job):
+            print(f"submitted {name}")
+        return 0
+    root = ServerRoot(args.server)
+    if not root.root.is_dir():
+        print(f"error: server root {args.server!r} does not exist", file=sys.stderr)
+        return 2
+    if args.command == "status":
+        print(root.status_table())
+        return 0
+    try:
+        was = root.cancel(args.name)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"cancel of {args.name} ({was}) requested: it stops at the server's next check")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one sub-command; returns the process exit status."""
     args = _parser().parse_args(argv)
     try:
+        if args.command in ("submit", "status", "cancel"):
+            return _server_files(args)
         if args.command == "synth-data":
             return _synth(args)
         if args.command == "export":
@@ -262,16 +297,36 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(problems)
         _quiet_start(args.verbose, cfg.logging.level)  # before Megatron is imported
         from megatron_lorafusion.data import DataError
+        from megatron_lorafusion.inbox import ServerBusyError
         from megatron_lorafusion.train.checkpoint import CheckpointError
         from megatron_lorafusion.train.export import ExportError
+        from megatron_lorafusion.train.main import JobsFailedError
         from megatron_lorafusion.train.main import main as train_main
-        from megatron_lorafusion.train.optim import DivergenceError
+        from megatron_lorafusion.train.writer import WriteError
 
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, _raise_terminated)  # a scheduler's stop, torchrun's
         try:
-            train_main(cfg)
-        except (DataError, CheckpointError, ExportError, DivergenceError) as err:
+            if args.command == "serve":
+                from megatron_lorafusion.train.server import serve
+
+                if cfg.server is None:
+                    raise ConfigError(["server must be set (root, max_adapters, ...) to serve"])
+                serve(cfg)
+            elif cfg.server is not None:
+                raise ConfigError(
+                    ["server must be unset to train (it is a server's job file: lorafusion serve)"]
+                )
+            else:
+                train_main(cfg)
+        except (
+            DataError,
+            CheckpointError,
+            ExportError,
+            JobsFailedError,
+            WriteError,
+            ServerBusyError,
+        ) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return 0
@@ -285,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
             + (
                 "; rerun the same command to resume from its last checkpoint"
-                if args.command == "train"
+                if args.command in ("train", "serve")
                 else ""
             ),
             file=sys.stderr,

@@ -301,17 +301,24 @@ class TrainConfig:
     output_dir: str = "runs/default"
     """Checkpoints and exported adapters go here; created only after validation."""
     save_every: int = 0
-    """Save a checkpoint each time the adapters' optimizer steps pass a multiple of this many
-    per adapter (on average over adapters); 0: only at the end."""
-    resume: str = "auto"
-    """``auto``: continue from the newest complete checkpoint in output_dir (if any);
-    ``never``: start fresh; or the path of one checkpoint folder."""
+    """Checkpoint each adapter every this many of its own optimizer steps, right after the
+    step, in the background (training goes on); 0: none. Each adapter is exported as soon
+    as it is done, whatever this is."""
+    save_buffer_gib: float = 8.0
+    """Host memory for saves in flight, in GiB: a save copies the adapter's rows here and a
+    writer thread writes them; training waits only when it is full (a disk slower than the
+    saves, which a warning reports)."""
+    resume: Literal["auto", "never"] = "auto"
+    """``auto``: each adapter continues from its own newest usable checkpoint in output_dir
+    (a damaged one is skipped with a warning), and adapters already done are not trained
+    again; ``never``: start fresh."""
     overwrite: bool = False
     """Write into an output_dir that holds files not of a lorafusion run (refused by
     default); the run's own files (job.json, checkpoints/, adapters/<name>/, ...) replace
     same-named ones there."""
     keep_last: int = 3
-    """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all."""
+    """Complete checkpoints kept per adapter (older ones are deleted; under early stopping
+    its best one is kept too); 0 keeps all."""
     eval_every: int = 0
     """Evaluate each adapter that has eval data every this many of its optimizer steps (and at
     its last); 0: never."""
@@ -336,8 +343,33 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """A long-running trainer (`lorafusion serve`): jobs join and leave through its root."""
+
+    root: str = ""
+    """The server's folder: ``inbox/`` (submitted jobs), ``jobs/<name>/`` (each job's
+    checkpoints, PEFT folder ``adapter/``, metrics and status), ``server.json``. A shared
+    filesystem is all several nodes need."""
+    max_adapters: int = 8
+    """Jobs trained at once (rows of the adapter tables, allocated at start-up); more wait
+    in arrival order."""
+    max_rank: int = 64
+    """Largest LoRA rank a job may have; every row is allocated at this rank (a job of a
+    lower rank computes at it too: the LoRA passes are a few % of a step)."""
+    idle_timeout_s: float = 0.0
+    """Exit after this many seconds without a job to train or wait for; 0: never."""
+    poll_s: float = 2.0
+    """Seconds between reads of the inbox and of cancel requests while jobs train."""
+    policy: Literal["online", "fifo", "batch"] = "online"
+    """When queued jobs start: ``online`` as soon as a row is free; ``fifo`` one job at a
+    time in arrival order (jobs run one by one); ``batch`` only when the server is empty,
+    then every queued job (static batches). The last two are the baselines of
+    ``scripts/bench_serve_trace.py``."""
+
+
+@dataclass(frozen=True)
 class JobConfig:
-    """A whole job: one YAML file."""
+    """A whole job: one YAML file (a server's has a ``server`` section and no adapters)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     adapters: list[AdapterConfig] = field(default_factory=list)
@@ -346,6 +378,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    server: ServerConfig | None = None
 
 
 def _type_name(tp: Any) -> str:
@@ -520,6 +553,7 @@ def _resolve_paths(raw: dict) -> None:
     same files from any folder; resume compares resolved jobs on both sides.
     """
     _absolute(raw.get("model"), "hf_path")
+    _absolute(raw.get("server"), "root")
     if isinstance(raw.get("data"), dict) and raw["data"].get("tokenizer") != "byte":
         _absolute(raw["data"], "tokenizer")  # "byte" is a name, even beside a folder "byte"
     adapters = raw.get("adapters")
@@ -674,6 +708,84 @@ def _unmasked(rules: list[str], problems: list[str]) -> list[str]:
         return rules
     masked = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, sorted(keys))) + r")(?![\w])")
     return [q for q in rules if not masked.search(q)]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job submitted to a server: an adapter and how long it trains.
+
+    Attributes:
+        adapter: the adapter (a job file's ``adapters`` entry).
+        steps: its optimizer steps, or None.
+        epochs: its passes over its dataset, or None (both None: the server's train section).
+    """
+
+    adapter: AdapterConfig
+    steps: int | None = None
+    epochs: int | None = None
+
+
+_JOB_LENGTH_KEYS = ("steps", "epochs")
+
+
+def load_submission(path: str | Path, server: JobConfig | None = None) -> list[JobSpec]:
+    """Read and validate a job file for ``lorafusion submit``.
+
+    It holds ``adapters:``, each entry an adapter of a job file (same keys) plus its own
+    ``steps`` or ``epochs``. It is checked against ``server``'s job (its model, data,
+    planner and train sections), or the defaults when the server has not started yet.
+
+    Raises:
+        ConfigError: listing every problem, with ``adapters.<i>`` naming the entry.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"job file {str(path)!r} does not exist"])
+    raw = _read_job_yaml(path)
+    problems: list[str] = []
+    if not isinstance(raw, dict) or set(raw) != {"adapters"}:
+        shown = sorted(raw) if isinstance(raw, dict) else type(raw).__name__
+        raise ConfigError(
+            [
+                f"job file {str(path)!r} must hold one section, adapters (a list of "
+                f"adapters, each with its own steps or epochs), got {shown}"
+            ]
+        )
+    entries = raw["adapters"]
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError([f"adapters must be a non-empty list, got {entries!r}"])
+    lengths = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            problems.append(f"adapters.{i} must be a mapping, got {entry!r}")
+            lengths.append((None, None))
+            continue
+        steps, epochs = (entry.pop(k, None) for k in _JOB_LENGTH_KEYS)
+        for key, value in zip(_JOB_LENGTH_KEYS, (steps, epochs), strict=True):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                problems.append(f"adapters.{i}.{key} must be a positive integer, got {value!r}")
+        if steps is not None and epochs is not None:
+            problems.append(f"adapters.{i} must set steps or epochs, not both")
+        lengths.append((steps, epochs))
+    base = dataclasses.asdict(server if server is not None else JobConfig(server=ServerConfig()))
+    base["adapters"] = entries
+    if server is None:  # nothing to take the length from: a job must say its own
+        base["train"]["steps"] = 1
+    _resolve_paths(base)
+    cfg = _build(JobConfig, base, "job", problems)
+    problems = [q.removeprefix("job.") for q in problems]
+    if server is None and any(s is None and e is None for s, e in lengths):
+        problems.append(
+            "adapters.<i>.steps or epochs must be set while the server has not started "
+            "(a running server gives its train.steps or train.epochs as the default)"
+        )
+    rules = [q for q in validate(dataclasses.replace(cfg, server=None)) if "adapters" in q]
+    problems += _unmasked(rules + _target_problems(cfg), problems)
+    if problems:
+        raise ConfigError(problems)
+    return [JobSpec(a, s, e) for a, (s, e) in zip(cfg.adapters, lengths, strict=True)]
 
 
 def job_from_dict(raw: dict) -> JobConfig:

@@ -271,7 +271,9 @@ def validate(cfg: JobConfig) -> list[str]:
             f"defaults to model.hf_path), or 'byte' to train on byte ids, "
             f"got {cfg.data.tokenizer!r}"
         )
-    if not cfg.adapters:
+    if cfg.server is not None:
+        p.extend(_validate_server(cfg))
+    elif not cfg.adapters:
         p.append("adapters must list at least one adapter, got none")
     seen: set[str] = set()
     for i, a in enumerate(cfg.adapters):
@@ -343,16 +345,11 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.keep_last must be >= 0, got {t.keep_last}")
     if t.eval_every < 0:
         p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
-    if t.resume not in ("auto", "never") and (problem := _path_problem(t.resume, "train.resume")):
-        p.append(problem)
-    elif t.resume not in ("auto", "never") and not _is_dir(t.resume):
-        p.append(
-            f"train.resume must be 'auto', 'never' or an existing checkpoint folder, "
-            f"got {t.resume!r}"
-        )
+    if not t.save_buffer_gib > 0:
+        p.append(f"train.save_buffer_gib must be > 0 GiB, got {t.save_buffer_gib}")
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
-    elif (problem := _output_dir_problem(cfg)) is not None:
+    elif cfg.server is None and (problem := _output_dir_problem(cfg)) is not None:
         p.append(problem)
     if cfg.logging.log_every <= 0:
         p.append(f"logging.log_every must be > 0, got {cfg.logging.log_every}")
@@ -387,14 +384,14 @@ def launch_problems(cfg: JobConfig, environ: dict[str, str] | None = None) -> li
 
 
 def _is_run_folder(out: Path) -> bool:
-    """Whether ``out`` holds a run of ours: its job.json, or checkpoints/ckpt_* folders."""
+    """Whether ``out`` holds a run of ours: its job.json, or a checkpoints/ folder."""
     try:
         job = json.loads((out / "job.json").read_text(encoding="utf-8"))
         if isinstance(job, dict) and {"adapters", "train"} <= job.keys():
             return True
     except (OSError, ValueError):
         pass
-    return (out / "checkpoints").is_dir() and any((out / "checkpoints").glob("ckpt_*"))
+    return (out / "checkpoints").is_dir()
 
 
 def _output_dir_problem(cfg: JobConfig) -> str | None:
@@ -470,6 +467,30 @@ def _validate_adapter(a: AdapterConfig, where: str, seen: set[str]) -> list[str]
             f"{where}.loraplus_lr_ratio must be in (0, 1e4] (B's lr over A's; 1 = off), "
             f"got {a.loraplus_lr_ratio}"
         )
+    return p
+
+
+def _validate_server(cfg: JobConfig) -> list[str]:
+    """A server's section: its root, sizes, and no adapters of its own (they are submitted)."""
+    s = cfg.server
+    p: list[str] = []
+    if cfg.adapters:
+        p.append(
+            f"adapters must be empty in a server's job file (jobs join with lorafusion "
+            f"submit --server {s.root or 'ROOT'} JOB.yaml), got {len(cfg.adapters)}"
+        )
+    if not s.root:
+        p.append("server.root must be a folder path, got ''")
+    elif (problem := _folder_problem(s.root, "server.root")) is not None:
+        p.append(problem)
+    if s.max_adapters < 1:
+        p.append(f"server.max_adapters must be >= 1, got {s.max_adapters}")
+    if not 1 <= s.max_rank <= 256:
+        p.append(f"server.max_rank must be in [1, 256], got {s.max_rank}")
+    if s.idle_timeout_s < 0:
+        p.append(f"server.idle_timeout_s must be >= 0 seconds (0: never), got {s.idle_timeout_s}")
+    if not s.poll_s > 0:
+        p.append(f"server.poll_s must be > 0 seconds, got {s.poll_s}")
     return p
 
 

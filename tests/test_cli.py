@@ -1,6 +1,7 @@
 """The `lorafusion` command: exit status 2 and nothing written on bad input."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,9 @@ def test_cli_synth_data_unknown_task_exits_2(tmp_path, capsys):
 def test_cli_export_without_checkpoint_exits_2(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
-    assert "neither a checkpoint folder nor a run folder" in capsys.readouterr().err
+    assert "is neither a run folder (with job.json) nor a checkpoint folder" in (
+        capsys.readouterr().err
+    )
     assert not (tmp_path / "x").exists()
 
 
@@ -85,15 +88,15 @@ def test_cli_train_into_a_foreign_folder_exits_2_and_keeps_its_files(tmp_path, c
 
 def test_cli_train_stops_on_a_non_finite_loss_and_exports_nothing(tmp_path, capsys):
     # A finite but absurd lr: Adam's first step moves every weight by ~1e30, the next
-    # forward overflows: the run stops before stepping on the NaN, naming adapter and step.
+    # forward overflows: the adapter fails before stepping on the NaN, adapter and step named.
     status = main(
         ["train", str(_job(tmp_path, lr=1e30)), "train.steps=3", "logging.progress_bar=false"]
     )
     err = capsys.readouterr().err
     assert status == 2, err
-    assert "error: adapter 'a': " in err, err
-    assert "at step 2; training stopped before that step" in err, err
-    assert len(err.strip().splitlines()) == 1, err
+    assert "error: 1 of 1 adapters failed" in err, err
+    assert "adapter 'a': loss nan at step 2; it stopped before that step" in err, err
+    assert "Traceback" not in err, err
     assert not (tmp_path / "out" / "adapters").exists(), "no NaN weight may be exported"
 
 
@@ -139,53 +142,63 @@ def test_cli_ctrl_c_during_train_is_one_line_exit_130(tmp_path, capsys, monkeypa
     )
 
 
-def test_cli_checkpoint_with_pickled_object_exits_2_in_one_line(tmp_path, capsys):
-    import torch
-
-    from megatron_lorafusion.train.checkpoint import _sha256
-
-    assert main(["train", str(_job(tmp_path))]) == 0
-    (ckpt,) = sorted((tmp_path / "out" / "checkpoints").glob("ckpt_*"))
-    shard = ckpt / "shard_tp0_pp0.pt"
-    torch.save({"payload": _Payload()}, shard)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": _sha256(shard)}
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))  # the hashes agree: only the
-    capsys.readouterr()  # contents give it away
-    for argv in (
-        ["train", str(tmp_path / "job.yaml")],
-        ["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")],
-    ):
-        assert main(argv) == 2, argv
-        err = capsys.readouterr().err
-        assert "holds more than tensors and plain data" in err, err
-        assert len(err.strip().splitlines()) == 1, f"{argv[0]}: one line, got {err}"
+def _unfinished(out, name: str) -> None:
+    """Make adapter ``name`` of run ``out`` look stopped before its end (no export)."""
+    (out / "checkpoints" / name / "done.json").unlink()
+    shutil.rmtree(out / "adapters" / name)
 
 
-class _Payload:
-    """Any object a full pickle load would construct."""
+def test_cli_checkpoint_that_is_not_safetensors_is_skipped_by_train_refused_by_export(
+    tmp_path, capsys
+):
+    """A checkpoint file replaced by other bytes (its state file made to agree): train skips
+    it with a warning and starts over; export refuses it, naming the file, in one line."""
+    import hashlib
+
+    assert main(["train", str(_job(tmp_path)), "train.save_every=1"]) == 0
+    out = tmp_path / "out"
+    _unfinished(out, "a")
+    for step in sorted((out / "checkpoints" / "a").glob("step_*")):
+        path = step / "shard_tp0_pp0.safetensors"
+        path.write_bytes(b"\x80\x04not a safetensors file")
+        state = json.loads((step / "shard_tp0_pp0.json").read_text())
+        state["file"] = {
+            "name": path.name,
+            "bytes": path.stat().st_size,
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        }
+        (step / "shard_tp0_pp0.json").write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main(["export", str(out), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a safetensors file" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert main(["train", str(tmp_path / "job.yaml"), "train.save_every=1"]) == 0
+    assert (out / "adapters" / "a" / "adapter_model.safetensors").is_file(), "trained anew"
 
 
 def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_path, capsys):
     assert main(["train", str(_job(tmp_path)), "train.steps=2", "train.save_every=1"]) == 0
-    older, newest = sorted((tmp_path / "out" / "checkpoints").glob("ckpt_*"))[-2:]
-    shard = newest / "shard_tp0_pp0.pt"
+    out = tmp_path / "out"
+    _unfinished(out, "a")
+    older, newest = sorted((out / "checkpoints" / "a").glob("step_*"))
+    shard = newest / "shard_tp0_pp0.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert main(["export", str(tmp_path / "out"), "--out", str(tmp_path / "x")]) == 2
+    assert main(["export", str(out), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert f"the newest checkpoint '{newest}' is damaged" in err, err
-    assert f"name it (--checkpoint {older.name}): '{older}'" in err, err
+    assert f"the newest checkpoint of adapter 'a', '{newest}', is damaged" in err, err
+    assert "--checkpoint checkpoints/a/step_00000001" in err, err
     assert not (tmp_path / "x").exists(), "nothing exported from an older checkpoint"
     assert main(["export", str(older), "--out", str(tmp_path / "x")]) == 0, "named: exported"
     assert (
         main(
             [
                 "export",
-                str(tmp_path / "out"),
+                str(out),
                 "--checkpoint",
-                older.name,
+                "checkpoints/a/step_00000001",
                 "--out",
                 str(tmp_path / "x"),
             ]
@@ -271,7 +284,6 @@ LONG = "é" * 300  # 600 bytes: over the 255 a file name may have
         ('data.cache_dir="a\\0b"', "data.cache_dir must be a path without NUL bytes"),
         (f"adapters.0.dataset.path={LONG}.jsonl", "adapters.0.dataset.path must be a path of"),
         (f"data.tokenizer={LONG}", "data.tokenizer must be a path of names of at most 255"),
-        (f"train.resume={LONG}", "train.resume must be a path of names of at most 255"),
         (
             "train.output_dir=job.yaml/out",
             "train.output_dir must be a folder (or a new path), got 'job.yaml/out' ('job.yaml' "
@@ -447,8 +459,7 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
     from megatron_lorafusion.data import load_adapter_dataset
     from megatron_lorafusion.planner import plan_microbatches
     from megatron_lorafusion.planner.io import load_plan
-    from megatron_lorafusion.train.evaluate import split_eval_datasets
-    from megatron_lorafusion.train.main import prepare_problem
+    from megatron_lorafusion.train.main import make_job, prepare_problem
 
     path = _two_adapter_job(tmp_path)
     out = tmp_path / "plan.json"
@@ -469,7 +480,7 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
     assert planned[0] == sorted(len(r) for r in rows[0]), "every row of a, tokenised"
     assert len(planned[1]) == 2, "b's eval half is held out"
     assert set(planned[1]) <= {len(r) for r in rows[1]}
-    problem, _, _ = prepare_problem(cfg, split_eval_datasets(cfg, rows, None)[0])
+    problem = prepare_problem(cfg, [make_job(cfg, a, None) for a in cfg.adapters])
     assert plan == plan_microbatches(problem, cfg.planner.solver, cfg.planner.time_limit_s)
 
 

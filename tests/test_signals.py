@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from megatron_lorafusion.data import write_task
-from megatron_lorafusion.train import checkpoint_problems
+from megatron_lorafusion.train import AdapterCheckpoints, Shard
 
 
 def _job(tmp_path, pp=1):
@@ -57,7 +57,7 @@ def _until_first_checkpoint(run) -> list[str]:
     lines = []
     for line in run.stderr:
         lines.append(line)
-        if "saved checkpoint" in line:
+        if "saved checkpoint of adapter" in line:
             return lines
     raise AssertionError("the run ended before its first checkpoint:\n" + "".join(lines))
 
@@ -107,15 +107,13 @@ def test_sigterm_ends_training_cleanly_and_a_rerun_resumes(tmp_path):
     for fd in pidfds:  # every child process (the planner worker) has exited too
         assert select.select([fd], [], [], 10.0)[0], "a child outlived the terminated run"
         os.close(fd)
-    complete = [
-        c for c in (tmp_path / "run" / "checkpoints").glob("ckpt_*") if not c.name.endswith(".tmp")
-    ]  # a save cut short stays a .tmp, never used
-    assert complete, "no checkpoint left"
-    assert not [p for c in complete for p in checkpoint_problems(c)], "a damaged checkpoint"
+    store = AdapterCheckpoints(tmp_path / "run" / "checkpoints" / "add", "add", Shard())
+    assert store.steps(), "no checkpoint left"
+    store.load(store.steps()[0])  # the newest is complete and verifies
     again = _train(job, "train.steps=400")
     try:
         for line in again.stderr:
-            if "resumed from" in line:
+            if "adapter add: resumed at step" in line:
                 break
         else:
             pytest.fail("the rerun did not resume from the checkpoint")

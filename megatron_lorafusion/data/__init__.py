@@ -7,7 +7,7 @@ from megatron_lorafusion.data.dataset import (
     load_adapter_dataset,
     training_order,
 )
-from megatron_lorafusion.data.synthetic import TASKS, write_task
+from megatron_lorafusion.data.synthetic import TASKS, write_lengths, write_task
 from megatron_lorafusion.data.templates import PROMPT_TEMPLATES
 from megatron_lorafusion.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
@@ -23,5 +23,6 @@ __all__ = [
     "load_tokenizer",
     "pack_microbatch",
     "training_order",
+    "write_lengths",
     "write_task",
 ]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,7 @@ def pack_microbatch(
     device: torch.device | str,
     dropout_seed: int,
     pad_to_multiple: int = 1,
+    sample_key: Callable[[int, int], int] | None = None,
 ) -> PackedBatch:
     """Gather the planned samples and concatenate them.
 
@@ -54,8 +55,11 @@ def pack_microbatch(
         orders: per adapter, dataset row of each training-order position.
         num_adapters: ``A``.
         device: the model's device.
-        dropout_seed: seed of this microbatch's LoRA dropout masks.
+        dropout_seed: seed of the LoRA dropout masks (layers mix in their own id).
         pad_to_multiple: make ``T`` a multiple of this many tokens (see above).
+        sample_key: ``(adapter, index) -> key`` of each sample's dropout mask (a job keys a
+            sample by its adapter's name and training position: `train.job.sample_key`);
+            None: rows are keyed by their place in the microbatch.
 
     Raises:
         ValueError: for an idle (empty) microbatch, which has nothing to pack, or a
@@ -72,6 +76,9 @@ def pack_microbatch(
     mask = [m for r in rows for m in r.loss_mask]
     adapters = [s.adapter for s in microbatch.samples]
     lengths = [len(r) for r in rows]
+    keys = (
+        None if sample_key is None else [sample_key(s.adapter, s.index) for s in microbatch.samples]
+    )
     pad = -len(ids) % pad_to_multiple
     if pad:  # a loss-free sample of the last adapter (adapter-major order holds)
         ids += [0] * pad
@@ -80,12 +87,15 @@ def pack_microbatch(
         mask += [0] * pad
         adapters.append(adapters[-1])
         lengths.append(pad)
+        if keys is not None:
+            keys.append(0)  # loss-free padding: its gradient is zero whatever its mask
     layout = AdapterLayout.from_samples(
         adapters,
         lengths,
         num_adapters,
         device=device,
         dropout_seed=dropout_seed,
+        sample_keys=keys,
     )
 
     def as_row(values: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -259,18 +259,19 @@ def load_adapter_dataset(
 
 
 def training_order(
-    num_samples: int, total: int, seed: int, adapter_id: int, shuffle: bool
+    num_samples: int, total: int, seed: int, adapter_name: str, shuffle: bool
 ) -> list[int]:
     """Dataset rows in training order: ``total`` positions over as many epochs as needed.
 
-    Each epoch is a fresh permutation seeded by ``(seed, adapter_id, epoch)``.
+    Each epoch is a fresh permutation seeded by ``(seed, adapter_name, epoch)``: the adapter's
+    name, never its place in the job, so its data order is its own.
     """
     order: list[int] = []
     epoch = 0
     while len(order) < total:
         rows = list(range(num_samples))
         if shuffle:
-            random.Random(f"{seed}:{adapter_id}:{epoch}").shuffle(rows)
+            random.Random(f"{seed}:{adapter_name}:{epoch}").shuffle(rows)
         order.extend(rows)
         epoch += 1
     return order[:total]

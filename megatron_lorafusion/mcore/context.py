@@ -8,6 +8,7 @@ caller sets each microbatch's `AdapterLayout` and reads or loads one adapter's w
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer import TransformerConfig
@@ -43,6 +44,39 @@ assert tuple(_TARGETS) == FUSED_LINEARS  # internal invariant: one wrapper per f
 LoRAWrapper = LoRAColumnParallelLinear | LoRARowParallelLinear
 
 
+@dataclass(frozen=True)
+class SlotView:
+    """Where one factor of one adapter lives in a row of the (A, S) tables.
+
+    Attributes:
+        name: ``<linear>.lora_A``, ``<linear>.lora_B`` or ``<linear>.<row vector>``.
+        start: first column of the factor's slot in the row.
+        rows: the slot's rows (``R``, ``N_local`` or 1).
+        cols: the slot's columns (``H_local``, ``R`` or ``N_local``).
+        kind: ``"lora_A"``, ``"lora_B"`` or ``"vector"``.
+        rank: the adapter's rank on this linear (its blocks × r).
+        live: (N_local, rank) bool CPU mask of ``B``'s entries that may be non-zero, for a
+            per-projection adapter (its off-block entries are always zero); None otherwise.
+    """
+
+    name: str
+    start: int
+    rows: int
+    cols: int
+    kind: str
+    rank: int
+    live: torch.Tensor | None = None
+
+    def view(self, row: torch.Tensor) -> torch.Tensor:
+        """The factor in ``row`` (S,): A (rank, H_local), B (N_local, rank) or (N_local,)."""
+        slot = row[self.start : self.start + self.rows * self.cols].view(self.rows, self.cols)
+        if self.kind == "lora_A":
+            return slot[: self.rank]
+        if self.kind == "lora_B":
+            return slot[:, : self.rank]
+        return slot[0]
+
+
 class LoRAContext:
     """The adapters of one model: the current microbatch layout and per-adapter weights.
 
@@ -76,7 +110,7 @@ class LoRAContext:
         self.layout: AdapterLayout | None = None
         self.wgrad_queue: WgradQueue | None = None
         self.rebuild_inputs = True
-        self.adapters = tuple(adapters)
+        self.adapters = list(adapters)
         self.wrappers = wrappers
         self.weights = torch.zeros(len(adapters), 0)  # (A, S) once `pack` ran
         self.grads = torch.zeros(len(adapters), 0)
@@ -155,19 +189,73 @@ class LoRAContext:
             raise ValueError(
                 f"table must have shape {tuple(self.weights.shape)}, got {tuple(table.shape)}"
             )
-        views, table = {}, table.detach()
+        row = table.detach()[adapter_id]
+        return {slot.name: slot.view(row) for slot in self.adapter_slots(adapter_id)}
+
+    def bind(self, adapter_id: int, adapter: AdapterConfig, seed: int) -> None:
+        """Give row ``adapter_id`` of the tables to ``adapter`` (a server's job joining).
+
+        Its rank, scale, dropout and blocks go to every wrapper, and its factors start as
+        `apply_lora` draws them: A kaiming-uniform from ``(seed, adapter name, layer)``, B
+        zero; the row's gradients are zeroed. The wrappers must have room (their rank, the
+        server's ``max_rank``, and a DoRA magnitude only where built with one).
+
+        Raises:
+            NotImplementedError: for a rank above a wrapper's, DoRA on wrappers without
+                magnitudes, or a target the model's wrappers do not cover.
+        """
+        from megatron_lorafusion.mcore.lora import bind_adapter
+
+        self._check_id(adapter_id)
+        blocks = _adapter_blocks([adapter])[0]
+        targets = {name.rsplit(".", 1)[1] for name in self.wrappers}
+        missing = sorted(set(blocks) - targets)
+        if missing:
+            raise NotImplementedError(
+                f"adapter {adapter.name!r} targets {missing}, which this model's adapter tables "
+                f"do not cover (they cover {sorted(targets)})"
+            )
+        with torch.no_grad():
+            self.weights[adapter_id].zero_()
+            self.grads[adapter_id].zero_()
+            for name, wrapper in self.wrappers.items():
+                target = name.rsplit(".", 1)[1]
+                row_blocks = {}
+                if target in blocks and wrapper.is_column:
+                    row_blocks = _row_blocks(target, wrapper.base, {adapter_id: blocks[target]})
+                bind_adapter(
+                    wrapper, adapter_id, adapter if target in blocks else None, seed, row_blocks
+                )
+        self.adapters[adapter_id] = adapter
+        self._compute = None
+
+    def adapter_slots(self, adapter_id: int) -> list[SlotView]:
+        """Where each factor of one adapter lives in a row of the tables (`SlotView`).
+
+        The factors of the linears it targets, in table order; a checkpoint of the adapter is
+        these views of its rows (`train.checkpoint`), its per-projection ``B`` without the
+        off-block zeros.
+        """
+        self._check_id(adapter_id)
+        slots = []
         for name, factor, wrapper, col, rows, cols in self._slots:
             rank = wrapper.ranks[adapter_id]
             if rank == 0:
                 continue
-            slot = table[adapter_id, col : col + rows * cols].view(rows, cols)
+            live = None
             if factor == "lora_A":
-                views[name] = slot[:rank]
+                kind = "lora_A"
             elif factor == "lora_B":
-                views[name] = slot[:, :rank]
+                kind = "lora_B"
+                if wrapper.lora_B_off is not None:
+                    off = wrapper.lora_B_off[adapter_id, :, :rank]
+                    live = None if not bool(off.any()) else (~off).cpu()
             elif wrapper.types[adapter_id].row_vector == factor:
-                views[name] = slot[0]
-        return views
+                kind = "vector"
+            else:
+                continue
+            slots.append(SlotView(name, col, rows, cols, kind, rank, live))
+        return slots
 
     def loraplus_columns(self) -> torch.Tensor:
         """(S,) bool on the tables' device: the columns LoRA+ steps at ``lr × ratio``.
@@ -366,7 +454,7 @@ def apply_lora(
     (linear_qkv, linear_fc1) or `LoRARowParallelLinear` (linear_proj, linear_fc2); an adapter
     naming Hugging Face projections gets one LoRA block per projection there (its blocks'
     A rows stacked, B block-diagonal: `config.lora_blocks`, docs/adapters.md). Factors
-    are drawn from ``(seed, adapter id, 4·i + target index)`` (A kaiming-uniform, B zero),
+    are drawn from ``(seed, adapter name, 4·i + target index)`` (A kaiming-uniform, B zero),
     the same number also keys the layer's dropout masks.
 
     Args:

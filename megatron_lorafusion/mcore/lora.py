@@ -66,9 +66,13 @@ class LayoutSource(Protocol):
     rebuild_inputs: bool
 
 
-def _init_seed(seed: int, adapter_id: int, layer_seed: int) -> int:
-    """Generator seed of one adapter's factors in one layer: a stable hash of the triple."""
-    digest = hashlib.sha256(f"{seed}/{adapter_id}/{layer_seed}".encode()).digest()
+def _init_seed(seed: int, adapter_name: str, layer_seed: int) -> int:
+    """Generator seed of one adapter's factors in one layer: a stable hash of the triple.
+
+    Keyed by the adapter's name, never its position: the same adapter starts from the same
+    factors alone, among others, or in another order (DESIGN.md "Every adapter on its own").
+    """
+    digest = hashlib.sha256(f"{seed}/{adapter_name}/{layer_seed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
@@ -150,11 +154,12 @@ def _init_factors(
     for a in targeted:
         wrapper.ranks[a] = adapters[a].rank * (row_blocks[a][0] if a in row_blocks else 1)
     wrapper.max_rank = max(wrapper.ranks)
+    wrapper.in_features, wrapper.in_shard = in_features, in_shard  # `bind_adapter` draws A
     local_in = len(range(in_features)[in_shard])
     lora_a = torch.zeros(len(adapters), wrapper.max_rank, local_in)
     for a in targeted:
         rank = wrapper.ranks[a]
-        generator = torch.Generator().manual_seed(_init_seed(seed, a, layer_seed))
+        generator = torch.Generator().manual_seed(_init_seed(seed, adapters[a].name, layer_seed))
         # Drawn at full width then sliced, so a TP shard equals the TP = 1 slice.
         lora_a[a, :rank] = _kaiming_uniform(rank, in_features, generator)[:, in_shard]
     wrapper.lora_A = lora_a.to(device)
@@ -168,6 +173,59 @@ def _init_factors(
     wrapper.dropouts = [ad.dropout if i in on else 0.0 for i, ad in enumerate(adapters)]
     wrapper.types = [adapter_type(ad) if i in on else LORA for i, ad in enumerate(adapters)]
     _init_row_vectors(wrapper, adapters, row_blocks, out_local, device)
+
+
+def bind_adapter(
+    wrapper: nn.Module,
+    a: int,
+    adapter: AdapterConfig | None,
+    seed: int,
+    row_blocks: RowBlocks,
+) -> None:
+    """Set wrapper row ``a`` to ``adapter`` (None: it does not adapt this linear).
+
+    Its factors' rows must be zero already (`LoRAContext.bind` zeroes the table row); A is
+    drawn as `_init_factors` draws it, B stays zero.
+
+    Raises:
+        NotImplementedError: for a rank above the wrapper's ``max_rank``, or a variant with a
+            row vector (DoRA: a server's tables hold LoRA factors only).
+    """
+    kind = LORA if adapter is None else adapter_type(adapter)
+    blocks = row_blocks[a][0] if a in row_blocks else 1
+    rank = 0 if adapter is None else adapter.rank * blocks
+    if rank > wrapper.max_rank:
+        raise NotImplementedError(
+            f"adapter {adapter.name!r} has rank {rank} on {type(wrapper).__name__}, above the "
+            f"{wrapper.max_rank} its table rows were allocated with (server.max_rank)"
+        )
+    if kind.row_vector is not None:
+        raise NotImplementedError(
+            f"adapter {adapter.name!r} uses {kind.name} (use_dora): a server's adapter tables "
+            "hold LoRA factors only; train it with lorafusion train"
+        )
+    wrapper.ranks[a] = rank
+    wrapper.scalings[a] = 0.0 if adapter is None else adapter_scaling(adapter)
+    wrapper.dropouts[a] = 0.0 if adapter is None else adapter.dropout
+    wrapper.types[a] = kind
+    if rank:
+        generator = torch.Generator().manual_seed(
+            _init_seed(seed, adapter.name, wrapper.layer_seed)
+        )
+        drawn = _kaiming_uniform(rank, wrapper.in_features, generator)[:, wrapper.in_shard]
+        wrapper.lora_A[a, :rank].copy_(drawn)
+    if row_blocks and wrapper.lora_B_off is None:
+        shape = (wrapper.num_adapters, wrapper.lora_B.shape[1], wrapper.max_rank)
+        wrapper.lora_B_off = torch.zeros(shape, dtype=torch.bool, device=wrapper.lora_B.device)
+    if wrapper.lora_B_off is not None:
+        off = _off_block_mask(
+            row_blocks,
+            wrapper.ranks,
+            wrapper.num_adapters,
+            wrapper.lora_B.shape[1],
+            wrapper.max_rank,
+        )
+        wrapper.lora_B_off[a] = False if off is None else off[a].to(wrapper.lora_B_off.device)
 
 
 def _init_row_vectors(
@@ -699,15 +757,13 @@ class LoRARowParallelLinear(_LoRAWrapper):
             )
         super().__init__(base, context, layer_seed, tp_group, is_column=False)
         out_features, in_local = base.weight.shape
-        self.in_features = in_local * self.tp_size
         rank = self.tp_group.rank()
-        self.in_shard = slice(rank * in_local, (rank + 1) * in_local)
         _init_factors(
             self,
             adapters,
             targeted,
-            in_features=self.in_features,
-            in_shard=self.in_shard,
+            in_features=in_local * self.tp_size,
+            in_shard=slice(rank * in_local, (rank + 1) * in_local),
             out_local=out_features,
             seed=seed,
             layer_seed=layer_seed,

@@ -108,16 +108,20 @@ class AdapterOptimizer(Protocol):
         *,
         squared_norms: torch.Tensor | None = None,
         losses: torch.Tensor | None = None,
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Queue the step of these adapters (rows of the gradient table) and zero their grads.
 
         ``squared_norms``: (A,) over every stage, when the step reads norms under PP > 1;
         ``losses``: (k,) on the device, the losses they step on (the last stage). An adapter
-        whose norm or loss is not finite is not stepped (decided on the device).
+        whose norm or loss is not finite is not stepped (decided on the device). Returns the
+        adapters queued to step (a stopped one only has its gradients dropped).
         """
 
     def check(self) -> None:
         """Raise when the last step refused a non-finite loss or norm (names the adapter)."""
+
+    def confirm(self) -> list[tuple[int, str]]:
+        """``(adapter, message)`` of each adapter the last step refused; they stop stepping."""
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of the adapter's next step."""
@@ -182,7 +186,8 @@ class _State:
     stash: dict[int, _Stash] = field(default_factory=dict)
     sends: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
     pending: dict[int, _PendingStep] = field(default_factory=dict)
-    unconfirmed: tuple[tuple[int, ...], HostCopy] | None = None  # the last step's losses
+    # the last step group: its adapters, those that stepped, their losses on the way
+    unconfirmed: tuple[tuple[int, ...], tuple[int, ...], HostCopy] | None = None
     loss_sums: torch.Tensor | None = None  # (A,) float64 on the device: each batch so far
     events: list[ComputeEvent] = field(default_factory=list)
     gpu_events: list[tuple] = field(default_factory=list)  # resolved into `events` at the end
@@ -214,6 +219,7 @@ class _Runner:
         activation_dtype,
         device,
         on_step,
+        on_refused,
         record_events,
         first_index,
         sequence_shards,
@@ -227,6 +233,7 @@ class _Runner:
         self.adapters, self.optimizer, self.grads, self.g = adapters, optimizer, grads, groups
         self.gbs, self.hidden = list(global_batch_sizes), hidden_size
         self.dtype, self.device, self.on_step = activation_dtype, torch.device(device), on_step
+        self.on_refused = on_refused
         # A global batch begun in an earlier call (segment) continues its loss sum.
         self.state = _State(
             loss_sums=copy_to_device(
@@ -462,27 +469,37 @@ class _Runner:
         self._receive_bucket(group)
         if group.norm_work is not None:
             group.norm_work.wait()
-        self.optimizer.step(
+        stepped = self.optimizer.step(
             group.adapters,
             squared_norms=group.norms,
             losses=group.sums if self.g.is_last else None,
         )
         self._event(group.adapters[0], "O", start, 0.0, 0, gpu_start)
-        self.state.unconfirmed = (group.adapters, HostCopy(group.sums))
+        # Stopped adapters (early stopping, a failure) only dropped their gradients: their
+        # losses are not recorded.
+        self.state.unconfirmed = (group.adapters, stepped, HostCopy(group.sums))
 
     def _confirm_steps(self) -> None:
         """Record, check and log the losses of the step queued last (one step group at most).
 
-        Raises the optimizer's error when the step refused an adapter; the other adapters of
-        that group stepped but are not recorded (the run stops, nothing is saved).
+        An adapter the step refused (a NaN or infinite loss or norm) is not recorded: it is
+        reported to ``on_refused`` and steps no more, while the others of its group go on;
+        without ``on_refused`` the run stops with the optimizer's error.
         """
         if self.state.unconfirmed is None:
             return
-        (adapters, sums), self.state.unconfirmed = self.state.unconfirmed, None
+        (adapters, stepped, sums), self.state.unconfirmed = self.state.unconfirmed, None
         losses = sums.tolist()
-        self.optimizer.check()
+        refused = dict(self.optimizer.confirm())
+        if refused and self.on_refused is None:
+            raise RuntimeError(next(iter(refused.values())))
         rate = None
         for b, loss in zip(adapters, losses, strict=True):
+            if b in refused:
+                self.on_refused(b, refused[b])
+                continue
+            if b not in stepped:
+                continue
             run = self.adapters[b]
             # Only the last stage computes losses; others record NaN until `_share_losses`.
             run.losses.append(loss if self.g.is_last else float("nan"))
@@ -537,6 +554,7 @@ def run_pipeline(
     activation_dtype: torch.dtype,
     device: torch.device | str,
     on_step: Callable[[int, AdapterRun], None] | None = None,
+    on_refused: Callable[[int, str], None] | None = None,
     record_events: bool = False,
     first_index: int = 0,
     sequence_shards: int = 1,
@@ -565,6 +583,9 @@ def run_pipeline(
         device: where receive buffers live (the model's device).
         on_step: called on every rank once adapter ``a``'s step is confirmed (its loss on the
             host: at the next step group or the end of the call), with ``(a, run)``.
+        on_refused: called with ``(a, message)`` when adapter ``a``'s step was refused (a
+            NaN or infinite loss or gradient norm): it steps no more, the others go on. None:
+            the call raises instead.
         record_events: time every operation (the calibration study, docs/pipeline.md); on a GPU
             compute times are CUDA-event times on the compute stream, from after the
             operation's receive to its end (no host synchronisation).
@@ -596,6 +617,7 @@ def run_pipeline(
         activation_dtype=activation_dtype,
         device=device,
         on_step=on_step,
+        on_refused=on_refused,
         record_events=record_events,
         first_index=first_index,
         sequence_shards=sequence_shards,

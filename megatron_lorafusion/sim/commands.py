@@ -277,6 +277,23 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="plan JSON from `plan` with the same problem arguments or job (default: plan now)",
     )
     parser.add_argument("--png", default="timeline.png", help="timeline image to write")
+    t = parser.add_argument_group("a server's job trace (--trace: what-ifs at cluster scale)")
+    t.add_argument(
+        "--trace",
+        action="store_true",
+        help="simulate a trace of LoRA jobs arriving at one server under each policy "
+        "(online, fifo = one at a time, batch = static batches; sim/trace.py)",
+    )
+    t.add_argument("--jobs", type=int, default=32, help="jobs in the trace (default 32)")
+    t.add_argument("--load", type=float, default=0.8, help="offered load / throughput (0.8)")
+    t.add_argument(
+        "--tokens-per-s", type=float, default=60000.0, help="server throughput R (60000)"
+    )
+    t.add_argument(
+        "--alone-tokens-per-s", type=float, default=None, help="one job alone (default R)"
+    )
+    t.add_argument("--max-adapters", type=int, default=32, help="jobs at once (default 32)")
+    t.add_argument("--size-scale", type=float, default=1.0, help="job sizes × this (1.0)")
     parser.add_argument(
         "--mlora-samples",
         type=int,
@@ -354,6 +371,43 @@ def _timelines(
     return [(r.name, visible(streams[r.name]()) if r.name in streams else r.sim) for r in results]
 
 
+def _run_trace(args: argparse.Namespace, write: Write) -> int:
+    """``simulate --trace``: one trace, each policy's makespan and job completion times."""
+    from megatron_lorafusion.sim.trace import POLICIES, make_trace, simulate_trace, summarize
+
+    jobs = make_trace(
+        args.jobs,
+        seed=args.seed or 0,
+        load=args.load,
+        tokens_per_s=args.tokens_per_s,
+        size_scale=args.size_scale,
+    )
+    rows = [
+        "| policy | makespan s | mean JCT s | p50 JCT s | p95 JCT s | mean queue s | busy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for policy in POLICIES:
+        result = simulate_trace(
+            jobs,
+            policy,
+            args.tokens_per_s,
+            args.max_adapters,
+            alone_tokens_per_s=args.alone_tokens_per_s,
+        )
+        s = summarize(result)
+        rows.append(
+            f"| {policy} | {s['makespan_s']:.0f} | {s['mean_jct_s']:.0f} | {s['p50_jct_s']:.0f} "
+            f"| {s['p95_jct_s']:.0f} | {s['mean_queue_s']:.0f} | {100 * s['busy']:.0f}% |"
+        )
+    tokens = sum(j.tokens for j in jobs)
+    write(
+        f"trace: {len(jobs)} jobs, {tokens:,} tokens, last arrival at "
+        f"{jobs[-1].arrival_s:.0f} s, offered load {args.load} of {args.tokens_per_s:,.0f} "
+        f"tokens/s, {args.max_adapters} jobs at once\n" + "\n".join(rows) + "\n"
+    )
+    return 0
+
+
 def run_simulate(
     args: argparse.Namespace,
     write: Write | None = None,
@@ -374,6 +428,8 @@ def run_simulate(
     """
     from megatron_lorafusion.sim.timeline import draw_timelines
 
+    if getattr(args, "trace", False):
+        return _run_trace(args, write or sys.stdout.write)
     request = request if request is not None else request_from_args(args)
     problem = request.problem
     if args.plan:

@@ -1,17 +1,18 @@
-"""Resumable training checkpoints: all adapters at one point of the plan stream, atomically.
+"""Per-adapter checkpoints: each adapter's own state, saved at its own global-batch boundary.
 
-Adapters step at different times (each after its own global batch), so a checkpoint is taken
-*between microbatches*: after microbatch ``position - 1`` of the (deterministic) plan stream,
-every adapter's weights, accumulated gradients, partial loss, optimizer and LR-schedule
-states are saved together with the RNG states and a digest of the stream so far. Resuming
-regenerates the plan, checks the digest, and continues at microbatch ``position``.
+An adapter is checkpointed right after one of its optimizer steps, when its gradients are
+zero and no loss is pending: its fp32 factors and both AdamW moments (no gradients, and a
+per-projection adapter's ``B`` without its off-block zeros), plus a small state (step, data
+cursor, losses, evaluations, early-stopping state, the config that trained it). No other
+adapter and no position of a shared stream is involved, so adapters save, resume, join and
+leave independently (DESIGN.md "Every adapter on its own").
 
-On disk, ``<output_dir>/checkpoints/ckpt_{position:08d}/`` holds ``job.json``, one
-``shard_tp{t}_pp{p}.pt`` per model-parallel rank (TP-local tensors; data-parallel replica
-``d > 0`` writes ``shard_tp{t}_pp{p}_dp{d}.pt``), and ``manifest.json``
-with every file's size and SHA-256. Files are written into ``ckpt_….tmp/``; the manifest is
-written last and the folder renamed only then, so a crash never leaves a checkpoint that
-looks complete, and a file damaged later fails its size or hash check.
+On disk, ``<folder>/step_<step:08d>/`` holds per tensor/pipeline shard ``shard_tp{t}_pp{p}``
+a safetensors file and a JSON state file; the state file, written last by an atomic rename,
+is the commit marker and records the tensor file's size and SHA-256. A checkpoint is
+complete when every shard's state file is there. ``<folder>/done.json`` marks an adapter
+whose training ended and whose export is written. Nothing here imports Megatron:
+``lorafusion export`` reads these files on any machine.
 """
 
 from __future__ import annotations
@@ -19,159 +20,136 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import pickle
-import random
 import re
-import shutil
-from collections.abc import Callable
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from megatron_lorafusion.train.writer import write_file
+
+if TYPE_CHECKING:
+    from megatron_lorafusion.mcore.context import SlotView
 
 __all__ = [
     "FORMAT_VERSION",
+    "TABLES",
+    "AdapterCheckpoints",
     "CheckpointError",
-    "Checkpointer",
-    "checkpoint_folders",
-    "checkpoint_problems",
-    "find_resume_checkpoint",
+    "Shard",
     "full_adapter_tensors",
     "non_finite_tensors",
-    "read_shard",
-    "shard_name",
+    "rows_to_tensors",
+    "table_tensors",
 ]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: one AdamW state per adapter (step, moments by factor name)
-_NAME = re.compile(r"^ckpt_(\d{8})$")
+FORMAT_VERSION = 3  # 3: one adapter per checkpoint, safetensors + a JSON state per shard
+TABLES = ("weight", "exp_avg", "exp_avg_sq")
+"""The rows saved per adapter: its factors and AdamW's two moments, in this order."""
+
+_STEP = re.compile(r"^step_(\d{8})$")
+_DTYPES = {torch.float32: "F32", torch.uint8: "U8"}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (damaged, or written by another run layout)."""
+    """A checkpoint that cannot be used: damaged, foreign, or from another run layout."""
 
 
-def shard_name(tp_rank: int, pp_rank: int, dp_rank: int = 0) -> str:
-    """File name of one rank's shard.
+@dataclass(frozen=True)
+class Shard:
+    """This rank's tensor/pipeline shard (one writer per shard: data-parallel replica 0)."""
 
-    Data-parallel replicas share weights and optimizer states but not the gradients and loss
-    they have accumulated in a global batch that straddles the checkpoint, so each replica
-    writes its own shard; replica 0's keeps the plain name (what export reads).
-    """
-    suffix = f"_dp{dp_rank}" if dp_rank else ""
-    return f"shard_tp{tp_rank}_pp{pp_rank}{suffix}.pt"
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
+    @property
+    def name(self) -> str:
+        """File stem of this shard: ``shard_tp{t}_pp{p}``."""
+        return f"shard_tp{self.tp_rank}_pp{self.pp_rank}"
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    def coordinates(self) -> list[int]:
+        """``[tp_rank, tp_size, pp_rank, pp_size]``, as state files record them."""
+        return [self.tp_rank, self.tp_size, self.pp_rank, self.pp_size]
 
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def names(self) -> list[str]:
+        """Stems of every shard of the layout."""
+        return [f"shard_tp{t}_pp{p}" for p in range(self.pp_size) for t in range(self.tp_size)]
 
 
-def checkpoint_problems(folder: str | Path) -> list[str]:
-    """Why ``folder`` is not a complete checkpoint (empty when it is).
-
-    Checks the manifest, then every listed file's existence, size and SHA-256.
-    """
-    folder = Path(folder)
-    manifest_path = folder / "manifest.json"
-    if not manifest_path.is_file():
-        return [f"{folder}: no manifest.json (the write did not finish)"]
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        return [f"{manifest_path}: unreadable manifest ({err!r})"]
-    if manifest.get("format") != FORMAT_VERSION:
-        return [f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}"]
-    problems = []
-    for name, meta in files.items():
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-        elif path.stat().st_size != meta["bytes"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {meta['bytes']}")
-        elif _sha256(path) != meta["sha256"]:
-            problems.append(f"{path}: SHA-256 differs from the manifest")
-    return problems
-
-
-def checkpoint_folders(root: str | Path) -> list[Path]:
-    """Every finished checkpoint folder (``ckpt_<position>``) under ``root``, oldest first.
-
-    Finished means renamed into place; a folder may still fail `checkpoint_problems` if it
-    was damaged since.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return [f for f in sorted(root.glob("ckpt_*")) if f.is_dir() and _NAME.match(f.name)]
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first; damaged ones are warned about."""
-    found = []
-    for folder in checkpoint_folders(root):
-        problems = checkpoint_problems(folder)
-        if problems:
-            logger.warning("skipping incomplete checkpoint %s: %s", folder, "; ".join(problems))
-            continue
-        found.append(folder)
-    return found
-
-
-def find_resume_checkpoint(root: str | Path, resume: str) -> Path | None:
-    """The checkpoint to resume from under policy ``resume``.
+def rows_to_tensors(rows: torch.Tensor, slots: Sequence[SlotView]) -> dict[str, torch.Tensor]:
+    """Named tensors of one adapter from its table rows (what a checkpoint file holds).
 
     Args:
-        root: the run's ``checkpoints`` folder.
-        resume: ``"never"``; ``"auto"`` (the newest complete checkpoint, or None); or the path
-            of one checkpoint folder.
+        rows: (len(TABLES), S) fp32 host rows: weights, exp_avg, exp_avg_sq.
+        slots: the adapter's `SlotView` s.
 
-    Raises:
-        CheckpointError: when an explicitly named checkpoint is incomplete or damaged.
+    Returns:
+        ``"<table>/<factor name>"`` fp32 tensors (a per-projection ``B`` flattened to its live
+        entries: its off-block zeros are not stored) and, for those, ``"live/<factor name>"``
+        (N_local, rank) uint8, the live mask (a byte per entry, a twelfth of B's three
+        dense fp32 tables).
     """
-    if resume == "never":
-        return None
-    if resume == "auto":
-        root = Path(root)
-        found = _complete_checkpoints(root) if root.is_dir() else []
-        return found[-1] if found else None
-    problems = checkpoint_problems(resume)
-    if problems:
-        raise CheckpointError(
-            f"train.resume checkpoint {resume!r} is not usable:\n  - " + "\n  - ".join(problems)
-        )
-    return Path(resume)
+    out: dict[str, torch.Tensor] = {}
+    for slot in slots:
+        if slot.live is not None:
+            out[f"live/{slot.name}"] = slot.live.to(torch.uint8)
+        for table, row in zip(TABLES, rows, strict=True):
+            tensor = slot.view(row)
+            if slot.live is not None:
+                tensor = tensor[slot.live]
+            out[f"{table}/{slot.name}"] = tensor.contiguous()
+    return out
 
 
-def read_shard(folder: str | Path, name: str) -> dict:
-    """Load one shard file of a checkpoint (CPU tensors, ``weights_only``).
+def table_tensors(tensors: Mapping[str, torch.Tensor], table: str) -> dict[str, torch.Tensor]:
+    """One table's tensors by factor name, a per-projection ``B`` back to its full shape.
 
-    Raises:
-        CheckpointError: when the file holds anything but tensors and plain data (a pickled
-            object is never run) or is not a torch file.
+    Args:
+        tensors: what `rows_to_tensors` made, or `AdapterCheckpoints.load` read.
+        table: one of `TABLES`.
     """
-    path = Path(folder) / name
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise CheckpointError(
-            f"checkpoint shard {str(path)!r} is refused: it holds more than "
-            f"tensors and plain data ({first})"
-        ) from None
+    prefix = f"{table}/"
+    out = {}
+    for key, value in tensors.items():
+        if not key.startswith(prefix):
+            continue
+        name = key.removeprefix(prefix)
+        live = tensors.get(f"live/{name}")
+        if live is not None and value.dim() == 1:  # its live entries only
+            full = torch.zeros(live.shape, dtype=value.dtype)
+            full[live.bool()] = value
+            value = full
+        out[name] = value
+    return out
+
+
+def _header(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
+    """The safetensors header and the tensors' bytes (views of host memory, not copies)."""
+    meta: dict[str, Any] = {}
+    chunks, offset = [], 0
+    for name, tensor in tensors.items():
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"{name}: checkpoints hold fp32 or uint8 tensors, got {tensor.dtype}")
+        data = memoryview(tensor.contiguous().numpy()).cast("B")
+        meta[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, chunks
 
 
 def non_finite_tensors(tree: object, where: str) -> list[str]:
@@ -183,271 +161,256 @@ def non_finite_tensors(tree: object, where: str) -> list[str]:
         return [
             n for key, value in tree.items() for n in non_finite_tensors(value, f"{where}.{key}")
         ]
-    if isinstance(tree, list | tuple):
-        return [
-            n for i, value in enumerate(tree) for n in non_finite_tensors(value, f"{where}.{i}")
-        ]
     return []
 
 
-def _refuse_non_finite(folder: Path, names: list[str]) -> None:
-    if names:
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise CheckpointError(
-            f"checkpoint {str(folder)!r} holds NaN or infinite values in "
-            f"{shown}; it is refused (resume from an older checkpoint with "
-            f"train.resume: <folder>, or start fresh)"
-        )
+class AdapterCheckpoints:
+    """One adapter's checkpoints on this shard, under ``folder``.
+
+    Args:
+        folder: the adapter's checkpoint folder (``<output_dir>/checkpoints/<name>``).
+        name: the adapter's name (every state file records it; another name is foreign).
+        shard: this rank's shard.
+        keep_last: complete checkpoints kept (older ones deleted; the best of early stopping
+            is kept too); 0 keeps all.
+    """
+
+    def __init__(self, folder: str | Path, name: str, shard: Shard, keep_last: int = 0):
+        self.folder = Path(folder)
+        self.name = name
+        self.shard = shard
+        self.keep_last = keep_last
+
+    def step_folder(self, step: int) -> Path:
+        """The folder of the checkpoint after optimizer step ``step``."""
+        return self.folder / f"step_{step:08d}"
+
+    # -- writing (a writer thread) --------------------------------------------------------
+    def save(self, step: int, tensors: Mapping[str, torch.Tensor], state: dict) -> int:
+        """Write this shard of the checkpoint at ``step``: tensors, then the state file.
+
+        Args:
+            step: the adapter's optimizer steps so far.
+            tensors: `rows_to_tensors` of its rows.
+            state: JSON-able state (the job's; the file also records the tensor file).
+
+        Returns:
+            Bytes written.
+
+        Raises:
+            WriteError: naming the file and bytes when the disk refuses (the state file is
+                then never written, so the checkpoint never looks complete).
+        """
+        folder = self.step_folder(step)
+        folder.mkdir(parents=True, exist_ok=True)
+        header, chunks = _header(tensors)
+        digest = hashlib.sha256()
+        tensor_file = folder / f"{self.shard.name}.safetensors"
+        written = write_file(tensor_file, [header, *chunks], digest)
+        marker = {
+            "format": FORMAT_VERSION,
+            "adapter": self.name,
+            "step": step,
+            "shard": self.shard.coordinates(),
+            "file": {"name": tensor_file.name, "bytes": written, "sha256": digest.hexdigest()},
+            **state,
+        }
+        text = (json.dumps(marker, indent=1) + "\n").encode()
+        written += write_file(folder / f"{self.shard.name}.json", [text])
+        return written
+
+    def write_done(self, state: dict) -> None:
+        """Record that the adapter's training ended and its export is written (``done.json``)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        payload = {"format": FORMAT_VERSION, "adapter": self.name, **state}
+        write_file(self.folder / "done.json", [(json.dumps(payload, indent=1) + "\n").encode()])
+
+    def rotate(self, keep: Iterable[int] = ()) -> None:
+        """Delete this shard's files of all but the newest ``keep_last`` complete checkpoints.
+
+        Only once a newer checkpoint is complete on every shard; steps in ``keep`` (the best
+        of early stopping) stay. A step folder left empty is removed.
+        """
+        if self.keep_last <= 0:
+            return
+        complete = [s for s in self.steps() if self.is_complete(s)]
+        kept = set(complete[: self.keep_last]) | set(keep)
+        newest = complete[0] if complete else None
+        for step in self.steps():
+            if step in kept or newest is None or step > newest:
+                continue
+            folder = self.step_folder(step)
+            for suffix in (".json", ".safetensors"):  # marker first: never a marker alone
+                (folder / f"{self.shard.name}{suffix}").unlink(missing_ok=True)
+            _remove_if_empty(folder)
+
+    def clean_leftovers(self) -> None:
+        """Remove this shard's half-written files (a save killed mid-write) and empty folders."""
+        if not self.folder.is_dir():
+            return
+        for folder in self.folder.iterdir():
+            if not (folder.is_dir() and _STEP.match(folder.name)):
+                continue
+            for tmp in folder.glob(f".{self.shard.name}.*.tmp"):
+                tmp.unlink(missing_ok=True)
+            tensors = folder / f"{self.shard.name}.safetensors"
+            if tensors.exists() and not (folder / f"{self.shard.name}.json").exists():
+                tensors.unlink(missing_ok=True)  # written, never committed
+            _remove_if_empty(folder)
+
+    # -- reading ---------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps with this shard's state file, newest first (nothing is read or verified)."""
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for folder in self.folder.iterdir():
+            match = _STEP.match(folder.name)
+            if match and (folder / f"{self.shard.name}.json").is_file():
+                found.append(int(match.group(1)))
+        return sorted(found, reverse=True)
+
+    def is_complete(self, step: int) -> bool:
+        """Every shard of the layout committed its part of the checkpoint at ``step``."""
+        folder = self.step_folder(step)
+        return all((folder / f"{n}.json").is_file() for n in self.shard.names())
+
+    def read_state(self, step: int) -> dict:
+        """This shard's state file at ``step``, checked against this adapter and layout.
+
+        Raises:
+            CheckpointError: unreadable, another format, another adapter's (foreign), or
+                written by another TP × PP layout.
+        """
+        path = self.step_folder(step) / f"{self.shard.name}.json"
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+            fmt, name, layout = state["format"], state["adapter"], state["shard"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{str(path)!r} is not a readable state file ({err})") from None
+        if fmt != FORMAT_VERSION:
+            raise CheckpointError(f"{str(path)!r} has format {fmt!r}, expected {FORMAT_VERSION}")
+        if name != self.name:
+            raise CheckpointError(
+                f"{str(path)!r} belongs to adapter {name!r}, not {self.name!r} (a foreign "
+                "checkpoint in this adapter's folder)"
+            )
+        mine = self.shard.coordinates()
+        if list(layout) != mine:
+            raise CheckpointError(
+                f"{str(path)!r} was written by shard {layout} (tp rank, tp, pp rank, pp); "
+                f"this rank is {mine}: resume needs the TP × PP layout it was saved with"
+            )
+        return state
+
+    def load(self, step: int) -> tuple[dict[str, torch.Tensor], dict]:
+        """This shard's tensors and state at ``step``, verified (size, SHA-256, finite).
+
+        Raises:
+            CheckpointError: naming the file, for a missing, truncated, altered, foreign or
+                non-finite checkpoint.
+        """
+        state = self.read_state(step)
+        path = self.step_folder(step) / state["file"]["name"]
+        tensors = read_verified(path, state["file"]["bytes"], state["file"]["sha256"])
+        _check_live(tensors, path)
+        bad = non_finite_tensors(tensors, path.name)
+        if bad:
+            raise CheckpointError(f"{str(path)!r} holds NaN or infinite values in {bad[0]}")
+        return tensors, state
+
+    def read_done(self) -> dict | None:
+        """``done.json`` of an adapter whose training ended, or None."""
+        path = self.folder / "done.json"
+        if not path.is_file():
+            return None
+        try:
+            done = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"{str(path)!r} is not readable ({err})") from None
+        if done.get("adapter") != self.name:
+            raise CheckpointError(f"{str(path)!r} belongs to adapter {done.get('adapter')!r}")
+        return done
 
 
-def full_adapter_tensors(folder: str | Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Every adapter's full (unsharded) factors from a checkpoint, by adapter name.
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty (another shard's files) or already gone
 
-    Pipeline stages hold disjoint layers; tensor-parallel shards are concatenated along the
-    dimension (and partition stride) recorded with each tensor (`pipeline.gather.unshard_tp`).
+
+def read_verified(path: Path, nbytes: int, sha256: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, once its size and SHA-256 match the state file's.
 
     Raises:
-        CheckpointError: when the checkpoint is incomplete or damaged.
+        CheckpointError: naming ``path`` and what is wrong.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise CheckpointError(f"{str(path)!r} cannot be read ({err.strerror or err})") from None
+    if len(data) != nbytes:
+        raise CheckpointError(f"{str(path)!r} has {len(data)} bytes, its state file says {nbytes}")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{str(path)!r}: SHA-256 differs from its state file (damaged)")
+    try:
+        return load_safetensors(data)
+    except (SafetensorError, ValueError) as err:
+        raise CheckpointError(f"{str(path)!r} is not a safetensors file ({err})") from None
+
+
+def _check_live(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Every live-masked tensor has as many values as its mask has live entries.
+
+    Raises:
+        CheckpointError: naming the tensor that does not fit.
+    """
+    for key, mask in tensors.items():
+        if not key.startswith("live/"):
+            continue
+        name = key.removeprefix("live/")
+        for table in TABLES:
+            values = tensors.get(f"{table}/{name}")
+            if values is None or values.numel() != int(mask.bool().sum()):
+                raise CheckpointError(f"{str(path)!r}: {table}/{name} does not fit its live mask")
+
+
+def full_adapter_tensors(folder: str | Path, name: str) -> dict[str, torch.Tensor]:
+    """One adapter's full (unsharded) fp32 factors from a complete checkpoint folder.
+
+    Pipeline stages hold disjoint layers; tensor-parallel shards are concatenated along the
+    dimension (and partition stride) each state file records (`pipeline.gather.unshard_tp`).
+
+    Args:
+        folder: a ``step_<n>`` folder.
+        name: the adapter's name.
+
+    Raises:
+        CheckpointError: when a shard is missing, damaged or foreign.
     """
     from megatron_lorafusion.pipeline.gather import unshard_tp
 
     folder = Path(folder)
-    problems = checkpoint_problems(folder)
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {str(folder)!r} is not usable:\n  - " + "\n  - ".join(problems)
-        )
-    manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-    tp, pp = manifest["tp"], manifest["pp"]
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    first = folder / "shard_tp0_pp0.json"
+    try:
+        layout = json.loads(first.read_text(encoding="utf-8"))["shard"]
+        tp, pp = int(layout[1]), int(layout[3])
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise CheckpointError(f"{str(first)!r} is not a readable state file ({err})") from None
+    step = int(_STEP.match(folder.name).group(1)) if _STEP.match(folder.name) else -1
+    out: dict[str, torch.Tensor] = {}
     for p in range(pp):
-        shards = [read_shard(folder, shard_name(t, p)) for t in range(tp)]
-        _refuse_non_finite(
-            folder,
-            [
-                n
-                for t, shard in enumerate(shards)
-                for e in shard["adapters"]
-                for n in non_finite_tensors(e["tensors"], f"{e['name']} (tp{t} pp{p})")
-            ],
-        )
-        for a, entry in enumerate(shards[0]["adapters"]):
-            tensors = out.setdefault(entry["name"], {})
-            for key, value in entry["tensors"].items():
-                split = shards[0]["sharding"][key]
-                if split is None or tp == 1:
-                    tensors[key] = value
-                else:
-                    parts = [s["adapters"][a]["tensors"][key] for s in shards]
-                    tensors[key] = unshard_tp(parts, split[0], split[1])
-    return out
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Checkpointer:
-    """Writes and restores this rank's part of the run's checkpoints.
-
-    Args:
-        root: the run's ``checkpoints`` folder.
-        job: the job config as a JSON-able dict (copied into every checkpoint).
-        tp_rank, tp_size, pp_rank, pp_size: this rank's model-parallel coordinates.
-        dp_rank, dp_size: this rank's data-parallel coordinates (every replica writes its
-            own shard: see `shard_name`).
-        coordinator: whether this rank writes the manifest, renames and rotates (global rank 0).
-        barrier: synchronises all ranks (a no-op in a one-process run).
-        keep_last: complete checkpoints to keep (older ones are deleted); 0 keeps all.
-    """
-
-    def __init__(
-        self,
-        root: str | Path,
-        job: dict,
-        *,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        dp_rank: int = 0,
-        dp_size: int = 1,
-        coordinator: bool = True,
-        barrier: Callable[[], None] = lambda: None,
-        keep_last: int = 0,
-    ):
-        self.root = Path(root)
-        self.job = job
-        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, pp_rank, pp_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.coordinator = coordinator
-        self.barrier = barrier
-        self.keep_last = keep_last
-
-    def _payload(self, position: int, digest: str, runs, optimizer, lora) -> dict:
-        adapters = []
-        for a, run in enumerate(runs):
-            adapters.append(
-                {
-                    "name": run.name,
-                    "tensors": {
-                        n: t.detach().cpu().clone() for n, t in lora.adapter_tensors(a).items()
-                    },
-                    "grads": {
-                        n: t.detach().cpu().clone() for n, t in lora.adapter_grads(a).items()
-                    },
-                    "optimizer": optimizer.adapter_state(a),
-                    "losses": list(run.losses),
-                    "pending_loss": run.pending_loss,
-                }
-            )
-        sharding = {n: None if rule is None else list(rule) for n, rule in lora.sharding().items()}
-        return {
-            "format": FORMAT_VERSION,
-            "position": position,
-            "stream_digest": digest,
-            "adapters": adapters,
-            "sharding": sharding,
-            "rng": _rng_state(),
-        }
-
-    def save(self, position: int, digest: str, runs, optimizer, lora) -> Path:
-        """Save every adapter's state after ``position`` microbatches of the stream.
-
-        Args:
-            position: microbatches consumed so far (the next one to run has this index).
-            digest: SHA-256 hex of the stream's first ``position`` microbatches.
-            runs: per adapter id, its `AdapterRun` (losses).
-            optimizer: the adapters' `AdapterAdamW` (step counts and moments).
-            lora: the `LoRAContext` holding the adapters' parameters on this rank.
-
-        Returns:
-            The final checkpoint folder.
-        """
-        final = self.root / f"ckpt_{position:08d}"
-        if self._same_as(final, digest):
-            return final  # this job at this point of the same stream: the same state
-        tmp = final.with_name(final.name + ".tmp")
-        if self.coordinator:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        self.barrier()
-        path = tmp / shard_name(self.tp_rank, self.pp_rank, self.dp_rank)
-        torch.save(self._payload(position, digest, runs, optimizer, lora), path)
-        _fsync(path)
-        self.barrier()
-        if self.coordinator:
-            (tmp / "job.json").write_text(json.dumps(self.job, indent=2) + "\n", encoding="utf-8")
-            files = {
-                p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                for p in sorted(tmp.iterdir())
-            }
-            manifest = {
-                "format": FORMAT_VERSION,
-                "position": position,
-                "tp": self.tp_size,
-                "pp": self.pp_size,
-                "dp": self.dp_size,
-                "stream_digest": digest,
-                "steps": {run.name: run.step for run in runs},
-                "files": files,
-            }
-            (tmp / "manifest.json").write_text(
-                json.dumps(manifest, indent=2) + "\n", encoding="utf-8"
-            )
-            _fsync(tmp / "manifest.json")
-            if final.exists():  # another job's checkpoint here: moved aside, then deleted
-                old = final.with_name(final.name + ".old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old)
+        parts, rules = [], {}
+        for t in range(tp):
+            store = AdapterCheckpoints(folder.parent, name, Shard(t, tp, p, pp))
+            tensors, state = store.load(step)
+            parts.append(table_tensors(tensors, TABLES[0]))
+            rules = state["sharding"]
+        for key in parts[0]:
+            split = rules.get(key)
+            if split is None or tp == 1:
+                out[key] = parts[0][key]
             else:
-                os.replace(tmp, final)
-            self._rotate()
-            logger.info(
-                "saved checkpoint %s (%s)",
-                final,
-                ", ".join(f"{run.name} step {run.step}" for run in runs),
-            )
-        self.barrier()
-        return final
-
-    def _same_as(self, folder: Path, digest: str) -> bool:
-        """Whether ``folder`` is a complete checkpoint of this job at the same stream point."""
-        if not folder.is_dir() or checkpoint_problems(folder):
-            return False
-        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        job = json.loads((folder / "job.json").read_text(encoding="utf-8"))
-        return manifest["stream_digest"] == digest and job == json.loads(json.dumps(self.job))
-
-    def _rotate(self) -> None:
-        if self.keep_last <= 0:
-            return
-        complete = [
-            f
-            for f in sorted(self.root.glob("ckpt_*"))
-            if _NAME.match(f.name) and (f / "manifest.json").is_file()
-        ]
-        for old in complete[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def restore(self, folder: str | Path, runs, optimizer, lora) -> tuple[int, str]:
-        """Load this rank's shard of ``folder`` into ``runs``, ``optimizer`` and ``lora``.
-
-        Returns:
-            ``(position, digest)``: microbatches already consumed and their SHA-256.
-
-        Raises:
-            CheckpointError: when the checkpoint was written with another TP/PP/DP layout or
-                other adapters.
-        """
-        from megatron_lorafusion.mcore.context import load_views  # Megatron: training only
-
-        folder = Path(folder)
-        manifest = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))
-        # Older checkpoints hold no "dp" and only replica 0's shards: usable at DP = 1 only.
-        written = (manifest["tp"], manifest["pp"], manifest.get("dp", 1))
-        if written != (self.tp_size, self.pp_size, self.dp_size):
-            raise CheckpointError(
-                f"checkpoint {str(folder)!r} was written with tp={written[0]}, "
-                f"pp={written[1]}, dp={written[2]}; this run has tp={self.tp_size}, "
-                f"pp={self.pp_size}, dp={self.dp_size} "
-                f"(set train.resume: never or another train.output_dir to start fresh)"
-            )
-        shard = read_shard(folder, shard_name(self.tp_rank, self.pp_rank, self.dp_rank))
-        names = [entry["name"] for entry in shard["adapters"]]
-        if names != [run.name for run in runs]:
-            raise CheckpointError(
-                f"checkpoint {str(folder)!r} holds adapters {names}, this run has "
-                f"{[run.name for run in runs]} (set train.resume: never or another "
-                f"train.output_dir to start fresh)"
-            )
-        _refuse_non_finite(
-            folder,
-            [
-                n
-                for e in shard["adapters"]
-                for key in ("tensors", "grads", "optimizer")
-                for n in non_finite_tensors(e[key], f"{e['name']}.{key}")
-            ],
-        )
-        for a, (entry, run) in enumerate(zip(shard["adapters"], runs, strict=True)):
-            lora.load_adapter_state_dict(a, entry["tensors"])
-            load_views(lora.adapter_grads(a), entry["grads"], f"the gradients of adapter {a}")
-            optimizer.load_adapter_state(a, entry["optimizer"])
-            run.losses[:] = entry["losses"]
-            run.pending_loss = entry["pending_loss"]
-        _set_rng_state(shard["rng"])
-        logger.info("resumed from %s at microbatch %d", folder, shard["position"])
-        return shard["position"], shard["stream_digest"]
+                out[key] = unshard_tp([part[key] for part in parts], split[0], split[1])
+    return out

@@ -12,9 +12,10 @@ its ``B`` the same rank columns of its projections' rows, every other entry zero
 becomes its own PEFT module, so the folder has exactly the keys PEFT writes for those
 ``target_modules``.
 
-`export_checkpoint` (the ``lorafusion export`` command) writes every adapter of a run's
-checkpoint this way and, on request, merges each into the base weights of the Hugging Face
-checkpoint the run was trained on (``W + scale·B·A`` per module), written as safetensors.
+`export_checkpoint` (the ``lorafusion export`` command) writes the adapters of a run this
+way (each done adapter's exported weights, each other one's newest complete checkpoint)
+and, on request, merges each into the base weights of the Hugging Face checkpoint the run
+was trained on (``W + scale·B·A`` per module), written as safetensors.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron_lorafusion.adapter_types import LORA, AdapterType, adapter_type
 from megatron_lorafusion.config import (
     PROJECTIONS,
     AdapterConfig,
+    JobConfig,
     ModelConfig,
     adapter_scaling,
     job_from_dict,
@@ -229,14 +231,19 @@ def write_peft_folder(
         ExportError: when a weight is NaN or infinite (nothing is written).
     """
     check_finite_weights(adapter, megatron_state)
-    folder = Path(folder)
+    kind = adapter_type(adapter)
+    peft = peft_state_dict(megatron_state, model, adapter.target_modules, kind)
+    return _write_peft(Path(folder), adapter, peft, model)
+
+
+def _write_peft(
+    folder: Path, adapter: AdapterConfig, peft: dict[str, torch.Tensor], model: ModelConfig
+) -> Path:
+    """`write_peft_folder` of a state already in PEFT's names."""
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(
-        peft_state_dict(megatron_state, model, adapter.target_modules, adapter_type(adapter)),
-        str(tmp / "adapter_model.safetensors"),
-    )
+    save_file(peft, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(
         json.dumps(peft_adapter_config(adapter, model.hf_path), indent=2) + "\n",
         encoding="utf-8",
@@ -280,16 +287,23 @@ def write_merged_checkpoint(
         ValueError: when the run's base is not a Hugging Face checkpoint, or a module to merge
             into is missing from it.
     """
+    check_finite_weights(adapter, megatron_state)
+    kind = adapter_type(adapter)
+    peft = peft_state_dict(megatron_state, model, adapter.target_modules, kind)
+    return _write_merged(Path(folder), adapter, peft, model)
+
+
+def _write_merged(
+    folder: Path, adapter: AdapterConfig, peft: dict[str, torch.Tensor], model: ModelConfig
+) -> Path:
+    """`write_merged_checkpoint` of a state already in PEFT's names."""
     if model.hf_path is None:
         raise ValueError(
             "merging needs a Hugging Face base (model.hf_path); this run was "
             "trained on a random base, which has no checkpoint to merge into"
         )
-    check_finite_weights(adapter, megatron_state)
     kind = adapter_type(adapter)
-    factors = _merge_factors(
-        kind, peft_state_dict(megatron_state, model, adapter.target_modules, kind)
-    )
+    factors = _merge_factors(kind, peft)
     scale = adapter_scaling(adapter)
     source, folder = Path(model.hf_path), Path(folder)
     tmp = _tmp_sibling(folder)
@@ -355,49 +369,99 @@ def _claim_export_folder(out: Path, targets: list[str]) -> list[str]:
     return list(ours)
 
 
-def _resolve_checkpoint(source: Path) -> Path:
-    """``source`` itself (a checkpoint folder), or the newest checkpoint of a run folder.
+def _adapter_sources(source: Path, names: list[str] | None) -> tuple[JobConfig, dict[str, Path]]:
+    """The run's job and, per adapter to export, what holds its weights.
+
+    ``source`` is a run folder (each done adapter's export folder, each other one's newest
+    complete checkpoint) or one adapter's checkpoint folder (``checkpoints/<name>/step_<n>``).
 
     Raises:
-        ValueError: when the run has no checkpoint, or its newest one is damaged (never an
-            older one in its place: it would export other weights than the run's last).
+        ValueError: for a folder that is neither, an adapter with nothing to export, or a
+            damaged newest checkpoint (never an older one in its place: it would export
+            other weights than the run's last).
     """
-    from megatron_lorafusion.train.checkpoint import checkpoint_folders, checkpoint_problems
+    from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 
-    if (source / "manifest.json").is_file():
-        return source
-    folders = checkpoint_folders(source / "checkpoints")
-    if not folders:
+    one = source.name.startswith("step_") and (source / "shard_tp0_pp0.json").is_file()
+    run = source.parents[2] if one else source
+    if not (run / "job.json").is_file():
         raise ValueError(
-            f"{str(source)!r} is neither a checkpoint folder nor a run folder "
-            "holding a checkpoint under checkpoints/"
+            f"{str(source)!r} is neither a run folder (with job.json) nor a checkpoint "
+            "folder of one (checkpoints/<adapter>/step_<n>)"
         )
-    problems = checkpoint_problems(folders[-1])
-    if problems:
-        older = (
-            f"; to export an older one, name it (--checkpoint {folders[-2].name}): "
-            f"{str(folders[-2])!r}"
-            if len(folders) > 1
+    cfg = job_from_dict(json.loads((run / "job.json").read_text(encoding="utf-8")))
+    unsafe = [
+        q
+        for i, a in enumerate(cfg.adapters)
+        if (q := adapter_name_problem(a.name, f"adapters.{i}.name")) is not None
+    ]
+    if unsafe:  # a run written before names were checked: never build a path out of them
+        raise ValueError(f"{str(run)!r}: job.json: " + "; ".join(unsafe))
+    if one:
+        return cfg, {source.parent.name: source}
+    found = {}
+    for adapter in cfg.adapters:
+        if names is not None and adapter.name not in names:
+            continue
+        folder = source / "checkpoints" / adapter.name
+        exported = source / "adapters" / adapter.name
+        if (folder / "done.json").is_file() and (exported / "adapter_model.safetensors").is_file():
+            found[adapter.name] = exported
+            continue
+        store = AdapterCheckpoints(
+            folder, adapter.name, Shard(0, cfg.parallel.tp, 0, cfg.parallel.pp)
+        )
+        steps = store.steps()
+        if not steps:
+            raise ValueError(
+                f"adapter {adapter.name!r} has no checkpoint and no export under {str(source)!r}"
+            )
+        if not store.is_complete(steps[0]):
+            raise ValueError(
+                f"the newest checkpoint of adapter {adapter.name!r}, "
+                f"{str(store.step_folder(steps[0]))!r}, is incomplete; name an older one "
+                "(--checkpoint checkpoints/<adapter>/step_<n>) to export it"
+            )
+        found[adapter.name] = store.step_folder(steps[0])
+    return cfg, found
+
+
+def _checkpoint_tensors(folder: Path, name: str, *, newest: bool) -> dict[str, torch.Tensor]:
+    """An adapter's weights from one checkpoint folder; a damaged newest one names the older.
+
+    Raises:
+        ValueError: for a damaged checkpoint (never an older one in its place: it would
+            export other weights than the run's last).
+    """
+    from megatron_lorafusion.train.checkpoint import CheckpointError, full_adapter_tensors
+
+    try:
+        return full_adapter_tensors(folder, name)
+    except CheckpointError as err:
+        if not newest:
+            raise
+        older = sorted(p.name for p in folder.parent.glob("step_*") if p.name < folder.name)
+        hint = (
+            f"; to export an older one, name it (--checkpoint checkpoints/{name}/{older[-1]})"
+            if older
             else ""
         )
         raise ValueError(
-            f"the newest checkpoint {str(folders[-1])!r} is damaged ("
-            + "; ".join(problems)
-            + f"){older}"
-        )
-    return folders[-1]
+            f"the newest checkpoint of adapter {name!r}, {str(folder)!r}, is damaged ({err}){hint}"
+        ) from None
 
 
 def export_checkpoint(
     source: str | Path, out: str | Path, *, merge: bool = False, names: list[str] | None = None
 ) -> list[Path]:
-    """Export the adapters of a run (its newest complete checkpoint) or of one checkpoint.
+    """Export the adapters of a run, or one adapter's checkpoint.
 
     ``out/<adapter name>/`` becomes a PEFT folder; with ``merge``, ``out/<name>-merged/`` a
     Hugging Face checkpoint with the adapter merged into the base weights.
 
     Args:
-        source: a run's ``train.output_dir`` or one ``checkpoints/ckpt_…`` folder.
+        source: a run's ``train.output_dir`` (each done adapter's export, each other one's
+            newest complete checkpoint) or one ``checkpoints/<adapter>/step_<n>`` folder.
         out: the export folder.
         merge: also write merged checkpoints (needs a base imported from ``model.hf_path``).
         names: adapters to export (default: all).
@@ -411,31 +475,29 @@ def export_checkpoint(
         ExportError: for non-finite weights, or an ``out`` that is a file, a non-empty folder
             not written by export, or holds a same-named folder it did not write.
     """
-    from megatron_lorafusion.train.checkpoint import full_adapter_tensors
-
-    folder = _resolve_checkpoint(Path(source))
-    cfg = job_from_dict(json.loads((folder / "job.json").read_text(encoding="utf-8")))
+    cfg, sources = _adapter_sources(Path(source), names)
     adapters = {a.name: a for a in cfg.adapters}
     unknown = sorted(set(names or []) - adapters.keys())
     if unknown:
         raise ValueError(f"adapters {unknown} are not in the run; it has {sorted(adapters)}")
-    unsafe = [
-        q
-        for i, a in enumerate(cfg.adapters)
-        if (q := adapter_name_problem(a.name, f"adapters.{i}.name")) is not None
-    ]
-    if unsafe:  # a run written before names were checked: never build a path out of them
-        raise ValueError(f"{str(folder)!r}: job.json: " + "; ".join(unsafe))
-    clashes = sorted(n for n in adapters if merge and f"{n}-merged" in adapters)
+    chosen = [n for n in (names or list(adapters)) if n in sources]
+    clashes = sorted(n for n in chosen if merge and f"{n}-merged" in adapters)
     if clashes:
         raise ValueError(
             f"--merge would write {clashes[0]}-merged/ over the adapter of that "
             f"name; export them without --merge or separately"
         )
-    tensors = full_adapter_tensors(folder)
-    chosen = names or list(adapters)
+    peft = {}
     for name in chosen:  # all or nothing: no folder written while another would be refused
-        check_finite_weights(adapters[name], tensors[name])
+        adapter, where = adapters[name], sources[name]
+        if where.name.startswith("step_"):
+            state = _checkpoint_tensors(where, name, newest=Path(source) != where)
+            check_finite_weights(adapter, state)
+            kind = adapter_type(adapter)
+            peft[name] = peft_state_dict(state, cfg.model, adapter.target_modules, kind)
+        else:
+            peft[name] = load_file(str(where / "adapter_model.safetensors"))
+            check_finite_weights(adapter, peft[name])
     out = Path(out)
     targets = [t for n in chosen for t in ([n, f"{n}-merged"] if merge else [n])]
     ours = _claim_export_folder(out, targets)
@@ -446,11 +508,9 @@ def export_checkpoint(
     )
     written = []
     for name in chosen:
-        written.append(write_peft_folder(out / name, adapters[name], tensors[name], cfg.model))
+        written.append(_write_peft(out / name, adapters[name], peft[name], cfg.model))
         if merge:
             written.append(
-                write_merged_checkpoint(
-                    out / f"{name}-merged", adapters[name], tensors[name], cfg.model
-                )
+                _write_merged(out / f"{name}-merged", adapters[name], peft[name], cfg.model)
             )
     return written

@@ -7,8 +7,10 @@ first TP/DP rank of a pipelined one). Each optimizer step of an adapter appends 
 go to TensorBoard as ``loss/<adapter>``, ``lr/<adapter>``, ``eval_loss/<adapter>``, ...
 (`torch.utils.tensorboard.SummaryWriter`, under ``<output_dir>/tensorboard/``). A resumed run
 appends: readers keep the last record of each (adapter, step, kind) (`read_metrics`).
-Run-wide records (``"adapter": null``: tokens/s, microbatches, fill, measured bubble) are
-written once per checkpoint segment and at the end (`MetricsWriter.log_run`).
+Run-wide records (``"adapter": null``: tokens/s, microbatches, fill, measured bubble, and
+where the time went: start-up, the first step (Triton compilation), training, waits for
+saves, the export tail) are written at the end (`MetricsWriter.log_run`; pipelined runs also
+log each segment's measured bubble).
 
 It also holds what a run says on its first screen (`job_summary`, `plan_summary`) and the
 progress bar of every kind of run (`ProgressBar`).
@@ -26,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 if TYPE_CHECKING:
     from megatron_lorafusion.config import JobConfig
     from megatron_lorafusion.planner import Plan, PlanProblem
+    from megatron_lorafusion.train.job import AdapterJob
 
 __all__ = ["MetricsWriter", "ProgressBar", "job_summary", "plan_summary", "read_metrics"]
 
@@ -48,8 +52,7 @@ class MetricsWriter:
     """Writes per-adapter step and eval records (a no-op on ranks that do not write).
 
     Args:
-        output_dir: the run's folder (``train.output_dir``).
-        adapter_names: by adapter id.
+        output_dir: the run's folder (``train.output_dir``), or a served job's.
         enabled: this rank writes.
         device: the model's device (GPU memory is read from it; 0 on CPU).
     """
@@ -57,16 +60,14 @@ class MetricsWriter:
     def __init__(
         self,
         output_dir: str | Path,
-        adapter_names: Sequence[str],
         *,
         enabled: bool,
         device: torch.device | str = "cpu",
     ):
-        self.names = list(adapter_names)
         self.enabled = enabled
         self.device = torch.device(device)
         self.start = time.perf_counter()
-        self.tokens = [0] * len(self.names)  # trained tokens per adapter in this process
+        self.tokens: dict[str, int] = {}  # trained tokens per adapter in this process
         self._file = None
         self._tb = None
         if not enabled:
@@ -89,7 +90,7 @@ class MetricsWriter:
 
     def log_step(
         self,
-        adapter_id: int,
+        name: str,
         step: int,
         *,
         loss: float,
@@ -97,21 +98,20 @@ class MetricsWriter:
         grad_norm: float | None,
         tokens: int,
     ) -> None:
-        """Record adapter ``adapter_id``'s optimizer step ``step`` (1-based).
+        """Record adapter ``name``'s optimizer step ``step`` (1-based).
 
         Args:
-            adapter_id: the adapter.
+            name: the adapter.
             step: its optimizer steps so far.
             loss: per-token mean loss of the global batch.
             lr: learning rate of the step.
             grad_norm: gradient L2 norm before clipping (None when unknown on this rank).
             tokens: trained tokens of the global batch.
         """
-        self.tokens[adapter_id] += tokens
+        self.tokens[name] = self.tokens.get(name, 0) + tokens
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.start
-        name = self.names[adapter_id]
         record = {
             "step": step,
             "adapter": name,
@@ -119,7 +119,7 @@ class MetricsWriter:
             "lr": lr,
             "grad_norm": _number(grad_norm),
             "tokens": tokens,
-            "tokens_per_s": self.tokens[adapter_id] / max(elapsed, 1e-9),
+            "tokens_per_s": self.tokens[name] / max(elapsed, 1e-9),
             "gpu_mem_gib": self._gpu_mem_gib(),
             "time_s": elapsed,
         }
@@ -128,11 +128,10 @@ class MetricsWriter:
             if record[key] is not None:
                 self._tb.add_scalar(f"{key}/{name}", record[key], step)
 
-    def log_eval(self, adapter_id: int, step: int, eval_loss: float) -> None:
-        """Record adapter ``adapter_id``'s eval loss after its step ``step``."""
+    def log_eval(self, name: str, step: int, eval_loss: float) -> None:
+        """Record adapter ``name``'s eval loss after its step ``step``."""
         if not self.enabled:
             return
-        name = self.names[adapter_id]
         self._write(
             {
                 "step": step,
@@ -180,7 +179,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
-def job_summary(cfg: JobConfig, problem: PlanProblem, world_size: int) -> str:
+def job_summary(cfg: JobConfig, jobs: Sequence[AdapterJob], world_size: int) -> str:
     """The job on one screen: model, adapters, parallel layout, capacity, output folder."""
     m = cfg.model
     source = m.hf_path or (f"preset {m.preset}" if m.preset else "random weights")
@@ -195,11 +194,13 @@ def job_summary(cfg: JobConfig, problem: PlanProblem, world_size: int) -> str:
         f"{'adapter':<16} {'rank':>4} {'alpha':>6} {'dropout':>7} {'lr':>8} {'batch':>5} "
         f"{'samples':>8} {'steps':>5}",
     ]
-    for a, adapter in enumerate(cfg.adapters):
+    for job in jobs:
+        adapter = job.config
+        steps = f"{job.step}/{job.total_steps}" if job.step else str(job.total_steps)
         lines.append(
             f"{adapter.name[:16]:<16} {adapter.rank:>4} {adapter.alpha:>6g} "
             f"{adapter.dropout:>7g} {adapter.lr:>8.1e} {adapter.global_batch_size:>5} "
-            f"{len(problem.lengths[a]):>8} {problem.num_global_batches(a):>5}"
+            f"{len(job.order):>8} {steps:>5}"
         )
     lines.append(f"output: {cfg.train.output_dir}")
     return "\n".join(lines)
@@ -225,6 +226,9 @@ def plan_summary(plan: Plan, problem: PlanProblem, first_chunk: bool) -> str:
 class ProgressBar:
     """A tqdm bar over every adapter's optimizer steps, with tokens/s (ETA in steps).
 
+    While the bar is shown, log records go through it (``tqdm.write``), so a log line never
+    lands in the middle of a redraw.
+
     Args:
         total_steps: optimizer steps of all adapters in the run.
         done_steps: those already taken (a resumed run).
@@ -236,6 +240,13 @@ class ProgressBar:
         self.bar: tqdm | None = None  # drawn at the first step, below the start-up lines
         self.start = time.perf_counter()
         self.tokens = 0
+        self._redirect = None  # logging through the bar while it is shown
+
+    def add_total(self, steps: int) -> None:
+        """More steps to go (a job joined a running server)."""
+        self.total += steps
+        if self.bar is not None:
+            self.bar.total = self.total
 
     def step(self, tokens: int, losses: dict[str, float]) -> None:
         """One adapter stepped on a global batch of ``tokens`` trained tokens."""
@@ -247,6 +258,9 @@ class ProgressBar:
                 unit="step",
                 disable=not self.enabled,
             )
+            if self.enabled:
+                self._redirect = logging_redirect_tqdm()
+                self._redirect.__enter__()
         self.tokens += tokens
         rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         postfix = {"tok/s": f"{rate / 1e3:.1f}k"}
@@ -255,6 +269,10 @@ class ProgressBar:
         self.bar.update(1)
 
     def close(self) -> None:
-        """Close the bar."""
+        """Close the bar (logging goes back to its handlers)."""
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self.bar is not None:
             self.bar.close()
+            self.bar = None

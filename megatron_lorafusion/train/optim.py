@@ -124,8 +124,8 @@ class AdapterAdamW:
                 f"the context ({lora.num_adapters}), got {len(adapters)} and {len(total_steps)}"
             )
         self.lora = lora
-        self.adapters = tuple(adapters)
-        self.total_steps = tuple(total_steps)
+        self.adapters = list(adapters)
+        self.total_steps = list(total_steps)
         self.exp_avg = torch.zeros_like(lora.weights)
         self.exp_avg_sq = torch.zeros_like(lora.weights)
         self.steps = [0] * lora.num_adapters
@@ -139,6 +139,32 @@ class AdapterAdamW:
         self._norms_host: list[float] | None = None
         self._unchecked: list[int] = []  # the last step's adapters, until `check`
         self._losses: tuple[tuple[int, ...], HostCopy] | None = None  # and what they stepped on
+        self._fences: dict[int, torch.cuda.Event] = {}  # rows being copied out (a save)
+
+    def fence(self, adapter_id: int, done: torch.cuda.Event | None) -> None:
+        """Make the next step of ``adapter_id`` wait for ``done`` (a copy of its rows)."""
+        if done is not None:
+            self._fences[adapter_id] = done
+
+    def bind(self, adapter_id: int, adapter: AdapterConfig, total_steps: int) -> None:
+        """Give row ``adapter_id`` to a new adapter: zero moments and step, its schedule.
+
+        Its gradients must be zero (a row between global batches) and its factors set by
+        `LoRAContext.bind` or loaded.
+        """
+        self._wait_fence(adapter_id)
+        self.adapters[adapter_id] = adapter
+        self.total_steps[adapter_id] = total_steps
+        self.exp_avg[adapter_id].zero_()
+        self.exp_avg_sq[adapter_id].zero_()
+        self.steps[adapter_id] = 0
+        self.last_lr[adapter_id] = 0.0
+        self.stopped.discard(adapter_id)
+
+    def _wait_fence(self, adapter_id: int) -> None:
+        done = self._fences.pop(adapter_id, None)
+        if done is not None:  # the copy of its rows runs on a side stream (a save)
+            torch.cuda.current_stream(self.lora.weights.device).wait_event(done)
 
     def lr(self, adapter_id: int) -> float:
         """Learning rate of adapter ``adapter_id``'s next step."""
@@ -173,7 +199,7 @@ class AdapterAdamW:
         *,
         squared_norms: torch.Tensor | None = None,
         losses: torch.Tensor | None = None,
-    ) -> None:
+    ) -> tuple[int, ...]:
         """Clip and step the given adapters (one launch) and zero their gradients.
 
         Queued with no host read: the kernel leaves the row of an adapter whose gradient norm
@@ -189,17 +215,21 @@ class AdapterAdamW:
             losses: (k,) on the device, the loss each of ``adapter_ids`` (in that order)
                 steps on, or None.
 
+        Returns:
+            The adapters queued to step (not stopped), in ``adapter_ids`` order.
+
         Raises:
             DivergenceError: for the previous step (`check`).
         """
         self.check()
         ids = tuple(adapter_ids)
         for a in ids:
+            self._wait_fence(a)
             if a in self.stopped:
                 self.lora.grads[a].zero_()
         stepping = [a for a in ids if a not in self.stopped]
         if not stepping:
-            return
+            return ()
         norms = None
         if self.needs_norms(ids):  # the configs only: every rank issues the same collectives
             norms = self.squared_norms(stepping) if squared_norms is None else squared_norms
@@ -237,19 +267,33 @@ class AdapterAdamW:
         self._norms = None if norms is None else HostCopy(norms)
         self._norms_host = None
         self._losses = None if losses is None else (ids, HostCopy(losses))
+        return tuple(stepping)
 
     def check(self) -> None:
         """Raise `DivergenceError` when the last step refused an adapter, naming the first.
+
+        `confirm`, for a caller that stops on any refusal (the runner confirms each step
+        group itself and fails only the refused adapters).
+        """
+        refused = self.confirm()
+        if refused:
+            raise DivergenceError(refused[0][1])
+
+    def confirm(self) -> list[tuple[int, str]]:
+        """The adapters the last step refused, with why; they stop stepping (``stopped``).
 
         The kernel refused every stepping adapter whose loss or gradient norm was NaN or
         infinite; this reads that step's losses and norms back (a wait for the work queued up
         to the step, not after it). A refused adapter's weights, moments, gradients and step
         count stay those before the step; the other adapters of that step took it. Stopped
         adapters are not checked: they do not step.
+
+        Returns:
+            ``(adapter id, message)`` per refused adapter, in step order.
         """
         stepping, self._unchecked = self._unchecked, []
         if not stepping:
-            return
+            return []
         norms = None if self._norms is None else self._host_norms()
         if self._losses is None:
             losses = None
@@ -262,15 +306,19 @@ class AdapterAdamW:
                 refused.append((a, f"loss {losses[a]}"))
             elif norms is not None and not math.isfinite(norms[a]):
                 refused.append((a, f"gradient norm {norms[a]}"))
-        for a, _ in refused:
+        out = []
+        for a, what in refused:
             self.steps[a] -= 1
-        if refused:
-            a, what = refused[0]
-            raise DivergenceError(
-                f"adapter {self.adapters[a].name!r}: {what} at step {self.steps[a] + 1}; "
-                "training stopped before that step (the last checkpoint holds the weights "
-                "before it); lower its lr or set its max_grad_norm"
+            self.stopped.add(a)
+            out.append(
+                (
+                    a,
+                    f"adapter {self.adapters[a].name!r}: {what} at step {self.steps[a] + 1}; "
+                    "it stopped before that step (its last checkpoint holds the weights "
+                    "before it); lower its lr or set its max_grad_norm",
+                )
             )
+        return out
 
     def grad_norm(self, adapter_id: int) -> float:
         """Gradient norm (before clipping) of the adapter at the last `step` (a host read)."""

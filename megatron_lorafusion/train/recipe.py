@@ -64,6 +64,7 @@ class Run:
         *,
         first_index: int = 0,
         on_step: Callable[[int, AdapterRun], None] | None = None,
+        on_refused: Callable[[int, str], None] | None = None,
         log_every: int = 1,
         record_events: bool = False,
     ) -> list[ComputeEvent]:
@@ -74,6 +75,8 @@ class Run:
             make_batch: packs a microbatch (this replica's share) and its plan position.
             first_index: plan position of the first microbatch.
             on_step: called after adapter ``a`` steps, with ``(a, run)``.
+            on_refused: called with ``(a, message)`` when adapter ``a``'s step was refused (a
+                NaN or infinite loss or norm); None: the call raises.
             log_every: log an adapter's loss every this many of its steps.
             record_events: time every operation (`ComputeEvent`).
 
@@ -96,9 +99,26 @@ class Run:
             sequence_shards=self.sequence_shards,
             wgrad_queue=self.lora.wgrad_queue,
             on_step=on_step,
+            on_refused=on_refused,
             log_every=log_every,
             record_events=record_events,
         )
+
+    def load_table(self, slot: int, table: str, tensors: dict[str, torch.Tensor]) -> None:
+        """Load one adapter's tensors of one table (`checkpoint.TABLES`) into row ``slot``.
+
+        Raises:
+            ValueError: naming every missing, unexpected or mis-shaped tensor.
+        """
+        from megatron_lorafusion.mcore.context import load_views
+
+        target = {
+            "weight": self.lora.weights,
+            "exp_avg": self.optimizer.exp_avg,
+            "exp_avg_sq": self.optimizer.exp_avg_sq,
+        }[table]
+        name = self.lora.adapters[slot].name
+        load_views(self.lora.adapter_views(target, slot), tensors, f"the {table} of {name!r}")
 
 
 def pipeline_groups(timeout_s: float) -> PipelineGroups:

@@ -68,11 +68,11 @@ def test_dataset_malformed_json_names_line(tmp_path):
 
 
 def test_training_order_is_seeded_and_covers_epochs():
-    order = training_order(5, 12, seed=1, adapter_id=0, shuffle=True)
-    assert order == training_order(5, 12, seed=1, adapter_id=0, shuffle=True)
+    order = training_order(5, 12, seed=1, adapter_name="a", shuffle=True)
+    assert order == training_order(5, 12, seed=1, adapter_name="a", shuffle=True)
     assert sorted(order[:5]) == list(range(5))
     assert sorted(order[5:10]) == list(range(5))
-    assert order != training_order(5, 12, seed=1, adapter_id=1, shuffle=True)
+    assert order != training_order(5, 12, seed=1, adapter_name="b", shuffle=True)
 
 
 def test_pack_microbatch_positions_restart_per_sample(tmp_path):

@@ -19,6 +19,7 @@ from model_testing import PIPELINE_MODEL as MODEL
 
 from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
+from megatron_lorafusion.pipeline.gather import unshard_tp
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
 
 # Different global batch sizes, ranks and targets; adapter 1 skips linear_proj and linear_fc1.
@@ -254,7 +255,6 @@ def _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip) -> No
     from sp_testing import sequence_parallel_on_cpu
 
     from megatron_lorafusion.mcore.parallel import parallel_sizes
-    from megatron_lorafusion.pipeline.gather import gather_adapter_states
 
     job = make_job(pp)
     adapters = adapters_for(world // (tp * pp), clip)
@@ -351,3 +351,55 @@ def stuck_worker(rank: int, world: int, workdir: str, timeout_s: float) -> None:
             with open(os.path.join(workdir, "timed_out.txt"), "w") as f:
                 f.write(f"{time.monotonic() - start:.1f} {err}")
         signals.set("rank0_done", "1")
+
+
+def gather_adapter_states(
+    lora,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dp_rank: int,
+    local: list[dict[str, torch.Tensor] | None] | None = None,
+) -> list[dict[str, torch.Tensor]] | None:
+    """Every adapter's full state dict on global rank 0 (a collective over the world): one
+    ``all_gather_object`` of every rank's CPU copies; rank 0 keeps data-parallel replica 0
+    and undoes the TP split (`pipeline.gather.unshard_tp`).
+
+    Args:
+        lora: this rank's `LoRAContext`.
+        tp_rank: this rank's tensor-parallel rank.
+        tp_size: tensor-parallel size.
+        dp_rank: this rank's data-parallel rank (only replica 0 is kept).
+        local: per adapter, this rank's factors to gather instead of the current ones (an
+            early-stopped adapter's best); None entries (or None): the current weights.
+
+    Returns:
+        On rank 0, per adapter id, ``{"decoder.layers.{i}.<parent>.<linear>.lora_A|B": fp32
+        CPU tensor}`` over all layers, unsharded; None on other ranks.
+    """
+    rules = lora.sharding()
+    local = local or [None] * lora.num_adapters
+    states = [
+        {k: v.cpu() for k, v in (local[a] or lora.adapter_state_dict(a)).items()}
+        for a in range(lora.num_adapters)
+    ]
+    payload = (tp_rank, dp_rank, rules, states)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    if dist.get_rank() != 0:
+        return None
+    replica = [p for p in gathered if p[1] == 0]
+    merged: list[dict[str, torch.Tensor]] = []
+    for a in range(lora.num_adapters):
+        shards: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for tp, _, _, rank_states in replica:
+            for key, value in rank_states[a].items():
+                shards.setdefault(key, []).append((tp, value))
+        all_rules = {n: r for p in replica for n, r in p[2].items()}
+        full = {}
+        for key, parts in sorted(shards.items()):
+            parts = [v for _, v in sorted(parts, key=lambda tv: tv[0])]
+            split = all_rules[key]
+            full[key] = parts[0] if split is None or tp_size == 1 else unshard_tp(parts, *split)
+        merged.append(full)
+    return merged

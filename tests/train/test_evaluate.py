@@ -1,4 +1,5 @@
-"""Evaluation and early stopping per adapter: one adapter stops, the other trains on."""
+"""Evaluation and early stopping per adapter: one adapter stops (its remaining samples leave
+the plan) and is exported with its best weights at once, the other trains on."""
 
 import json
 
@@ -6,7 +7,12 @@ import torch
 from eval_testing import eval_job
 from safetensors.torch import load_file
 
-from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
+from megatron_lorafusion.train.checkpoint import (
+    TABLES,
+    AdapterCheckpoints,
+    Shard,
+    table_tensors,
+)
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.main import main
 
@@ -50,19 +56,20 @@ def test_early_stopping_stops_one_adapter_and_exports_its_best(tmp_path):
     assert len(wild) < STEPS, f"wild must stop early, evaluated at {wild}"
     best_step, best_loss = min(wild, key=lambda e: e[1])
     assert all(loss >= best_loss for _, loss in wild[wild.index((best_step, best_loss)) :]), wild
-    assert len(losses["wild"]) == STEPS, "a stopped adapter's samples still flow"
-    stepped = [r["lr"] for r in lines if r["adapter"] == "wild" and "loss" in r]
-    assert stepped[len(wild) :] == [0.0] * (STEPS - len(wild)), f"no steps after stop: {stepped}"
+    assert len(losses["wild"]) == len(wild), "no step after the evaluation that stopped it"
+    stepped = [r["step"] for r in lines if r["adapter"] == "wild" and "loss" in r]
+    assert stepped == list(range(1, len(wild) + 1)), f"no steps after the stop: {stepped}"
+    assert len(losses["sort"]) == STEPS, "the other adapter trains all its steps"
 
-    best = torch.load(out / "best" / "wild.pt", weights_only=True)
-    assert best["step"] == best_step
-    write_peft_folder(tmp_path / "ref", cfg.adapters[1], best["state"], cfg.model)
+    store = AdapterCheckpoints(out / "checkpoints" / "wild", "wild", Shard())
+    assert best_step in store.steps(), "the best evaluation's checkpoint is kept"
+    done = store.read_done()
+    assert done["job"]["status"] == "stopped"
+    assert done["exported_step"] == best_step
+    best = table_tensors(store.load(best_step)[0], TABLES[0])
+    write_peft_folder(tmp_path / "ref", cfg.adapters[1], best, cfg.model)
     exported = load_file(str(out / "adapters" / "wild" / "adapter_model.safetensors"))
     expected = load_file(str(tmp_path / "ref" / "adapter_model.safetensors"))
     assert exported.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(exported[key], value), f"exported {key} is not the best weights"
-    final = full_adapter_tensors(find_resume_checkpoint(out / "checkpoints", "auto"))["wild"]
-    assert any(not torch.equal(final[k], best["state"][k]) for k in best["state"]), (
-        "the best weights (step 1) must differ from the last ones"
-    )

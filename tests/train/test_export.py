@@ -89,7 +89,7 @@ def test_export_folder_is_loadable_by_peft(tmp_path):
         torch.testing.assert_close(loaded[name], tensor, msg=f"{name} changed on load")
 
 
-def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
+def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path, monkeypatch):
     """Train two adapters on an imported tiny Llama, export with the CLI, reload with peft."""
     transformers = pytest.importorskip("transformers", reason="dev extra: transformers")
     peft = pytest.importorskip("peft", reason="dev extra: peft")
@@ -123,20 +123,26 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path):
         "adapters": adapters,
         "data": {"tokenizer": "byte", "max_seq_length": 48},
         "planner": {"solver": "greedy", "token_capacity": 96},
-        "train": {"steps": 4, "device": "cpu", "output_dir": str(tmp_path / "run")},
+        "train": {
+            "steps": 4,
+            "device": "cpu",
+            "output_dir": str(tmp_path / "run"),
+            "save_every": 2,
+        },
         "logging": {"progress_bar": False},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
+    states = exported_states(monkeypatch)
     train_main(cfg)
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--merge"]) == 0
-    newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
+    newest = tmp_path / "run" / "checkpoints" / "add" / "step_00000002"
     assert (
         cli_main(["export", str(newest), "--out", str(tmp_path / "y"), "--adapters", "add"]) == 0
     ), "one checkpoint folder, one adapter"
     assert sorted(p.name for p in (tmp_path / "y").iterdir()) == [".lorafusion-export.json", "add"]
 
-    ours = _imported_lora_logits(cfg, tmp_path / "run", LENGTHS)
+    ours = _imported_lora_logits(cfg, states, LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
         expected = torch.cat(
@@ -174,16 +180,30 @@ def _fresh(transformers, base):
     return transformers.LlamaForCausalLM.from_pretrained(str(base)).eval()
 
 
-def _imported_lora_logits(cfg, run_dir, lengths, owners=(0, 0, 1, 1)):
-    """Our imported model with the run's trained adapters: logits of one packed microbatch
-    of samples ``lengths`` of adapters ``owners`` (adapter-major)."""
+def exported_states(monkeypatch) -> dict:
+    """Record the Megatron-named factors each adapter is exported with (``name -> tensors``),
+    the weights a one-process run ends with."""
+    import megatron_lorafusion.train.saving as saving
+
+    states, real = {}, saving.write_peft_folder
+
+    def spy(folder, adapter, megatron_state, model):
+        states[adapter.name] = {k: v.clone() for k, v in megatron_state.items()}
+        return real(folder, adapter, megatron_state, model)
+
+    monkeypatch.setattr(saving, "write_peft_folder", spy)
+    return states
+
+
+def _imported_lora_logits(cfg, states, lengths, owners=(0, 0, 1, 1)):
+    """Our imported model with trained adapters (``states``: name -> Megatron-named factors):
+    logits of one packed microbatch of samples ``lengths`` of adapters ``owners``."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model
     from megatron_lorafusion.ops import AdapterLayout
-    from megatron_lorafusion.train.checkpoint import find_resume_checkpoint, full_adapter_tensors
 
     owners = list(owners)
     ids = torch.randint(
@@ -194,9 +214,8 @@ def _imported_lora_logits(cfg, run_dir, lengths, owners=(0, 0, 1, 1)):
         parallel_state.initialize_model_parallel(1, 1)
         model = build_gpt_model(cfg.model)
         lora = apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        tensors = full_adapter_tensors(find_resume_checkpoint(run_dir / "checkpoints", "auto"))
         for a, adapter in enumerate(cfg.adapters):
-            lora.load_adapter_state_dict(a, tensors[adapter.name])
+            lora.load_adapter_state_dict(a, states[adapter.name])
         model.eval()
         layout = AdapterLayout.from_samples(owners, list(lengths), len(cfg.adapters))
         lora.layout = layout
@@ -236,12 +255,11 @@ def test_export_refuses_unsafe_adapter_name_of_an_old_run(tmp_path):
     from megatron_lorafusion.config import JobConfig
     from megatron_lorafusion.train import export_checkpoint
 
-    ckpt = tmp_path / "ckpt_00000001"
-    ckpt.mkdir()
-    (ckpt / "manifest.json").write_text("{}")
+    run = tmp_path / "run"
+    run.mkdir()
     job = asdict(JobConfig(adapters=[AdapterConfig(name="../../escape")]))
-    (ckpt / "job.json").write_text(json.dumps(job))
+    (run / "job.json").write_text(json.dumps(job))
     with pytest.raises(ValueError, match=r"adapters\.0\.name must be 1 to 100 letters"):
-        export_checkpoint(ckpt, tmp_path / "out")
+        export_checkpoint(run, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not (tmp_path.parent / "escape").exists()

@@ -47,14 +47,14 @@ def test_dora_matches_peft_logits_grads_and_merge(megatron_single_process, tmp_p
     check_exports_against_peft(tmp_path, kind, ADAPTERS, OWNERS, LENGTHS, check_config)
 
 
-def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_path):
+def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_path, monkeypatch):
     """One run on an imported tiny Llama (CPU): LoRA on q/v (PEFT's names), DoRA on all
     linears (with dropout), LoRA+ on the MLP; each export loads in peft with no missing or
     unexpected keys and gives our logits."""
     import yaml
     from hf_testing import hf_logits
     from safetensors.torch import load_file
-    from test_export import TOL_LOGITS, _imported_lora_logits
+    from test_export import TOL_LOGITS, _imported_lora_logits, exported_states
 
     from megatron_lorafusion.config import load_config
     from megatron_lorafusion.data import write_task
@@ -99,10 +99,11 @@ def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_pat
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
+    states = exported_states(monkeypatch)
     train_main(cfg)
 
     lengths, owners = (9, 7, 11, 6, 8, 5), (0, 0, 1, 1, 2, 2)
-    ours = _imported_lora_logits(cfg, tmp_path / "run", lengths, owners)
+    ours = _imported_lora_logits(cfg, states, lengths, owners)
     hf_base = _fresh(base)
     for a, adapter in enumerate(cfg.adapters):
         folder = tmp_path / "run" / "adapters" / adapter.name

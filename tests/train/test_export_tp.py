@@ -5,8 +5,6 @@ the checkpoint's shards merge into one block layout whose export peft loads onto
 Llama, with our logits (the merged factors in our TP = 1 model) to 1e-4.
 """
 
-import json
-
 import pytest
 import torch
 import yaml
@@ -16,6 +14,7 @@ from test_export import LENGTHS, TOL_LOGITS, _fresh, _imported_lora_logits
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.checkpoint import full_adapter_tensors
 
 transformers = pytest.importorskip("transformers", reason="dev extra: transformers")
 peft = pytest.importorskip("peft", reason="dev extra: peft")
@@ -46,16 +45,29 @@ def test_tp2_per_projection_adapters_export_what_peft_reproduces(tmp_path):
         "data": {"tokenizer": "byte", "max_seq_length": 48},
         "planner": {"token_capacity": 96},
         "parallel": {"tp": 2},
-        "train": {"steps": 2, "device": "cpu", "output_dir": str(tmp_path / "run")},
+        "train": {
+            "steps": 2,
+            "device": "cpu",
+            "output_dir": str(tmp_path / "run"),
+        },
         "logging": {"progress_bar": False},
     }
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     torchrun_train(tmp_path / "job.yaml")
 
-    newest = sorted((tmp_path / "run" / "checkpoints").glob("ckpt_*"))[-1]
-    assert json.loads((newest / "manifest.json").read_text())["tp"] == 2, "saved as 2 shards"
     cfg = load_config(tmp_path / "job.yaml")
-    ours = _imported_lora_logits(cfg, tmp_path / "run", LENGTHS)
+    newest = tmp_path / "run" / "checkpoints" / cfg.adapters[0].name / "step_00000002"
+    assert sorted(p.name for p in newest.glob("*.json")) == [
+        "shard_tp0_pp0.json",
+        "shard_tp1_pp0.json",
+    ], "one shard per TP rank"
+    states = {  # a run of several shards keeps its last step's checkpoint: the export's source
+        a.name: full_adapter_tensors(
+            tmp_path / "run" / "checkpoints" / a.name / "step_00000002", a.name
+        )
+        for a in cfg.adapters
+    }
+    ours = _imported_lora_logits(cfg, states, LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
         mine = [s for s, owner in zip(samples, ours["owners"], strict=True) if owner == a]

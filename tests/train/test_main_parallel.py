@@ -3,9 +3,10 @@
 DP = 2 and TP = 2 (sequence parallelism on, the default: microbatches padded to even
 lengths, Megatron's SP collectives on gloo) run the one-process plan, so their exported
 weights must match, gradient clipping included (its norm spans the replicas' summed
-gradients and the TP shards); PP = 2 plans for two stages (another stream), so it must export every
-layer of every adapter, trained. (Weight equality under PP is `tests/pipeline/test_runner.py`'s,
-on a shared plan.) At PP = 2, full activation recompute must export the weights of none.
+gradients and the TP shards); PP = 2 plans for two stages (another stream), and since an
+adapter's training does not depend on how its samples are packed (DESIGN.md "Every adapter on
+its own"), it exports the same weights too, up to fp32 summation order. At PP = 2, full
+activation recompute must export the weights of none.
 Evaluation and early stopping run at DP = 2 and TP = 2 (equal to one process) and PP = 2.
 """
 
@@ -20,15 +21,17 @@ from safetensors.torch import load_file
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.checkpoint import full_adapter_tensors
 from megatron_lorafusion.train.export import write_peft_folder
 from megatron_lorafusion.train.main import main
 
 # dtype -> tolerances; DP only splits fp32 sums over samples.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
-# TP = 2 splits fp32 sums over H and vocab; after 3 AdamW steps at lr 1e-2 (AdamW scales
-# near-zero gradients up to ~lr) exports differ from one process by up to 4.2e-5, measured
-# the same with and without sequence parallelism. (Shared-plan TP equality at 1e-5 is
-# `tests/pipeline/test_runner.py`'s, on a smaller model.)
+# TP = 2 splits fp32 sums over H and vocab, PP = 2 packs other microbatches (another fp32
+# summation order of each gradient); after 3 AdamW steps at lr 1e-2 (AdamW scales
+# near-zero gradients up to ~lr) exports differ from one process by up to 4.2e-5 (TP, the
+# same with and without sequence parallelism) and 1.2e-5 (PP). (Shared-plan TP equality
+# at 1e-5 is `tests/pipeline/test_runner.py`'s, on a smaller model.)
 TP_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
 
 
@@ -97,9 +100,12 @@ def test_torchrun_dp2_tp2_and_pp2_train_and_export(tmp_path):
                 **TP_TOL[torch.float32],
                 msg=f"{name} {key}: TP = 2 (SP) export != one process",
             )
-            assert pp2[key].shape == value.shape, f"{name} {key}: PP = 2 export shape"
-            if "lora_B" in key:
-                assert torch.count_nonzero(pp2[key]) > 0, f"{name} {key}: B untrained at PP = 2"
+            torch.testing.assert_close(
+                pp2[key],
+                value,
+                **TP_TOL[torch.float32],  # other microbatches: other fp32 summation order
+                msg=f"{name} {key}: PP = 2 (another plan) export != one process",
+            )
 
 
 @pytest.mark.slow
@@ -183,12 +189,12 @@ def test_torchrun_dp2_tp2_and_pp2_evaluate_and_stop_early(tmp_path):
     steps = [s for s, _ in pp2["wild"]]
     assert steps == list(range(1, len(steps) + 1)), f"wild at PP = 2: {pp2['wild']}"
     best_step = min(pp2["wild"], key=lambda e: e[1])[0]
-    shards = [
-        torch.load(tmp_path / "pp2" / "best" / f"wild_tp0_pp{p}.pt", weights_only=True)
-        for p in (0, 1)
-    ]
-    assert [s["step"] for s in shards] == [best_step] * 2, "each stage saves the best step"
-    best = {k: v for s in shards for k, v in s["state"].items()}
+    folder = tmp_path / "pp2" / "checkpoints" / "wild" / f"step_{best_step:08d}"
+    assert sorted(p.name for p in folder.glob("*.json")) == [
+        "shard_tp0_pp0.json",
+        "shard_tp0_pp1.json",
+    ], "each stage saves its part of the best step"
+    best = full_adapter_tensors(folder, "wild")
     cfg = load_config(jobs["pp2"])
     write_peft_folder(tmp_path / "ref", cfg.adapters[1], best, cfg.model)
     expected = load_file(str(tmp_path / "ref" / "adapter_model.safetensors"))

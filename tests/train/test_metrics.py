@@ -38,6 +38,8 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
     assert runs[0]["microbatches"] > 0, runs
     assert runs[0]["tokens_per_s"] > 0, runs
     assert 0 < runs[0]["fill"] <= 1, runs
+    for key in ("startup_s", "first_step_s", "train_s", "train_tokens_per_s", "end_s"):
+        assert runs[0][key] > 0, f"where the time went: {key} missing or 0 in {runs[0]}"
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
@@ -50,14 +52,15 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
 
 
 def test_job_summary_and_plan_summary_name_the_job(tmp_path):
-    from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer
+    from megatron_lorafusion.data import load_tokenizer
     from megatron_lorafusion.planner import plan_microbatches
+    from megatron_lorafusion.train.main import make_job
 
     cfg = _job(tmp_path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    datasets = [load_adapter_dataset(a, cfg.data, tokenizer) for a in cfg.adapters]
-    problem, _, _ = prepare_problem(cfg, datasets)
-    text = job_summary(cfg, problem, world_size=1)
+    jobs = [make_job(cfg, a, tokenizer) for a in cfg.adapters]
+    problem = prepare_problem(cfg, jobs)
+    text = job_summary(cfg, jobs, world_size=1)
     assert "preset tiny" in text, text
     assert "tp 1 x pp 1 x dp 1" in text, text
     assert f"token capacity {cfg.planner.token_capacity}" in text, text

@@ -1,0 +1,188 @@
+"""What users get: `lorafusion train` itself, timed on the issues' workloads, cell by cell.
+
+    python -m scripts.bench_train_cli --presets llama3.2-1b --adapters 1 4 16 64 \
+        --global-batch 8 32                        # issue 33's matrix (4096 samples)
+    python -m scripts.bench_train_cli --presets llama3.1-8b --adapters 64 --samples 2048 \
+        --save-every 0 2                          # issue 31: saves off, then on
+    python -m scripts.bench_train_cli --device cpu --presets tiny --adapters 2 --samples 64
+
+Each cell writes the workload (XSum-like byte lengths lognormal(6.2, 0.55) clipped to
+[64, 2000], 85 % prompt, split evenly over the adapters; byte tokenizer, so one token per
+byte), runs ``python -m megatron_lorafusion train`` in a child process (bf16, rank 16,
+alpha 32, dropout 0.1, default targets, token capacity 8192, max_seq_length 2048) and reads
+the run's last record in ``metrics.jsonl``: training tokens/s (between the first and the
+last optimizer step: start-up and the first step's Triton compilation left out), start-up,
+first step, the tail after the last step (saves and exports), microbatches and fill. It
+also reports the checkpoint bytes per adapter saved and the run folder's peak size, then
+deletes the folder (an 8B, 64-adapter job's checkpoints fill a small disk).
+"""
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from megatron_lorafusion.data import write_lengths
+
+
+def _lengths(count: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [min(max(round(rng.lognormvariate(6.2, 0.55)), 64), 2000) for _ in range(count)]
+
+
+def _job(args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int) -> Path:
+    per = args.samples // adapters
+    entries = []
+    for a in range(adapters):
+        data = folder / "data" / f"a{a}.jsonl"
+        write_lengths(data, _lengths(per, seed=1000 * adapters + a), seed=a)
+        entries.append(
+            {
+                "name": f"a{a:02d}",
+                "dataset": {"path": str(data)},
+                "rank": args.rank,
+                "alpha": 2 * args.rank,
+                "dropout": 0.1,
+                "lr": 1e-4,
+                "global_batch_size": gbs,
+            }
+        )
+    model = {"preset": preset}
+    if preset == "tiny":
+        model["num_layers"] = 1
+    job = {
+        "model": model,
+        "adapters": entries,
+        "data": {"max_seq_length": args.max_seq_length},
+        "planner": {"token_capacity": args.capacity},
+        "train": {
+            "epochs": 1,
+            "precision": "bf16" if args.device == "cuda" else "fp32",
+            "device": args.device,
+            "output_dir": str(folder / "run"),
+            "save_every": save_every,
+            "keep_last": args.keep_last,
+            "save_buffer_gib": args.save_buffer_gib,
+        },
+        "logging": {"progress_bar": False, "log_every": 10**6},
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
+    folder = Path(args.runs_dir) / f"{preset}-a{adapters}-g{gbs}-s{save_every}"
+    shutil.rmtree(folder, ignore_errors=True)
+    job = _job(args, folder, preset, adapters, gbs, save_every)
+    start = time.perf_counter()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "megatron_lorafusion", "train", str(job)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    peak = 0
+    while child.poll() is None:  # the run folder's peak size on disk
+        peak = max(peak, _size(folder / "run"))
+        time.sleep(0.5)
+    err = child.stderr.read()
+    wall = time.perf_counter() - start
+    row = {"preset": preset, "adapters": adapters, "gbs": gbs, "save_every": save_every}
+    if child.returncode != 0:
+        lines = err.strip().splitlines()
+        row["error"] = lines[-1] if lines else f"exit {child.returncode}"
+        print(err[-4000:], file=sys.stderr)
+        return row
+    records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").open()]
+    run = [r for r in records if r.get("adapter") is None][-1]
+    saved = list((folder / "run" / "checkpoints").glob("*/step_*/*.safetensors"))
+    per_save = [p.stat().st_size for p in saved]
+    row.update(
+        {
+            "microbatches": run["microbatches"],
+            "fill": run["fill"],
+            "train_tok_s": run.get("train_tokens_per_s", math.nan),
+            "startup_s": run["startup_s"],
+            "first_step_s": run.get("first_step_s", math.nan),
+            "train_s": run.get("train_s", math.nan),
+            "end_s": run.get("end_s", math.nan),
+            "wall_s": wall,
+            "ckpt_gb_per_save": sum(per_save) / max(len(per_save), 1) / 1e9,
+            "saves_kept": len(per_save),
+            "peak_disk_gb": peak / 1e9,
+        }
+    )
+    phase = row["first_step_s"] + row["train_s"]
+    row["export_ratio"] = (phase + row["end_s"]) / phase if phase > 0 else math.nan
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    if not args.keep_runs:
+        shutil.rmtree(folder, ignore_errors=True)
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    head = (
+        "| preset | adapters | gbs | save_every | microbatches | fill | train tok/s | start-up s "
+        "| first step s | train s | after last step s | first mb→last export / training | "
+        "ckpt GB per adapter save | peak disk GB |\n" + "|---" * 14 + "|"
+    )
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['preset']} | {r['adapters']} | {r['gbs']} | {r['save_every']} "
+                f"| error: {r['error']} |"
+            )
+            continue
+        lines.append(
+            f"| {r['preset']} | {r['adapters']} | {r['gbs']} | {r['save_every']} | "
+            f"{r['microbatches']} | {100 * r['fill']:.0f}% | {r['train_tok_s']:,.0f} | "
+            f"{r['startup_s']:.1f} | {r['first_step_s']:.1f} | {r['train_s']:.1f} | "
+            f"{r['end_s']:.1f} | {r['export_ratio']:.2f} | {r['ckpt_gb_per_save']:.3f} | "
+            f"{r['peak_disk_gb']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["llama3.2-1b"])
+    parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16, 64])
+    parser.add_argument("--global-batch", nargs="+", type=int, default=[8])
+    parser.add_argument("--save-every", nargs="+", type=int, default=[0])
+    parser.add_argument("--samples", type=int, default=4096, help="in all, split evenly")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--capacity", type=int, default=8192)
+    parser.add_argument("--max-seq-length", type=int, default=2048)
+    parser.add_argument("--keep-last", type=int, default=1)
+    parser.add_argument("--save-buffer-gib", type=float, default=16.0)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--runs-dir", default="runs/bench_cli")
+    parser.add_argument("--keep-runs", action="store_true")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "4")
+    rows = [
+        _cell(args, preset, adapters, gbs, save_every)
+        for preset in args.presets
+        for adapters in args.adapters
+        for gbs in args.global_batch
+        for save_every in args.save_every
+    ]
+    print(_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Where a microbatch's time goes in the real `lorafusion train` loop: host phases and GPU.
+
+    python -m scripts.profile_train --preset llama3.2-1b --adapters 1 --global-batch 8
+    python -m scripts.profile_train --device cpu --preset tiny --samples 64
+
+Runs `train.main` in this process on the issue 33 workload (`bench_train_cli`'s job) and
+times, per microbatch after a warm-up: the host's time in packing (`Session._make_batch`),
+in the forward and backward calls of the runner, in the optimizer step and in confirming a
+step (metrics, progress, saves: `Session._on_step`), the wall time per microbatch, and the
+GPU time of its forward, backward and step (CUDA events on the compute stream, the runner's
+``record_events``). If the host's sum is near the wall time and the GPU's well below, the
+loop is host-bound there. Prints one markdown table (medians over the timed microbatches).
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from megatron_lorafusion.config import load_config
+from megatron_lorafusion.pipeline import runner as runner_module
+from megatron_lorafusion.train import session as session_module
+from megatron_lorafusion.train.main import main as train_main
+from scripts.bench_train_cli import _job
+
+
+def _timed(owner, name: str, into: list[float]):
+    real = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+
+    setattr(owner, name, wrapper)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="llama3.2-1b")
+    parser.add_argument("--adapters", type=int, default=1)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=20, help="microbatches not timed")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--dir", default="runs/profile_train")
+    args = parser.parse_args(argv)
+    bench = argparse.Namespace(
+        samples=args.samples,
+        rank=16,
+        capacity=8192,
+        max_seq_length=2048,
+        keep_last=1,
+        save_buffer_gib=8.0,
+        device=args.device,
+    )
+    folder = Path(args.dir)
+    job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0)
+    phases = {k: [] for k in ("pack", "forward", "backward", "step", "confirm")}
+    _timed(session_module.Session, "_make_batch", phases["pack"])
+    _timed(session_module.Session, "_on_step", phases["confirm"])
+    _timed(runner_module._Runner, "_forward", phases["forward"])
+    _timed(runner_module._Runner, "_backward", phases["backward"])
+    _timed(runner_module._Runner, "_finish_step", phases["step"])
+    walls, events = [], []
+    real_run = runner_module._Runner.run
+
+    def run(self, actions):  # time every microbatch (wall) and keep the GPU events
+        self.record_events = args.device == "cuda"
+        last = [time.perf_counter()]
+
+        def marked():
+            for action in actions:
+                yield action
+                if action.kind == "B":  # host time between backward calls (no sync)
+                    now = time.perf_counter()
+                    walls.append(now - last[0])
+                    last[0] = now
+
+        real_run(self, marked())
+        events.extend(self.state.events)
+
+    runner_module._Runner.run = run
+    train_main(load_config(job, ["train.output_dir=" + str(folder / "run")]))
+    w = args.warmup
+
+    def med(values: list[float]) -> float:
+        values = values[w:] if len(values) > w else values
+        return 1e3 * statistics.median(values) if values else float("nan")
+
+    gpu = {kind: [e.compute_s for e in events if e.kind == kind][w:] for kind in ("F", "B", "O")}
+    result = {f"host_{k}_ms": med(v) for k, v in phases.items()}
+    result["wall_ms"] = med(walls)
+    for kind, values in gpu.items():
+        result[f"gpu_{kind}_ms"] = 1e3 * statistics.median(values) if values else float("nan")
+    print(
+        f"{args.preset}, {args.adapters} adapter(s), global batch {args.global_batch}, "
+        f"{len(walls)} microbatches ({w} warm-up), medians in ms; wall: host time from one "
+        "backward call to the next (the host runs ahead of the GPU unless it waits)"
+    )
+    print("| " + " | ".join(result) + " |")
+    print("|" + "---|" * len(result))
+    print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

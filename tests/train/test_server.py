@@ -1,0 +1,293 @@
+"""`lorafusion serve` on the CPU: jobs submitted while others train come out as `train` makes
+them; a full server queues; cancel checkpoints and exports; a bad job is refused at submit,
+one the server cannot take fails alone, one that diverges fails alone; a kill -9 and a
+restart finish every job as an uninterrupted server does; two servers refuse one root."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from megatron_lorafusion.cli import main as cli_main
+from megatron_lorafusion.config import load_config
+from megatron_lorafusion.data import write_task
+from megatron_lorafusion.train.main import main as train_main
+
+# Served and trained adapters pack their samples differently: fp32 summation order only.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+SECTIONS = {
+    "model": {"preset": "tiny", "num_layers": 1},
+    "data": {"max_seq_length": 48},
+    "planner": {"token_capacity": 96},
+    "logging": {"progress_bar": False},
+}
+ADAPTERS = {  # name -> the job file entry
+    "sort": {"rank": 4, "dropout": 0.1, "global_batch_size": 4, "steps": 6},
+    "add": {"rank": 8, "dropout": 0.1, "global_batch_size": 3, "steps": 5},
+    "upper": {
+        "rank": 4,
+        "global_batch_size": 4,
+        "steps": 5,
+        "target_modules": ["q_proj", "v_proj"],
+    },
+}
+
+
+def _data(tmp_path, name: str) -> str:
+    path = tmp_path / f"{name}.jsonl"
+    if not path.exists():
+        write_task(name, path, 40, seed=3)
+    return str(path)
+
+
+def _entry(tmp_path, name: str, **keys) -> dict:
+    return {
+        "name": name,
+        "alpha": 8,
+        "lr": 1e-2,
+        "dataset": {"path": _data(tmp_path, name)},
+        **ADAPTERS.get(name, {}),
+        **keys,
+    }
+
+
+def _server_yaml(tmp_path, **server) -> str:
+    job = {
+        **SECTIONS,
+        "train": {"steps": 4, "device": "cpu", "save_every": 2, "keep_last": 0},
+        "server": {
+            "root": str(tmp_path / "root"),
+            "max_adapters": 2,
+            "max_rank": 16,
+            "idle_timeout_s": 6,
+            "poll_s": 0.3,
+            **server,
+        },
+    }
+    path = tmp_path / "server.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def _submit(tmp_path, *entries) -> None:
+    path = tmp_path / f"job_{entries[0]['name']}.yaml"
+    path.write_text(yaml.safe_dump({"adapters": list(entries)}))
+    assert cli_main(["submit", "--server", str(tmp_path / "root"), str(path)]) == 0
+
+
+def _serve(tmp_path, *overrides) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_lorafusion", "serve", _server_yaml(tmp_path), *overrides],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _status(tmp_path, name: str) -> dict:
+    try:
+        return json.loads((tmp_path / "root" / "jobs" / name / "status.json").read_text())
+    except (OSError, ValueError):
+        return {"status": "submitted"}
+
+
+def _wait(tmp_path, name: str, statuses, server, timeout_s: float = 240.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = _status(tmp_path, name)
+        if status["status"] in statuses:
+            return status
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited: {server.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"job {name} never reached {statuses}: {status}")
+
+
+def _finish(server) -> str:
+    err = server.stderr.read()
+    assert server.wait(timeout=120) == 0, err[-3000:]
+    server.stderr.close()
+    return err
+
+
+def _trained(tmp_path, entry: dict) -> dict:
+    """The same adapter through `lorafusion train` (same seed, config and data)."""
+    entry = dict(entry)
+    steps = entry.pop("steps", 4)
+    out = tmp_path / f"trained_{entry['name']}"
+    job = {
+        **SECTIONS,
+        "adapters": [entry],
+        "train": {"steps": steps, "device": "cpu", "output_dir": str(out)},
+    }
+    path = tmp_path / f"trained_{entry['name']}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    train_main(load_config(path))
+    return load_file(str(out / "adapters" / entry["name"] / "adapter_model.safetensors"))
+
+
+def _served(tmp_path, name: str) -> dict:
+    return load_file(
+        str(tmp_path / "root" / "jobs" / name / "adapter" / "adapter_model.safetensors")
+    )
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **TOL[torch.float32], msg=f"{what}: {key}")
+
+
+@pytest.mark.slow
+def test_served_jobs_join_leave_and_equal_train(tmp_path):
+    """sort starts alone; add joins while it trains, upper (per-projection targets) while
+    both do; each is exported as it ends, equal to `train` of that adapter alone. A job whose
+    data is gone by admission, and one whose lr diverges, fail alone, reason named."""
+    server = _serve(tmp_path)
+    try:
+        _wait_info(tmp_path, server)
+        sort, add, upper = (_entry(tmp_path, n) for n in ("sort", "add", "upper"))
+        _submit(tmp_path, sort)
+        _wait(tmp_path, "sort", {"running"}, server)
+        _submit(tmp_path, add, _entry(tmp_path, "wild", lr=1e30, global_batch_size=2, steps=4))
+        _submit(tmp_path, upper)
+        gone = _entry(
+            tmp_path,
+            "gone",
+            rank=4,
+            global_batch_size=2,
+            steps=2,
+            dataset={"path": str(tmp_path / "gone.jsonl")},
+        )
+        write_task("add", tmp_path / "gone.jsonl", 20, seed=1)
+        _submit(tmp_path, gone)
+        (tmp_path / "gone.jsonl").unlink()  # after submit, before the server reads it
+        for name in ("sort", "add", "upper"):
+            assert _wait(tmp_path, name, {"done", "failed"}, server)["status"] == "done", name
+        failed = {n: _wait(tmp_path, n, {"done", "failed"}, server) for n in ("wild", "gone")}
+        err = _finish(server)
+    finally:
+        server.kill()
+    assert failed["wild"]["status"] == "failed", failed["wild"]
+    assert "loss nan" in failed["wild"]["reason"] or "NaN" in failed["wild"]["reason"], failed
+    assert failed["gone"]["status"] == "failed"
+    assert "gone.jsonl" in failed["gone"]["reason"], failed["gone"]
+    assert "Traceback" not in err, err[-3000:]
+    for entry in (sort, add, upper):
+        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
+def _wait_info(tmp_path, server, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (tmp_path / "root" / "server.json").is_file():
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the server did not start: {server.stderr.read()[-3000:]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_full_server_queues_cancel_exports_and_two_servers_refuse_one_root(tmp_path, capsys):
+    server = _serve(tmp_path, "server.max_adapters=1")
+    try:
+        _wait_info(tmp_path, server)
+        long = _entry(tmp_path, "sort", steps=400)
+        _submit(tmp_path, long, _entry(tmp_path, "add"))
+        _wait(tmp_path, "sort", {"running"}, server)
+        assert _wait(tmp_path, "add", {"queued"}, server)["queue_position"] == 1
+        second = _serve(tmp_path)
+        assert second.wait(timeout=120) == 2, "a second server on the root must refuse"
+        err = second.stderr.read()
+        second.stderr.close()
+        assert f"is held by another server (pid {server.pid}" in err, err
+        _wait_step(tmp_path, "sort", 2, server)
+        assert cli_main(["cancel", "--server", str(tmp_path / "root"), "sort"]) == 0
+        status = _wait(tmp_path, "sort", {"cancelled"}, server)
+        assert _wait(tmp_path, "add", {"done"}, server)["status"] == "done"
+        _finish(server)
+    finally:
+        server.kill()
+    folder = tmp_path / "root" / "jobs" / "sort"
+    steps = sorted(p.name for p in (folder / "checkpoints").glob("step_*"))
+    assert f"step_{status['step']:08d}" in steps, f"cancel checkpoints where it stopped: {steps}"
+    assert (folder / "adapter" / "adapter_model.safetensors").is_file(), "and exports it"
+    capsys.readouterr()
+    assert cli_main(["status", "--server", str(tmp_path / "root")]) == 0
+    table = capsys.readouterr().out
+    assert "not running" in table, table
+    assert "cancelled" in table, table
+    assert cli_main(["cancel", "--server", str(tmp_path / "root"), "nobody"]) == 2
+
+
+def _wait_step(tmp_path, name: str, step: int, server) -> None:
+    deadline = time.monotonic() + 240
+    while _status(tmp_path, name).get("step", 0) < step:
+        assert server.poll() is None, server.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, _status(tmp_path, name)
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupted(tmp_path):
+    server = _serve(tmp_path, "server.max_adapters=1")
+    entries = [_entry(tmp_path, "sort", steps=8), _entry(tmp_path, "add", steps=6)]
+    try:
+        _wait_info(tmp_path, server)
+        _submit(tmp_path, *entries)
+        _wait_step(tmp_path, "sort", 3, server)  # sort runs (checkpointed at 2), add queued
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        server.stderr.close()
+    assert _status(tmp_path, "add")["status"] == "queued"
+    again = _serve(tmp_path, "server.max_adapters=1")
+    try:
+        for entry in entries:
+            assert _wait(tmp_path, entry["name"], {"done"}, again)["status"] == "done"
+        _finish(again)
+    finally:
+        again.kill()
+    for entry in entries:
+        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
+def test_submit_refuses_a_bad_job_naming_every_problem_and_queues_nothing(tmp_path, capsys):
+    root = tmp_path / "root"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        yaml.safe_dump(
+            {
+                "adapters": [
+                    {"name": "a", "rank": 0, "dataset": {"path": str(tmp_path / "none.jsonl")}},
+                    {"name": "b", "dataset": {"path": _data(tmp_path, "sort")}, "steps": -1},
+                ]
+            }
+        )
+    )
+    assert cli_main(["submit", "--server", str(root), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "adapters.0.rank must be in [1, 256], got 0" in err, err
+    assert "adapters.0.dataset.path must be an existing file" in err, err
+    assert "adapters.1.steps must be a positive integer, got -1" in err, err
+    assert not (root / "inbox").exists(), "a refused job is never queued"
+    (root / "jobs" / "sort").mkdir(parents=True)  # a job of that name exists on the server
+    (root / "server.json").write_text(  # a running server with max_rank 8, steps 4
+        json.dumps({"job": {"train": {"steps": 4}, "server": {"root": str(root), "max_rank": 8}}})
+    )
+    again = tmp_path / "again.yaml"
+    again.write_text(
+        yaml.safe_dump(
+            {"adapters": [_entry(tmp_path, "sort", rank=16), _entry(tmp_path, "x", use_dora=True)]}
+        )
+    )
+    assert cli_main(["submit", "--server", str(root), str(again)]) == 2
+    err = capsys.readouterr().err
+    assert "adapters.0.rank must be <= the server's max_rank 8" in err, err
+    assert "adapters.1.use_dora must be false on a server" in err, err
+    assert "Traceback" not in err

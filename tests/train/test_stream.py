@@ -1,0 +1,122 @@
+"""`JobStream`: every sample of a running job exactly once, whole global batches marked where
+they finish, jobs joining and leaving at chunk boundaries (re-planned, mid-batch too), a cut
+at each plan switch of a pipelined run."""
+
+import pytest
+
+from megatron_lorafusion.config import AdapterConfig
+from megatron_lorafusion.data import TokenizedSample
+from megatron_lorafusion.planner import iter_plan_chunks
+from megatron_lorafusion.train.job import AdapterJob
+from megatron_lorafusion.train.stream import CUT, JobStream
+
+
+def _job(name: str, samples: int, gbs: int, seed: int = 0) -> AdapterJob:
+    rows = [
+        TokenizedSample((1,) * n, (1,) * n, (1,) * n)
+        for n in ((7 * i + 3 * seed) % 29 + 4 for i in range(samples))
+    ]
+    return AdapterJob.create(
+        AdapterConfig(name=name, global_batch_size=gbs), rows, [], list(range(samples)), 0
+    )
+
+
+def _stream(num_stages: int = 1) -> JobStream:
+    return JobStream(
+        capacity=64,
+        num_stages=num_stages,
+        tile_height=1,
+        seed=3,
+        start_planner=lambda problem: iter_plan_chunks(problem, rounds_per_chunk=1),
+    )
+
+
+def _check_batches(job: AdapterJob, yielded: list[tuple[list[int], bool]], upto: int | None):
+    """``yielded``: per microbatch holding the job, its positions and whether it finishes.
+
+    Every batch the job finished is whole and marked where its last sample is; samples after
+    the last finished batch (a job that left) all belong to the next one. ``upto``: samples
+    expected in all (None: the job left mid-way).
+    """
+    gbs = job.global_batch_size
+    positions = [p for ps, _ in yielded for p in ps]
+    assert len(set(positions)) == len(positions), f"{job.name}: a sample appears twice"
+    if upto is not None:
+        assert sorted(positions) == list(range(upto)), f"{job.name}: {positions}"
+    seen, batch = set(), 0
+    for ps, finishes in yielded:
+        assert all(p // gbs == batch for p in ps), f"{job.name}: batches mixed at {ps}"
+        seen.update(ps)
+        complete = seen >= set(range(batch * gbs, min((batch + 1) * gbs, len(job.order))))
+        assert finishes == complete, f"{job.name}: batch {batch} marked {finishes}, {complete}"
+        if finishes:
+            batch, seen = batch + 1, set()
+
+
+def _run(stream: JobStream, events: dict[int, callable] | None = None):
+    """Iterate, calling ``events[k]`` before microbatch k is asked for; per job name its
+    (positions, finishes) in order, the cuts' positions and the microbatches."""
+    per_job, cuts, count = {}, [], 0
+    items = iter(stream)
+    while True:
+        if events and count in events:
+            events.pop(count)()
+        item = next(items, "end")
+        if item == "end":
+            break
+        if item is CUT:
+            cuts.append(count)
+            continue
+        names = {slot: stream.jobs[slot].name for slot in stream.jobs}
+        by_slot = {}
+        for s in item.samples:
+            by_slot.setdefault(s.adapter, []).append(s.index)
+        for slot in set(by_slot) | set(item.finishes):
+            per_job.setdefault(names[slot], []).append(
+                (by_slot.get(slot, []), slot in item.finishes)
+            )
+        count += 1
+    return per_job, cuts, count
+
+
+def test_stream_yields_every_sample_once_in_whole_batches():
+    jobs = [_job("a", 20, 4), _job("b", 13, 3, seed=1), _job("c", 9, 9, seed=2)]
+    stream = _stream()
+    stream.jobs.update(enumerate(jobs))
+    per_job, cuts, _ = _run(stream)
+    for job in jobs:
+        _check_batches(job, per_job[job.name], upto=len(job.order))
+    assert stream.replans == 1, "a job set that never changes is planned once"
+    assert cuts == []
+
+
+def test_stream_drops_a_leaving_job_and_replans_the_others():
+    jobs = [_job("a", 24, 4), _job("b", 24, 4, seed=1)]
+    stream = _stream()
+    stream.jobs.update(enumerate(jobs))
+    per_job, _, _ = _run(stream, {3: lambda: stream.jobs.pop(1)})
+    _check_batches(jobs[0], per_job["a"], upto=24)
+    left = sum(len(ps) for ps, _ in per_job["b"])
+    assert left < 24, "b left: its later samples must not be trained"
+    _check_batches(jobs[1], per_job["b"], upto=None)
+    assert stream.replans == 2
+
+
+@pytest.mark.parametrize("at", [0, 2, 5])
+def test_stream_admits_a_joining_job_mid_run(at):
+    jobs = [_job("a", 30, 5), _job("late", 12, 4, seed=3)]
+    stream = _stream()
+    stream.jobs[0] = jobs[0]
+    per_job, _, _ = _run(stream, {at: lambda: stream.jobs.__setitem__(1, jobs[1])})
+    _check_batches(jobs[0], per_job["a"], upto=30)  # its partial batch continues across
+    _check_batches(jobs[1], per_job["late"], upto=12)
+
+
+def test_stream_of_a_pipelined_run_cuts_at_plan_switches():
+    jobs = [_job("a", 16, 4), _job("b", 16, 4, seed=1)]
+    stream = _stream(num_stages=2)
+    stream.jobs[0] = jobs[0]
+    per_job, cuts, _ = _run(stream, {2: lambda: stream.jobs.__setitem__(1, jobs[1])})
+    _check_batches(jobs[0], per_job["a"], upto=16)
+    _check_batches(jobs[1], per_job["b"], upto=16)
+    assert len(cuts) == 1, f"one switch, one cut: {cuts}"
