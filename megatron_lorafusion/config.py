@@ -178,9 +178,9 @@ class ModelConfig:
     """Size of each query/key/value head; None: hidden_size / num_attention_heads (Qwen3 and
     Gemma 3 set their own). Set from hf_path."""
     layer_types: list[str] | None = None
-    """Attention of each layer, full_attention or sliding_attention, repeated cyclically over
-    the layers (Gemma 3: five sliding, one full); None: every layer sliding when
-    sliding_window is set, else full. Set from hf_path."""
+    """Attention of each layer, full_attention or sliding_attention; layer i takes entry
+    i mod len (Gemma 3's preset lists one period: five sliding, one full); None: every layer
+    sliding when sliding_window is set, else full. Set from hf_path."""
     rope_local_theta: float | None = None
     """Rotary base of the sliding-window layers (Gemma 3: 10000); None: rope_theta."""
     rope_linear_factor: float | None = None

@@ -208,11 +208,8 @@ def _validate_layers(m: ModelConfig) -> list[str]:
         wrong = sorted({t for t in m.layer_types if t not in _LAYER_TYPES}, key=str)
         if wrong:
             p.append(f"model.layer_types must hold only {list(_LAYER_TYPES)}, got {wrong}")
-        if not 0 < len(m.layer_types) <= max(m.num_layers, 1):
-            p.append(
-                f"model.layer_types must list 1 to num_layers ({m.num_layers}) types, repeated "
-                f"over the layers, got {len(m.layer_types)}"
-            )
+        if not m.layer_types:
+            p.append("model.layer_types must list at least one type (or be null), got []")
         if "sliding_attention" in m.layer_types and m.sliding_window is None:
             p.append("model.sliding_window must be set for sliding_attention layers, got None")
     for name in ("rope_local_theta", "rope_linear_factor", "query_pre_attn_scalar"):

@@ -748,7 +748,8 @@ def _parse_args(argv: list[str] | None):
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Run the bench; returns every result row by ``(shape, what, rank, dropout, adapters)``."""
     args = _parse_args(argv)
     results, builds = {}, {}
     init_model_parallel(1, 1, args.device, seed=0)
@@ -778,6 +779,7 @@ def main(argv: list[str] | None = None) -> None:
         _print_compare(results, args)
     if args.csv:
         _write_csv(args.csv, results, args, name)
+    return results
 
 
 if __name__ == "__main__":

@@ -595,8 +595,9 @@ def test_config_qwen3_gemma3_presets_load_and_override_layers(tmp_path, preset):
     cfg = load_config(_write(tmp_path, _job(tmp_path, model={"preset": preset})))
     assert cfg.model.family == preset.split("-")[0]
     assert cfg.model.head_dim in (128, 256)
-    job = _job(tmp_path, model={"preset": preset, "num_layers": 12})
-    assert load_config(_write(tmp_path, job)).model.num_layers == 12
+    for layers in (12, 2):
+        job = _job(tmp_path, model={"preset": preset, "num_layers": layers})
+        assert load_config(_write(tmp_path, job)).model.num_layers == layers
 
 
 def test_config_model_family_fields_are_checked(tmp_path):
@@ -617,6 +618,6 @@ def test_config_model_family_fields_are_checked(tmp_path):
     assert "model.rope_linear_factor must be > 0, got 0.0" in errors
     assert "model.rope_linear_factor must be unset with model.rope_scaling_factor" in errors
     assert "model.hf_multimodal must be false unless model.hf_path is a Gemma 3" in errors
-    too_many = {"preset": "tiny", "sliding_window": 8, "layer_types": ["full_attention"] * 3}
-    errors = _errors(tmp_path, _job(tmp_path, model=too_many))
-    assert "model.layer_types must list 1 to num_layers (2) types" in errors
+    empty = {"preset": "tiny", "sliding_window": 8, "layer_types": []}
+    errors = _errors(tmp_path, _job(tmp_path, model=empty))
+    assert "model.layer_types must list at least one type (or be null), got []" in errors
