@@ -15,9 +15,10 @@ then the same shapes against transformers + PEFT (+ Liger) in the throughput ben
    timing run; its steady tokens/s comes from its step log (`steady_tokens_per_s`: the
    intervals after every adapter's first step, past compilation), its wall time from start
    to exit.
-3. ``scripts.bench_train_throughput --no-matrix`` on the same shapes and layers, in this
-   process: ours (4 adapters), our base, PEFT (1 adapter, 4 x 2048 tokens), its floor, and
-   PEFT + Liger where ``liger_kernel`` has the family (it prints its own table).
+3. ``scripts.bench_train_throughput --no-matrix --no-ours`` on the same shapes and layers,
+   in this process: PEFT (1 adapter r = 16, p = 0.1, 4 x 2048 tokens), its floor, and
+   PEFT + Liger where ``liger_kernel`` has the family (it prints its own table); with
+   ``--with-ours`` also its rows of ours (4 adapters) and our base on its own microbatches.
 
 A last table sets the CLI's tokens/s beside the bench's rows.
 """
@@ -121,6 +122,7 @@ def _check(shapes) -> None:
                 raise SystemExit(f"{family}: fused logits are off the reference ({error:.2e})")
     finally:
         destroy_model_parallel()
+        torch.cuda.empty_cache()  # the jobs run in child processes: leave them the memory
 
 
 _STEP_LINE = re.compile(
@@ -201,6 +203,8 @@ def _bench(shapes, args) -> dict:
     import scripts.bench_train_throughput as bench
 
     argv = ["--shapes", *shapes, "--no-matrix", "--microbatches", str(args.microbatches)]
+    if not args.with_ours:
+        argv.append("--no-ours")  # the CLI's run stands for ours
     if args.layers:
         argv += ["--layers", str(args.layers)]
     if args.csv:
@@ -243,6 +247,11 @@ def main(argv=None) -> None:
     parser.add_argument("--microbatches", type=int, default=3, help="bench: timed microbatches")
     parser.add_argument("--out", type=Path, default=Path("runs/models"))
     parser.add_argument("--csv", type=Path, help="bench rows appended here")
+    parser.add_argument(
+        "--with-ours",
+        action="store_true",
+        help="the bench's own rows of ours too (same microbatches as PEFT; ~1 min per shape)",
+    )
     parser.add_argument("--write-data", type=Path, help="only write the jobs' data there")
     args = parser.parse_args(argv)
     if args.write_data:

@@ -665,7 +665,7 @@ def _print_compare(results: dict, args) -> None:
     for shape in args.shapes:
         keys = [(shape, w, *c) for w, c in zip(whats, cells, strict=True)][: 6 if args.peers else 2]
         keys[2:2] = [(shape, f"ours {b}", *COMPARE) for b in args.compare_attention]
-        ours = results[keys[0]].get("tokens_s")
+        ours = results.get(keys[0], {}).get("tokens_s")
         for key in keys:
             row = _row(results, key)
             rows.append({**row, "x_ours": _ratio(ours, row.get("tokens_s"))})
@@ -714,6 +714,9 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--matrix", action=on_off, default=True, help="issue 21's matrix")
     parser.add_argument("--compare", action=on_off, default=True, help="issue 15's table")
     parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
+    parser.add_argument(
+        "--ours", action=on_off, default=True, help="our rows (--no-ours: the peers only)"
+    )
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
     parser.add_argument(
@@ -755,7 +758,8 @@ def main(argv: list[str] | None = None) -> dict:
     init_model_parallel(1, 1, args.device, seed=0)
     try:
         for shape in args.shapes:
-            _run_ours(shape, args, results, builds)
+            if args.ours:
+                _run_ours(shape, args, results, builds)
             if args.peers:
                 _run_peers(shape, args, results, builds, liger=False)
         for shape in args.shapes if args.peers and args.compare else []:

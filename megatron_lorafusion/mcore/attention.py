@@ -49,6 +49,13 @@ def _flash_available(device: torch.device) -> bool:
 
 
 @functools.cache
+def _flash_window_available() -> bool:
+    """Whether torch's FlashAttention op takes a sliding window (``window_size_left``)."""
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return "window_size_left" in schema
+
+
+@functools.cache
 def _flex_available() -> bool:
     """Whether torch ships FlexAttention (``torch.nn.attention.flex_attention``, >= 2.5)."""
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
@@ -318,6 +325,13 @@ class VarlenCoreAttention(MegatronModule):
         longest = packed_seq_params.max_seqlen_q
         # a window holding every sample is plain causal attention (and its cheaper kernel)
         window = self.window if self.window is not None and self.window < longest else None
+        if backend == "flash" and window is not None and not _flash_window_available():
+            if self.backend == "flash":
+                raise RuntimeError(
+                    f"attention backend 'flash': torch {torch.__version__}'s FlashAttention "
+                    "op has no sliding window"
+                )
+            backend = "flex" if _flex_available() else "loop"  # exact, slower
         if backend == "flash":
             out = _FlashVarlenFunction.apply(
                 *(_last_dim_dense(t) for t in (query, key, value)),

@@ -577,3 +577,33 @@ def test_flex_attention_matches_flash_forward_and_backward(lengths, window):
         )
         flex_err, flash_err = ((t.float() - ref).abs().mean() for t in (flex, flash))
         assert flex_err <= 2 * flash_err, f"{name}: flex err {flex_err} > 2 x flash {flash_err}"
+
+
+def test_window_without_flash_support_falls_back_exactly_or_refuses(monkeypatch):
+    """A torch whose FlashAttention op has no window: auto takes an exact kernel (here the
+    loop), a forced flash says why it cannot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2
+    )
+    core = attention.VarlenCoreAttention(config, 1, AttnMaskType.causal, "self", 0.0)
+    core.window = 3
+    lengths = [5, 9]
+    cu = _cu_seqlens(lengths)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9
+    )
+    q, k, v = (torch.randn(14, heads, 16) for heads in (4, 2, 2))
+    monkeypatch.setattr(attention, "attention_backend", lambda *args: "flash")
+    monkeypatch.setattr(attention, "_flash_window_available", lambda: False)
+    monkeypatch.setattr(attention, "_flex_available", lambda: False)
+    expected = varlen_causal_attention_ref(q, k, v, cu, scale=0.25, window=3).reshape(14, -1)
+    torch.testing.assert_close(
+        core.attend_packed(q, k, v, params), expected, **TOL[torch.float32], msg="fallback"
+    )
+    core.backend = "flash"
+    with pytest.raises(RuntimeError, match="has no sliding window"):
+        core.attend_packed(q, k, v, params)
