@@ -1,12 +1,12 @@
 """DoRA adapters (use_dora) export what PEFT loads, and PEFT reproduces our logits and grads.
 
-On an imported tiny Llama / Qwen2 (Qwen2's q/k/v biases stay outside DoRA's scale, as in
-PEFT), DoRA adapters on the fused linears (one ``A`` shared by q, k and v), on all-linear
-and on q/v, next to a plain LoRA q/v adapter, run in one packed microbatch. Each export
-has exactly PEFT's DoRA keys (``lora_magnitude_vector`` per module) and ``use_dora: true``;
-PEFT, loading it, gives our logits and the gradients of every A, B and magnitude; the
-merged checkpoint gives our logits too. Dropout 0: with dropout PEFT also drops the base
-term's input (docs/adapters.md).
+On an imported tiny Llama / Qwen2 / Qwen3 / Gemma 3 (Qwen2's q/k/v biases stay outside
+DoRA's scale, as in PEFT), DoRA adapters on the fused linears (one ``A`` shared by q, k and
+v), on all-linear and on q/v, next to a plain LoRA q/v adapter, run in one packed
+microbatch. Each export has exactly PEFT's DoRA keys (``lora_magnitude_vector`` per module)
+and ``use_dora: true``; PEFT, loading it, gives our logits and the gradients of every A, B
+and magnitude; the merged checkpoint gives our logits too. Dropout 0: with dropout PEFT also
+drops the base term's input (docs/adapters.md).
 """
 
 import json
@@ -39,7 +39,7 @@ ADAPTERS = [
 OWNERS, LENGTHS = [0, 1, 1, 2, 3, 3], [8, 6, 9, 7, 5, 6]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_dora_matches_peft_logits_grads_and_merge(megatron_single_process, tmp_path, kind):
     def check_config(adapter, config):
         assert config["use_dora"] is adapter.use_dora, adapter.name
