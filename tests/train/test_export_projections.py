@@ -1,8 +1,8 @@
 """Per-projection targets (PEFT's q_proj, v_proj, all-linear, ...) train what PEFT trains.
 
-On an imported tiny Llama / Qwen2 / Qwen3 / Gemma 3, adapters with per-projection, all-
-linear, MLP-only and fused targets run together in one packed microbatch; each one's export
-has exactly the keys and shapes PEFT writes for its targets, and PEFT, loading it,
+On an imported tiny Llama / Qwen2 / Qwen3 / Gemma 3, adapters with per-projection,
+all-linear, MLP-only and fused targets run together in one packed microbatch; each one's
+export has exactly the keys and shapes PEFT writes for its targets, and PEFT, loading it,
 reproduces our logits and our gradients of every factor (so training steps what PEFT would
 step: the off-block entries of a stacked B get exactly zero gradient; a fused target's
 shared A gets the sum of PEFT's). The merged checkpoint reproduces the logits too.
