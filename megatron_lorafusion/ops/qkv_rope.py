@@ -58,7 +58,6 @@ if triton is not None:
         s2,
         HALF,
         EPS,
-        out_dtype,
         AXIS: tl.constexpr,
         BACKWARD: tl.constexpr,
         NORM: tl.constexpr,
@@ -89,8 +88,8 @@ if triton is not None:
                 inv = _inv_rms(x1, x2, 2 * HALF, EPS, AXIS)
                 x1, x2 = x1 * inv * w1, x2 * inv * w2
             x1, x2 = _rotate(x1, x2, c1, c2, s1, s2, False)
-        tl.store(dst, x1.to(out_dtype), mask=mask)
-        tl.store(dst + HALF, x2.to(out_dtype), mask=mask)
+        tl.store(dst, x1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF, x2.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _qkv_rope_kernel(
@@ -145,17 +144,15 @@ if triton is not None:
             src_q, dst_q = split_q, row + q_cols
             src_k, dst_k = k_ptr + split_kv, row + k_col
             src_v, dst_v = v_ptr + split_kv, row + k_col + dim
-            out_dtype = row_ptr.dtype.element_ty
         else:
             src_q, dst_q = row + q_cols, split_q
             src_k, dst_k = row + k_col, k_ptr + split_kv
             src_v, dst_v = row + k_col + dim, v_ptr + split_kv
-            out_dtype = q_ptr.dtype.element_ty
         cq1, cq2, sq1, sq2 = c1[None, :], c2[None, :], s1[None, :], s2[None, :]
         _head(src_q, dst_q, saved + q_cols, qw_ptr, q_mask, cols[None, :], cq1, cq2, sq1, sq2,
-              HALF, EPS, out_dtype, 1, BACKWARD, NORM)  # fmt: skip
+              HALF, EPS, 1, BACKWARD, NORM)  # fmt: skip
         _head(src_k, dst_k, saved + k_col, kw_ptr, col_mask, cols, c1, c2, s1, s2,
-              HALF, EPS, out_dtype, 0, BACKWARD, NORM)  # fmt: skip
+              HALF, EPS, 0, BACKWARD, NORM)  # fmt: skip
         tl.store(dst_v, tl.load(src_v, mask=col_mask), mask=col_mask)
         tl.store(dst_v + HALF, tl.load(src_v + HALF, mask=col_mask), mask=col_mask)
 
