@@ -73,6 +73,41 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         rope_theta=500000.0,
     ),
+    # Qwen3-8B's config.json (random weights): head_dim 128, per-head q/k norms, untied.
+    "qwen3-8b": dict(
+        family="qwen3",
+        num_layers=36,
+        hidden_size=4096,
+        ffn_hidden_size=12288,
+        num_attention_heads=32,
+        num_query_groups=8,
+        head_dim=128,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        norm_epsilon=1e-6,
+    ),
+    # Gemma-3-12B's text model (random weights): head_dim 256 != 3840 / 16, five 1024-token
+    # sliding-window layers (RoPE base 10k) to one global layer (base 1M, linear scaling 8).
+    "gemma3-12b": dict(
+        family="gemma3",
+        num_layers=48,
+        hidden_size=3840,
+        ffn_hidden_size=15360,
+        num_attention_heads=16,
+        num_query_groups=8,
+        head_dim=256,
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rope_local_theta=10000.0,
+        rope_linear_factor=8.0,
+        sliding_window=1024,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        query_pre_attn_scalar=256.0,
+        norm_epsilon=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -86,17 +121,20 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-like decoder (RMSNorm, SwiGLU, RoPE, grouped-query attention).
+    """A Llama-like decoder (RMSNorm, gated MLP, RoPE, grouped-query attention).
 
     Random weights from ``init_seed``, or a Hugging Face checkpoint's with ``hf_path`` (its
-    ``config.json`` then sets every size below).
+    ``config.json`` then sets every size below). ``family`` names what Qwen3 and Gemma 3
+    change in the Llama layer (docs/models.md).
     """
 
     preset: str | None = None
-    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b); explicit keys override it."""
+    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b, qwen3-8b, gemma3-12b);
+    explicit keys override it."""
     hf_path: str | None = None
-    """Local Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Qwen2 or
-    Mistral model; its sizes replace the defaults and its weights the random init."""
+    """Local Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Mistral,
+    Qwen2, Qwen3 or Gemma 3 model; its sizes replace the defaults and its weights the random
+    init."""
     num_layers: int = 2
     """Transformer layers."""
     hidden_size: int = 64
@@ -128,8 +166,38 @@ class ModelConfig:
     """The checkpoint shares input embedding and output layer (kept as two equal frozen copies
     here); set from hf_path."""
     sliding_window: int | None = None
-    """Attention window of the checkpoint in tokens (Mistral); samples must fit in it, since
-    full causal attention equals windowed attention only there. Set from hf_path."""
+    """Attention window of the sliding-window layers in tokens: a token attends to itself and
+    the sliding_window - 1 tokens before it in its sample (Mistral: every layer; Gemma 3: see
+    layer_types). Set from hf_path."""
+    family: Literal["llama", "qwen3", "gemma3"] = "llama"
+    """Layer structure. llama: Llama, Mistral, Qwen2 (pre-norms, SwiGLU); qwen3: plus a
+    per-head RMSNorm on queries and keys; gemma3: plus norms after attention and after the
+    MLP, a GeGLU (tanh GELU) MLP, embeddings scaled by sqrt(hidden_size), RMSNorm scales
+    stored as 1 + weight. Set from hf_path."""
+    head_dim: int | None = None
+    """Size of each query/key/value head; None: hidden_size / num_attention_heads (Qwen3 and
+    Gemma 3 set their own). Set from hf_path."""
+    layer_types: list[str] | None = None
+    """Attention of each layer, full_attention or sliding_attention; layer i takes entry
+    i mod len (Gemma 3's preset lists one period: five sliding, one full); None: every layer
+    sliding when sliding_window is set, else full. Set from hf_path."""
+    rope_local_theta: float | None = None
+    """Rotary base of the sliding-window layers (Gemma 3: 10000); None: rope_theta."""
+    rope_linear_factor: float | None = None
+    """Linear RoPE scaling of the full-attention layers, positions divided by this factor
+    (Gemma 3 4B and larger: 8); None: none. Set from hf_path."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by query_pre_attn_scalar^-1/2 (Gemma 3); None: by
+    head_dim^-1/2. Set from hf_path."""
+    hf_multimodal: bool = False
+    """hf_path is a Gemma3ForConditionalGeneration: only its language model is imported
+    (the vision tower is not trained), and exports name the modules as that class does
+    (model.language_model.layers.*). Set from hf_path."""
+
+
+def attention_head_dim(model: ModelConfig) -> int:
+    """Size of each attention head of ``model``: ``head_dim``, or hidden / heads."""
+    return model.head_dim or model.hidden_size // model.num_attention_heads
 
 
 @dataclass(frozen=True)

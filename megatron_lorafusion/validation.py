@@ -19,7 +19,13 @@ from megatron_lorafusion.adapter_types import adapter_type
 from megatron_lorafusion.targets import TARGET_MODULES
 
 if TYPE_CHECKING:  # config calls validate: a runtime import back would be a cycle
-    from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig, JobConfig
+    from megatron_lorafusion.config import (
+        AdapterConfig,
+        DataConfig,
+        DatasetConfig,
+        JobConfig,
+        ModelConfig,
+    )
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -188,6 +194,41 @@ def _non_finite(node: object, where: str) -> list[str]:
     return p
 
 
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _validate_layers(m: ModelConfig) -> list[str]:
+    """The head size, attention windows, RoPE variants and family of ``model``."""
+    p = []
+    if m.head_dim is not None and not (0 < m.head_dim <= 4096 and m.head_dim % 2 == 0):
+        p.append(f"model.head_dim must be an even number in [2, 4096] (RoPE), got {m.head_dim}")
+    if m.sliding_window is not None and m.sliding_window <= 0:
+        p.append(f"model.sliding_window must be > 0 tokens, got {m.sliding_window}")
+    if m.layer_types is not None:
+        wrong = sorted({t for t in m.layer_types if t not in _LAYER_TYPES}, key=str)
+        if wrong:
+            p.append(f"model.layer_types must hold only {list(_LAYER_TYPES)}, got {wrong}")
+        if not m.layer_types:
+            p.append("model.layer_types must list at least one type (or be null), got []")
+        if "sliding_attention" in m.layer_types and m.sliding_window is None:
+            p.append("model.sliding_window must be set for sliding_attention layers, got None")
+    for name in ("rope_local_theta", "rope_linear_factor", "query_pre_attn_scalar"):
+        value = getattr(m, name)
+        if value is not None and value <= 0:
+            p.append(f"model.{name} must be > 0, got {value}")
+    if m.rope_linear_factor is not None and m.rope_scaling_factor is not None:
+        p.append(
+            f"model.rope_linear_factor must be unset with model.rope_scaling_factor (one RoPE "
+            f"scaling), got {m.rope_linear_factor}"
+        )
+    if m.hf_multimodal and (m.family != "gemma3" or m.hf_path is None):
+        p.append(
+            f"model.hf_multimodal must be false unless model.hf_path is a Gemma 3 checkpoint "
+            f"(it is set from there), got true with family {m.family!r}"
+        )
+    return p
+
+
 def _validate_numbers(cfg: JobConfig) -> list[str]:
     """Finite floats, positive and bounded sizes, seeds and step counts in range."""
     p = [q.removeprefix("job.") for q in _non_finite(cfg, "job")]
@@ -238,11 +279,12 @@ def validate(cfg: JobConfig) -> list[str]:
     """Every cross-field rule of a job, checked once; returns the problems found."""
     p: list[str] = _validate_numbers(cfg)
     m = cfg.model
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
         p.append(
             f"model.hidden_size must be divisible by model.num_attention_heads "
-            f"({m.num_attention_heads}), got {m.hidden_size}"
+            f"({m.num_attention_heads}) unless model.head_dim is set, got {m.hidden_size}"
         )
+    p.extend(_validate_layers(m))
     if m.num_query_groups > 0 and m.num_attention_heads % m.num_query_groups:
         p.append(
             f"model.num_query_groups must divide model.num_attention_heads "
@@ -324,11 +366,6 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(
             f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
             f"got {m.rope_scaling_factor}"
-        )
-    if m.sliding_window is not None and cfg.data.max_seq_length > m.sliding_window:
-        p.append(
-            f"data.max_seq_length must be <= model.sliding_window ({m.sliding_window}) "
-            f"(longer samples would need windowed attention), got {cfg.data.max_seq_length}"
         )
     t = cfg.train
     if (t.steps is None) == (t.epochs is None):

@@ -1,6 +1,8 @@
-"""Fused base-model ops (SwiGLU, RoPE, QKV split, linear cross-entropy) against torch references.
+"""Fused base-model ops (SwiGLU, GeGLU, RoPE, QKV split, linear cross-entropy) against torch refs.
 
-Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default). Each
+Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default; ``--shape
+qwen3-8b`` or ``gemma3-12b`` for theirs). The QKV split is timed without and with the per-head
+q/k RMSNorm of Qwen3 and Gemma 3 (the reference then runs Megatron's two norm passes). Each
 row checks the fused op against its torch reference first, then times forward + backward with
 ``triton.testing.do_bench`` (median, p20, p80) and reports the peak extra memory. Where
 ``liger_kernel`` is importable, its functional RMSNorm and fused linear cross-entropy (summed
@@ -16,7 +18,10 @@ import torch
 import triton
 import triton.testing
 
+from megatron_lorafusion.config import MODEL_PRESETS, ModelConfig, attention_head_dim
 from megatron_lorafusion.ops import (
+    geglu,
+    geglu_ref,
     linear_cross_entropy,
     linear_cross_entropy_ref,
     qkv_rope,
@@ -42,6 +47,7 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
     angles = torch.rand(tokens, 1, head_dim // 2, device=dev) * 100
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+    q_norm, k_norm = (torch.rand(head_dim, device=dev, dtype=dtype) + 0.5 for _ in range(2))
     out_w = torch.randn(vocab, hidden, device=dev, dtype=dtype) / hidden**0.5
     labels = torch.randint(0, vocab, (tokens,), device=dev)
     hid = torch.randn(tokens, hidden, device=dev, dtype=dtype)
@@ -54,12 +60,21 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
     return {
         "rms_norm": (x, lambda f, t: f(t, w, 1e-5), _torch_rms_norm, _torch_rms_norm),
         "swiglu": (fc1, lambda f, t: f(t), swiglu, swiglu_ref),
+        "geglu": (fc1, lambda f, t: f(t), geglu, geglu_ref),
         "rope": (qkv, lambda f, t: f(*qk(t), cos, sin), rope, rope_ref),
         # Megatron's grouped [q… | k | v] row: split, query copy and RoPE (the reference) or
         # one kernel each way (what `mcore.PackedSelfAttention` runs).
         "qkv_rope": (
             qkv,
             lambda f, t: f(t, cos, sin, groups, heads // groups, head_dim),
+            qkv_rope,
+            qkv_rope_ref,
+        ),
+        "qkv_rope_qk_norm": (
+            qkv,
+            lambda f, t: f(
+                t, cos, sin, groups, heads // groups, head_dim, q_norm=q_norm, k_norm=k_norm
+            ),
             qkv_rope,
             qkv_rope_ref,
         ),
@@ -110,19 +125,33 @@ def _peak(run) -> float:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--shape",
+        choices=["llama3.1-8b", "qwen3-8b", "gemma3-12b"],
+        default="llama3.1-8b",
+        help="the sizes below default to this preset's",
+    )
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--ffn", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=128256)
+    for flag in ("hidden", "ffn", "heads", "groups", "head-dim", "vocab"):
+        parser.add_argument(f"--{flag}", type=int)
     parser.add_argument("--csv", help="append rows to this CSV file")
     args = parser.parse_args(argv)
+    preset = ModelConfig(**MODEL_PRESETS[args.shape])
+    defaults = dict(
+        hidden=preset.hidden_size,
+        ffn=preset.ffn_hidden_size,
+        heads=preset.num_attention_heads,
+        groups=preset.num_query_groups,
+        head_dim=attention_head_dim(preset),
+        vocab=preset.vocab_size,
+    )
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     dtype = torch.bfloat16
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-        f"{triton.__version__} | T={args.tokens} bf16, forward + backward"
+        f"{triton.__version__} | {args.shape} sizes | T={args.tokens} bf16, forward + backward"
     )
     liger = _liger_ops()
     print(

@@ -1,6 +1,8 @@
 """Training throughput on one GPU: the many-adapter matrix (issue 21) and the peers (issue 15).
 
     python -m scripts.bench_train_throughput [--shapes llama3.1-8b] [--no-peers] [--csv out.csv]
+    python -m scripts.bench_train_throughput --shapes qwen3-8b gemma3-12b --no-matrix \
+        --layers 12 --microbatches 4   # issue 35: the Qwen3 and Gemma 3 shapes (fewer layers)
     python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix --no-peers \
         --attention flex    # issue 22: our rows on FlexAttention instead of FlashAttention
     python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix \
@@ -21,10 +23,12 @@ round's time, peak memory and the mean loss of the timed pass. ``--attention`` f
 attention's kernel (issue 22); runs that differ only in it see the same weights and
 microbatches, so their losses compare.
 The peers: transformers + PEFT (one adapter, same r and p on q/k/v/o/gate/up/down, 4 x T/4
-tokens, SDPA, torch AdamW each microbatch), with Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused
-linear cross-entropy too when ``liger_kernel`` is importable (it patches transformers for good,
-so it runs last), each beside its floor: the model without PEFT, frozen, its embedding output
-requiring grad so backward computes the input gradients. Issue 15's table sets ours with 4
+tokens, SDPA, torch AdamW each microbatch) on the shape's family (``LlamaForCausalLM``,
+``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``), with Liger-Kernel's RMSNorm, RoPE, SwiGLU (GeGLU
+for Gemma 3) and fused linear cross-entropy too when ``liger_kernel`` is importable and has the
+family (it patches transformers for good, so it runs last), each beside its floor: the
+model without PEFT, frozen, its embedding output requiring grad so backward computes the
+input gradients. Issue 15's table sets ours with 4
 adapters r = 16 p = 0.1 and our floor (LoRA wrappers swapped out) against them.
 
 Microbatches: T packed tokens, sample lengths drawn in [256, 2048] ([T/4, T] when T < 1024)
@@ -75,12 +79,20 @@ from megatron_lorafusion.mcore.parallel import (
 from megatron_lorafusion.ops import AdapterLayout
 from megatron_lorafusion.train.optim import AdapterAdamW
 
-SHAPES = ("llama3.2-1b", "llama3.1-8b")
-TINY = dict(hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2)
+SHAPES = ("llama3.2-1b", "llama3.1-8b", "qwen3-8b", "gemma3-12b")
+DEFAULT_SHAPES = SHAPES[:2]
+TINY = dict(
+    hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2, head_dim=16
+)
 COMPARE = (16, 0.1, 4)  # issue 15's cell: rank, dropout, adapters
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PEFT_LORA = dict(target_modules=HF_TARGETS, task_type="CAUSAL_LM")
-LIGER = dict(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
+LIGER = dict(rope=True, rms_norm=True, fused_linear_cross_entropy=True)
+LIGER_FAMILY = {  # family -> (Liger's patch function, its GLU keyword)
+    "llama": ("apply_liger_kernel_to_llama", "swiglu"),
+    "qwen3": ("apply_liger_kernel_to_qwen3", "swiglu"),
+    "gemma3": ("apply_liger_kernel_to_gemma3_text", "geglu"),
+}
 KEY = ("shape", "what", "rank", "dropout", "adapters")  # of every result row
 SPECS = dict(
     tokens_s=",.0f",
@@ -489,11 +501,11 @@ def _run_ours(shape: str, args, results: dict, builds: dict) -> None:
         set_attention_backend(model, args.backend)
 
 
-def _hf_model(model_cfg: ModelConfig, args):
-    """A random ``LlamaForCausalLM`` of the same sizes, built on the device, frozen."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _hf_config(model_cfg: ModelConfig):
+    """The transformers config of ``model_cfg``'s family and sizes (Llama, Qwen3, Gemma 3)."""
+    import transformers
 
-    config = LlamaConfig(
+    sizes = dict(
         vocab_size=model_cfg.vocab_size,
         hidden_size=model_cfg.hidden_size,
         intermediate_size=model_cfg.ffn_hidden_size,
@@ -502,10 +514,37 @@ def _hf_model(model_cfg: ModelConfig, args):
         num_key_value_heads=model_cfg.num_query_groups,
         max_position_embeddings=model_cfg.max_position_embeddings,
         rms_norm_eps=model_cfg.norm_epsilon,
-        rope_theta=model_cfg.rope_theta,
-        tie_word_embeddings=False,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
         use_cache=False,
     )
+    if model_cfg.family == "llama":
+        return transformers.LlamaConfig(**sizes, rope_theta=model_cfg.rope_theta)
+    if model_cfg.family == "qwen3":
+        return transformers.Qwen3Config(
+            **sizes, head_dim=model_cfg.head_dim, rope_theta=model_cfg.rope_theta
+        )
+    types = model_cfg.layer_types or ["sliding_attention"]
+    full = {"rope_type": "default", "rope_theta": model_cfg.rope_theta}
+    if model_cfg.rope_linear_factor is not None:
+        full = {**full, "rope_type": "linear", "factor": model_cfg.rope_linear_factor}
+    return transformers.Gemma3TextConfig(
+        **sizes,
+        head_dim=model_cfg.head_dim,
+        query_pre_attn_scalar=int(model_cfg.query_pre_attn_scalar),  # Gemma's are integers
+        sliding_window=model_cfg.sliding_window,
+        layer_types=[types[i % len(types)] for i in range(model_cfg.num_layers)],
+        rope_parameters={
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": model_cfg.rope_local_theta},
+        },
+    )
+
+
+def _hf_model(model_cfg: ModelConfig, args):
+    """A random transformers model of the same family and sizes, built on the device, frozen."""
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(model_cfg)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation="sdpa", dtype=args.dtype
@@ -534,27 +573,36 @@ def _peft(model, batches, args, rank: int, dropout: float) -> dict:
         peft_model.unload()  # takes the LoRA layers out of ``model`` again
 
 
-def _liger_unavailable(device) -> str | None:
+def _liger_unavailable(device, family: str) -> str | None:
     if find_spec("liger_kernel") is None:
         return "liger_kernel not installed"
-    return None if device.type == "cuda" else "Liger-Kernel needs CUDA (Triton kernels)"
+    if device.type != "cuda":
+        return "Liger-Kernel needs CUDA (Triton kernels)"
+    import liger_kernel.transformers
+
+    name = LIGER_FAMILY[family][0]
+    if not hasattr(liger_kernel.transformers, name):
+        return f"liger-kernel {_version('liger-kernel')} has no {name}"
+    return None
 
 
 def _run_peers(shape: str, args, results: dict, builds: dict, liger: bool) -> None:
-    """A plain (or Liger-patched) HF Llama: its floor, then PEFT on each (r, p) asked for."""
+    """A plain (or Liger-patched) HF model: its floor, then PEFT on each (r, p) asked for."""
     what = "PEFT+Liger" if liger else "PEFT"
     cells = [] if liger or not args.matrix else list(itertools.product(args.ranks, args.dropouts))
     cells = list(dict.fromkeys(cells + ([COMPARE[:2]] if args.compare else [])))
     keys = [(shape, f"{what} floor", None, None, None)] + [(shape, what, *c, 1) for c in cells]
+    model_cfg = _model_config(shape, args)
     if liger:
-        if reason := _liger_unavailable(args.device):
+        if reason := _liger_unavailable(args.device, model_cfg.family):
             for key in keys:
                 _put(results, key, {"note": reason})
             return
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        import liger_kernel.transformers
 
-        apply_liger_kernel_to_llama(**LIGER)  # patches transformers' Llama for good
-    model_cfg = _model_config(shape, args)
+        name, glu = LIGER_FAMILY[model_cfg.family]
+        getattr(liger_kernel.transformers, name)(**LIGER, **{glu: True})  # for good
+
     start = time.perf_counter()
     model = _hf_model(model_cfg, args)
     builds[f"{what} {shape}"] = time.perf_counter() - start
@@ -617,7 +665,7 @@ def _print_compare(results: dict, args) -> None:
     for shape in args.shapes:
         keys = [(shape, w, *c) for w, c in zip(whats, cells, strict=True)][: 6 if args.peers else 2]
         keys[2:2] = [(shape, f"ours {b}", *COMPARE) for b in args.compare_attention]
-        ours = results[keys[0]].get("tokens_s")
+        ours = results.get(keys[0], {}).get("tokens_s")
         for key in keys:
             row = _row(results, key)
             rows.append({**row, "x_ours": _ratio(ours, row.get("tokens_s"))})
@@ -646,7 +694,7 @@ def _version(dist: str) -> str:
 def _parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     on_off = argparse.BooleanOptionalAction
-    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(DEFAULT_SHAPES))
     parser.add_argument("--ranks", nargs="+", type=int, default=[8, 64])
     parser.add_argument("--dropouts", nargs="+", type=float, default=[0.0, 0.1])
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16, 64])
@@ -666,6 +714,9 @@ def _parse_args(argv: list[str] | None):
     parser.add_argument("--matrix", action=on_off, default=True, help="issue 21's matrix")
     parser.add_argument("--compare", action=on_off, default=True, help="issue 15's table")
     parser.add_argument("--peers", action=on_off, default=True, help="transformers (+ Liger)")
+    parser.add_argument(
+        "--ours", action=on_off, default=True, help="our rows (--no-ours: the peers only)"
+    )
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
     parser.add_argument(
@@ -700,13 +751,15 @@ def _parse_args(argv: list[str] | None):
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Run the bench; returns every result row by ``(shape, what, rank, dropout, adapters)``."""
     args = _parse_args(argv)
     results, builds = {}, {}
     init_model_parallel(1, 1, args.device, seed=0)
     try:
         for shape in args.shapes:
-            _run_ours(shape, args, results, builds)
+            if args.ours:
+                _run_ours(shape, args, results, builds)
             if args.peers:
                 _run_peers(shape, args, results, builds, liger=False)
         for shape in args.shapes if args.peers and args.compare else []:
@@ -730,6 +783,7 @@ def main(argv: list[str] | None = None) -> None:
         _print_compare(results, args)
     if args.csv:
         _write_csv(args.csv, results, args, name)
+    return results
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.fused_lora_linear",
     "megatron_lorafusion.ops.linear_cross_entropy",
     "megatron_lorafusion.ops.swiglu",
+    "megatron_lorafusion.ops.geglu",
     "megatron_lorafusion.ops.dora_scale",
     "megatron_lorafusion.ops.rope",
     "megatron_lorafusion.ops.qkv_rope",

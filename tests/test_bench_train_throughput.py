@@ -190,3 +190,18 @@ def test_host_waits_charges_each_gap_to_the_frame_that_launched_the_next_kernel(
     assert "| ops/lora_shrink.py(5): launch | 0.04 | 1 |" in idle, out
     assert "| cudaStreamSynchronize in train/optim.py(7): step | 0.03 | 1 |" in syncs, out
     assert "cudaMemcpyAsync" not in syncs, out
+
+
+def test_bench_train_throughput_cpu_dry_run_of_qwen3_and_gemma3_shapes(bench, capsys):
+    """Issue 35's shapes: ours and transformers + PEFT on Qwen3 and Gemma 3 (their own
+    transformers classes), Liger refused on the CPU."""
+    argv = "--device cpu --shapes qwen3-8b gemma3-12b --layers 1 --tokens 64 --microbatches 1"
+    bench.main([*argv.split(), "--no-matrix"])
+    out = capsys.readouterr().out
+    (compare,) = _tables(out)
+    assert [row["model"] for row in compare] == ["qwen3-8b"] * 6 + ["gemma3-12b"] * 6, out
+    for row in compare:
+        if "Liger" in row["what"]:
+            assert "liger" in row["note"].lower(), row
+        else:
+            assert _tokens_per_s(row) > 0, row

@@ -198,7 +198,7 @@ def test_config_hf_path_refuses_unsupported_architecture(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     errors = _errors(tmp_path, _job(tmp_path, model={"hf_path": str(tmp_path / "m")}))
-    assert "model.hf_path: architecture must be one of ['LlamaForCausalLM', " in errors
+    assert "model.hf_path: architecture must be one of ['Gemma3ForCausalLM', " in errors
     assert "got ['GPT2LMHeadModel']" in errors
 
 
@@ -587,3 +587,37 @@ def test_config_loraplus_ratio_must_be_positive(tmp_path, ratio):
         f"adapters.0.loraplus_lr_ratio must be in (0, 1e4] (B's lr over A's; 1 = off), "
         f"got {float(ratio)}"
     ) in _errors(tmp_path, job)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-8b", "gemma3-12b"])
+def test_config_qwen3_gemma3_presets_load_and_override_layers(tmp_path, preset):
+    """The presets validate; Gemma 3's six-layer pattern repeats over any layer count."""
+    cfg = load_config(_write(tmp_path, _job(tmp_path, model={"preset": preset})))
+    assert cfg.model.family == preset.split("-")[0]
+    assert cfg.model.head_dim in (128, 256)
+    for layers in (12, 2):
+        job = _job(tmp_path, model={"preset": preset, "num_layers": layers})
+        assert load_config(_write(tmp_path, job)).model.num_layers == layers
+
+
+def test_config_model_family_fields_are_checked(tmp_path):
+    model = {
+        "preset": "tiny",
+        "hidden_size": 130,  # not a multiple of 4 heads: fine with head_dim
+        "head_dim": 31,
+        "layer_types": ["sliding_attention", "global"],
+        "rope_linear_factor": 0.0,
+        "rope_scaling_factor": 8.0,
+        "hf_multimodal": True,
+    }
+    errors = _errors(tmp_path, _job(tmp_path, model=model))
+    assert "model.head_dim must be an even number in [2, 4096] (RoPE), got 31" in errors
+    assert "model.hidden_size must be divisible" not in errors
+    assert "model.layer_types must hold only ['full_attention', 'sliding_attention']" in errors
+    assert "model.sliding_window must be set for sliding_attention layers, got None" in errors
+    assert "model.rope_linear_factor must be > 0, got 0.0" in errors
+    assert "model.rope_linear_factor must be unset with model.rope_scaling_factor" in errors
+    assert "model.hf_multimodal must be false unless model.hf_path is a Gemma 3" in errors
+    empty = {"preset": "tiny", "sliding_window": 8, "layer_types": []}
+    errors = _errors(tmp_path, _job(tmp_path, model=empty))
+    assert "model.layer_types must list at least one type (or be null), got []" in errors

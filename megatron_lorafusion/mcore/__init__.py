@@ -1,4 +1,4 @@
-"""Megatron-Core glue: a Llama-like `GPTModel`, Hugging Face import, attention, LoRA wrappers.
+"""Megatron-Core glue: Llama/Qwen3/Gemma 3 `GPTModel`s, Hugging Face import, attention, LoRA.
 
 The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical use::
 
@@ -8,19 +8,23 @@ The only subpackage (with ``pipeline``) that imports ``megatron.core``. Typical 
 """
 
 from megatron_lorafusion.mcore.attention import (
-    PackedSelfAttention,
     VarlenCoreAttention,
     attention_backend,
-    document_causal_block_mask,
     set_attention_backend,
-    varlen_causal_attention_flex,
+    sliding_causal_mask,
     varlen_causal_attention_ref,
 )
 from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
+from megatron_lorafusion.mcore.families import PostNormMLP, family_layer_spec
+from megatron_lorafusion.mcore.flex import (
+    document_causal_block_mask,
+    varlen_causal_attention_flex,
+)
 from megatron_lorafusion.mcore.hf_import import HFCheckpoint, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
 from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES, RecomputedLayer, apply_recompute
+from megatron_lorafusion.mcore.self_attention import PackedSelfAttention, PostNormSelfAttention
 from megatron_lorafusion.mcore.wgrad import WgradQueue
 
 __all__ = [
@@ -30,6 +34,8 @@ __all__ = [
     "LoRAContext",
     "LoRARowParallelLinear",
     "PackedSelfAttention",
+    "PostNormMLP",
+    "PostNormSelfAttention",
     "RecomputedLayer",
     "VarlenCoreAttention",
     "WgradQueue",
@@ -38,9 +44,11 @@ __all__ = [
     "attention_backend",
     "build_gpt_model",
     "document_causal_block_mask",
+    "family_layer_spec",
     "get_gpt_lora_layer_spec",
     "load_hf_weights",
     "set_attention_backend",
+    "sliding_causal_mask",
     "varlen_causal_attention_flex",
     "varlen_causal_attention_ref",
 ]

@@ -10,10 +10,11 @@ torch lacks them, FlexAttention (torch >= 2.5) with a document-causal block mask
 per microbatch. CPU, fp32 and attention dropout run each sample through
 ``F.scaled_dot_product_attention`` in a Python loop. Tested on torch 2.11 (CUDA) and 2.14.
 
-`PackedSelfAttention` is Megatron's `SelfAttention` whose packed path splits the fused QKV
-projection with one kernel that also rotates q and k (`ops.qkv_rope`), where Megatron copies
-the query heads out of the row, RoPE copies q and k again, and backward concatenates the
-gradients back into the row; every other input takes Megatron's own path.
+A layer with a sliding window of ``W`` tokens (``window``: Mistral, Gemma 3's local layers)
+lets token ``i`` of a sample attend to tokens ``j`` of the same sample with
+``0 <= i - j < W`` (transformers' ``sliding_window`` rule), on every kernel: the loop masks
+each sample's scores, FlashAttention takes ``window_size_left = W - 1``, FlexAttention's block
+mask skips the blocks outside the window.
 """
 
 from __future__ import annotations
@@ -21,33 +22,22 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from torch.utils.weak import WeakIdKeyDictionary
 
-from megatron_lorafusion.mcore import fused_base
+from megatron_lorafusion.mcore.flex import varlen_causal_attention_flex
 from megatron_lorafusion.mcore.fused_base import apply_rope
-from megatron_lorafusion.ops import qkv_rope, qkv_rope_ref
-
-if TYPE_CHECKING:
-    from torch.nn.attention.flex_attention import BlockMask
 
 Backend = Literal["flash", "flex", "loop"]
 _BACKENDS = ("flash", "flex", "loop")
 # FlashAttention rejects fp32 (checked on torch 2.11, H200); flex is held to the same inputs.
 _FAST_DTYPES = (torch.float16, torch.bfloat16)
-_FLEX_BLOCK = 128  # FlexAttention's default sparse block: (T/128)² blocks per microbatch
-# cu_seqlens tensor -> (tokens, BlockMask), an entry living as long as its tensor: every layer
-# of a microbatch attends with the mask built for the first.
-_BLOCK_MASKS = WeakIdKeyDictionary()
 
 
 @functools.cache
@@ -56,6 +46,13 @@ def _flash_available(device: torch.device) -> bool:
     return hasattr(torch.ops.aten, "_flash_attention_forward") and (
         torch.cuda.get_device_capability(device) >= (8, 0)
     )
+
+
+@functools.cache
+def _flash_window_available() -> bool:
+    """Whether torch's FlashAttention op takes a sliding window (``window_size_left``)."""
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return "window_size_left" in schema
 
 
 @functools.cache
@@ -116,8 +113,14 @@ class _FlashVarlenFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, max_seqlen: int, scale: float):
-        """(T, np, d) output of (T, np, d) ``query`` and (T, ng, d) ``key`` / ``value``."""
+    def forward(ctx, query, key, value, cu_seqlens, max_seqlen: int, scale: float, window):
+        """(T, np, d) output of (T, np, d) ``query`` and (T, ng, d) ``key`` / ``value``.
+
+        ``window``: None, or the sliding window ``W`` (keys ``i - W < j <= i``).
+        """
+        ctx.window = (
+            {} if window is None else dict(window_size_left=window - 1, window_size_right=0)
+        )
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
             query,
             key,
@@ -130,6 +133,7 @@ class _FlashVarlenFunction(torch.autograd.Function):
             True,
             False,
             scale=scale,
+            **ctx.window,
         )
         ctx.save_for_backward(query, key, value, out, lse, cu_seqlens, rng_state, unused)
         ctx.max_seqlen, ctx.scale = max_seqlen, scale
@@ -155,12 +159,21 @@ class _FlashVarlenFunction(torch.autograd.Function):
             rng_state,
             unused,
             scale=ctx.scale,
+            **ctx.window,
         )
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
 def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sliding_causal_mask(
+    tokens: int, window: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """(tokens, tokens) bool, True where query ``i`` may attend key ``j``: ``0 <= i - j < W``."""
+    distance = torch.arange(tokens, device=device)[:, None] - torch.arange(tokens, device=device)
+    return (distance >= 0) & (distance < window)
 
 
 def varlen_causal_attention_ref(
@@ -170,6 +183,7 @@ def varlen_causal_attention_ref(
     cu_seqlens: torch.Tensor,
     scale: float,
     dropout_p: float = 0.0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention inside each packed sample, one SDPA call per sample (any device).
 
@@ -180,6 +194,7 @@ def varlen_causal_attention_ref(
         cu_seqlens: (S + 1,) int32 token offset of each sample.
         scale: softmax scale.
         dropout_p: attention-probability dropout.
+        window: sliding window ``W`` in tokens (`sliding_causal_mask`), or None (causal).
 
     Returns:
         (T, np, d) attention output.
@@ -191,101 +206,19 @@ def varlen_causal_attention_ref(
             continue
         # (T_s, heads, d) -> (heads, T_s, d): SDPA wants heads before tokens
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=True
-        )
+        if window is None or window >= end - start:  # the window holds the whole sample
+            o = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            mask = sliding_causal_mask(end - start, window, query.device)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=True
+            )
         parts.append(o.transpose(0, 1))  # (T_s, np, d)
     if bounds[-1] != query.shape[0]:
         raise ValueError(f"cu_seqlens covers {bounds[-1]} tokens, query has {query.shape[0]}")
     return torch.cat(parts) if parts else torch.empty_like(query)
-
-
-def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(1, 1, n) counts and (1, 1, n, n) int32 indices, listed first, of a (n, n) block map."""
-    counts = dense.sum(-1, dtype=torch.int32)
-    indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True)
-    return counts[None, None], indices.to(torch.int32)[None, None]
-
-
-def document_causal_block_mask(cu_seqlens: torch.Tensor, tokens: int) -> BlockMask:
-    """FlexAttention's ``BlockMask``: token q attends to token kv iff same sample and kv <= q.
-
-    Built by block arithmetic on ``cu_seqlens`` (no ``T x T`` mask, no host sync) and
-    cached for the ``cu_seqlens`` tensor, so the layers of one microbatch share it.
-
-    Args:
-        cu_seqlens: (S + 1,) int32 token offset of each sample (equal offsets: empty samples).
-        tokens: ``T`` = ``cu_seqlens[-1]``, known on the host.
-
-    Returns:
-        The ``(T, T)`` block mask.
-    """
-    cached = _BLOCK_MASKS.get(cu_seqlens)
-    if cached is not None and cached[0] == tokens:
-        return cached[1]
-    from torch.nn.attention.flex_attention import BlockMask
-
-    blocks = -(-tokens // _FLEX_BLOCK)
-    index = torch.arange(blocks * _FLEX_BLOCK, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    # sample id of every token; the padding past T is one more sample, so tail blocks are
-    # never full and mask_mod never indexes out of range
-    doc = torch.searchsorted(cu_seqlens[1:], index, right=True, out_int32=True)
-    first, last = doc[::_FLEX_BLOCK], doc[_FLEX_BLOCK - 1 :: _FLEX_BLOCK]  # (n,) per block
-    block = torch.arange(blocks, device=doc.device)
-    below = block[None, :] < block[:, None]  # [q block, kv block]: kv block entirely earlier
-    # samples are contiguous and in order: an earlier kv block meets the q block's first
-    # sample iff that is its last one, and is all one sample with the q block iff its first
-    # sample is the q block's last
-    full = below & (first[None, :] == last[:, None])
-    touched = (below & (last[None, :] == first[:, None])) | torch.eye(
-        blocks, dtype=torch.bool, device=doc.device
-    )
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
-
-    mask = BlockMask.from_kv_blocks(
-        *_ordered_blocks(touched & ~full),
-        *_ordered_blocks(full),
-        BLOCK_SIZE=_FLEX_BLOCK,
-        mask_mod=mask_mod,
-        seq_lengths=(tokens, tokens),
-    )
-    _BLOCK_MASKS[cu_seqlens] = (tokens, mask)
-    return mask
-
-
-@functools.cache
-def _compiled_flex_attention():
-    """``torch.compile``'d flex_attention: uncompiled, it materialises the scores.
-
-    A second sequence length recompiles it with dynamic shapes (torch.compile's default).
-    """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def varlen_causal_attention_flex(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention inside each packed sample, one FlexAttention call (CUDA).
-
-    Same arguments as `varlen_causal_attention_ref` without dropout; the block mask comes
-    from `document_causal_block_mask`. Query head ``j`` reads KV group ``j // (np / ng)``.
-
-    Returns:
-        (T, np, d) attention output.
-    """
-    block_mask = document_causal_block_mask(cu_seqlens, query.shape[0])
-    # (T, heads, d) -> (1, heads, T, d): views, no copies
-    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    out = _compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)  # (T, np, d)
 
 
 class VarlenCoreAttention(MegatronModule):
@@ -293,14 +226,20 @@ class VarlenCoreAttention(MegatronModule):
 
     Packed input (``packed_seq_params.qkv_format == 'thd'``): query ``(T, np, d)``,
     key/value ``(T, ng, d)``, output ``(T, np·d)``; each sample attends causally to itself
-    only. Unpacked input (``packed_seq_params`` None): query ``[s, b, np, d]``, output
-    ``[s, b, np·d]``, causal, plus the boolean ``attention_mask`` (True = masked out) if given.
-    Heads are those of this TP rank (taken from the tensors).
+    only (within ``window``). Unpacked input (``packed_seq_params`` None): query
+    ``[s, b, np, d]``, output ``[s, b, np·d]``, causal (within ``window``), plus the boolean
+    ``attention_mask`` (True = masked out) if given. Heads are those of this TP rank (taken
+    from the tensors).
 
     Attributes:
-        rotary: the model's RoPE module (`mcore.model.set_rotary_embedding`); for packed
-            input, q and k arrive unrotated (its ``forward`` gave Megatron no table) and are
-            rotated here by position inside their sample. None: no RoPE.
+        rotary: this layer's RoPE module (`mcore.model.configure_layers`); for packed input,
+            q and k arrive unrotated (its ``forward`` gave Megatron no table) and are rotated
+            here by position inside their sample. None: no RoPE.
+        local_rope: True when ``rotary`` is not the model's own (Gemma 3's local layers): an
+            unpacked input, which Megatron rotated with the model's, is refused.
+        window: this layer's sliding window ``W`` in tokens (`sliding_causal_mask`), or None
+            (causal over the whole sample); set per layer by the model builder, since
+            Megatron's own ``window_size`` is one for all layers and Transformer Engine's.
         backend: packed input's kernel, as `attention_backend`'s ``prefer``: ``auto``
             (default) or a forced ``flash``, ``flex`` or ``loop`` (`set_attention_backend`).
     """
@@ -339,6 +278,8 @@ class VarlenCoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.rotary: torch.nn.Module | None = None
+        self.local_rope = False
+        self.window: int | None = None
         self.backend = "auto"
 
     def forward(
@@ -381,28 +322,60 @@ class VarlenCoreAttention(MegatronModule):
             raise NotImplementedError("self-attention needs cu_seqlens_q == cu_seqlens_kv")
         dropout_p = self.dropout_p if self.training else 0.0
         backend = attention_backend(query.device, query.dtype, dropout_p, self.backend)
+        longest = packed_seq_params.max_seqlen_q
+        # a window holding every sample is plain causal attention (and its cheaper kernel)
+        window = self.window if self.window is not None and self.window < longest else None
+        if backend == "flash" and window is not None and not _flash_window_available():
+            if self.backend == "flash":
+                raise RuntimeError(
+                    f"attention backend 'flash': torch {torch.__version__}'s FlashAttention "
+                    "op has no sliding window"
+                )
+            backend = "flex" if _flex_available() else "loop"  # exact, slower
         if backend == "flash":
             out = _FlashVarlenFunction.apply(
                 *(_last_dim_dense(t) for t in (query, key, value)),
                 cu_q,
-                packed_seq_params.max_seqlen_q,
+                longest,
                 self.softmax_scale,
+                window,
             )
         elif backend == "flex":
             out = varlen_causal_attention_flex(
-                *(_last_dim_dense(t) for t in (query, key, value)), cu_q, self.softmax_scale
+                *(_last_dim_dense(t) for t in (query, key, value)),
+                cu_q,
+                self.softmax_scale,
+                window,
             )
         else:
             out = varlen_causal_attention_ref(
-                query, key, value, cu_q, self.softmax_scale, dropout_p
+                query, key, value, cu_q, self.softmax_scale, dropout_p, window
             )
         return out.reshape(out.shape[0], -1)  # (T, np, d) -> (T, np·d)
 
     def _forward_unpacked(self, query, key, value, attention_mask, dropout_p) -> torch.Tensor:
+        if self.local_rope:
+            raise NotImplementedError(
+                "this layer's RoPE base differs from the model's (Gemma 3's local layers), "
+                "which Megatron applied to the unpacked input: pass packed (THD) input"
+            )
         seq, batch, heads, head_dim = query.shape
         # [s, b, heads, d] -> [b, heads, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if attention_mask is None:
+        if self.window is not None and self.window < seq:
+            allowed = sliding_causal_mask(seq, self.window, query.device)
+            if attention_mask is not None:
+                allowed = allowed & ~attention_mask.bool()  # Megatron masks: True = masked out
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=allowed,
+                dropout_p=dropout_p,
+                scale=self.softmax_scale,
+                enable_gqa=True,
+            )
+        elif attention_mask is None:
             o = F.scaled_dot_product_attention(
                 q,
                 k,
@@ -444,52 +417,3 @@ def set_attention_backend(model: torch.nn.Module, backend: str) -> None:
         raise ValueError(f"{type(model).__name__} has no VarlenCoreAttention to set")
     for core in cores:
         core.backend = backend
-
-
-class PackedSelfAttention(SelfAttention):
-    """Megatron's `SelfAttention`; packed training input splits QKV with `ops.qkv_rope`.
-
-    The packed path covers what our models build: THD input without an inference context,
-    RoPE given to `VarlenCoreAttention` (``core_attention.rotary``), no q/k norms, no output
-    gate, no core-attention recompute, and whole KV groups on each TP rank. Anything else runs
-    ``SelfAttention.forward`` unchanged. Both paths compute the same function.
-    """
-
-    def _packed_path_applies(self, packed_seq_params, kwargs) -> bool:
-        core = self.core_attention
-        return (
-            packed_seq_params is not None
-            and packed_seq_params.qkv_format == "thd"
-            and kwargs.get("key_value_states") is None
-            and kwargs.get("inference_context") is None
-            and kwargs.get("inference_params") is None
-            and isinstance(core, VarlenCoreAttention)
-            and core.rotary is not None
-            and not self.config.attention_output_gate
-            and all(
-                n is None or isinstance(n, IdentityOp) for n in (self.q_layernorm, self.k_layernorm)
-            )
-            and not (self.checkpoint_core_attention and self.training)
-            and self.config.num_query_groups >= self.world_size
-        )
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
-        """``(output, bias)`` of ``linear_proj``, as ``SelfAttention.forward``.
-
-        Packed input: ``hidden_states`` ``[T, 1, H]``, output ``[T, 1, H]``.
-        """
-        packed_seq_params = kwargs.get("packed_seq_params")
-        if not self._packed_path_applies(packed_seq_params, kwargs):
-            return super().forward(hidden_states, attention_mask, **kwargs)
-        mixed, _ = self.linear_qkv(hidden_states)  # [T, 1, ng·(np/ng + 2)·d]
-        row = mixed.reshape(-1, mixed.shape[-1])  # (T, width): a view
-        groups = self.num_query_groups_per_partition
-        q_per_group = self.num_attention_heads_per_partition // groups
-        head_dim = self.hidden_size_per_attention_head
-        cos, sin = self.core_attention.rotary.packed_cos_sin(
-            packed_seq_params.cu_seqlens_q, row.shape[0], row.dtype
-        )
-        split = qkv_rope if fused_base.use_fused_kernels(row) else qkv_rope_ref
-        query, key, value = split(row, cos, sin, groups, q_per_group, head_dim)
-        out = self.core_attention.attend_packed(query, key, value, packed_seq_params)
-        return self.linear_proj(out.unsqueeze(1))  # (T, np·d) -> [T, 1, np·d]

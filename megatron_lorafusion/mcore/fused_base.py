@@ -1,20 +1,21 @@
 """The frozen base model's fused memory-bound steps, plugged into Megatron's public seams.
 
-On CUDA SwiGLU, RoPE and the output layer's loss run our fused Triton ops
+On CUDA SwiGLU (GeGLU for Gemma 3), RoPE and the output layer's loss run our fused Triton ops
 (``megatron_lorafusion.ops``); elsewhere the same modules run the ops' torch references, so
 both paths compute one function. Every module asks `use_fused_kernels` (looked up on this
 module at call time, so a test can switch the Triton path on under the interpreter):
 
 - `FrozenRMSNorm`: the layer norms and the final norm (spec substitution; torch's fused
   ``F.rms_norm`` everywhere, faster than ours and Liger's on the H200);
-- `FusedSwiGLU`: MLP's activation module (``MLPSubmodules.activation_func``, which Megatron
-  builds when ``config.use_te_activation_func`` is set; nothing of Transformer Engine is used);
+- `FusedSwiGLU` / `FusedGeGLU`: MLP's activation module (``MLPSubmodules.activation_func``,
+  which Megatron builds when ``config.use_te_activation_func`` is set; nothing of Transformer
+  Engine is used);
 - `fused_loss_processor`: the ``output_processor`` hook of ``GPTModel.forward``, which
   `LoRAFusionGPTModel` passes when labels are given: per-token loss from the final hidden
   states by chunked linear cross-entropy, never the full ``(T, V)`` fp32 logits;
 - RoPE: `VarlenCoreAttention` calls `apply_rope`.
 
-`FrozenRMSNorm` and `FusedSwiGLU` mark their outputs with how to recompute them
+`FrozenRMSNorm` and the GLU activations mark their outputs with how to recompute them
 (`input_rebuild`), so the LoRA wrapper of the linear they feed can rebuild its input in
 backward instead of keeping it (selective recompute, ``train.recompute``).
 """
@@ -29,6 +30,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_lorafusion.ops import (
+    geglu,
+    geglu_ref,
     linear_cross_entropy,
     rope,
     rope_ref,
@@ -132,6 +135,21 @@ class FusedSwiGLU(torch.nn.Module):
         if use_fused_kernels(x):
             return swiglu(x.contiguous())
         return swiglu_ref(x)
+
+
+class FusedGeGLU(FusedSwiGLU):
+    """MLP activation of ``[gate | up]``: ``gelu_tanh(gate) · up`` (Gemma 3's MLP).
+
+    Megatron's config holds ``F.gelu`` (its check of ``use_te_activation_func`` admits only
+    gelu, silu and relu); this module computes the tanh approximation transformers' Gemma 3
+    uses (``gelu_pytorch_tanh``), not ``F.gelu``'s erf form.
+    """
+
+    @staticmethod
+    def _activate(x: torch.Tensor) -> torch.Tensor:
+        if use_fused_kernels(x):
+            return geglu(x.contiguous())
+        return geglu_ref(x)
 
 
 def apply_rope(

@@ -1,15 +1,14 @@
-"""Build a Llama-like Megatron-Core `GPTModel` (RMSNorm, SwiGLU, RoPE, GQA) on the local spec.
+"""Build a Llama-like Megatron-Core `GPTModel` (RMSNorm, gated MLP, RoPE, GQA) on the local spec.
 
 The local spec's core attention is swapped for `VarlenCoreAttention`, so packed (THD)
-microbatches never attend across sample boundaries. Base weights are random from a seed or a
-Hugging Face checkpoint's (`mcore.hf_import`), frozen; adapters are added afterwards with
-`apply_lora`.
+microbatches never attend across sample boundaries. ``model.family`` picks the layer
+(`mcore.families`: Llama, Qwen3, Gemma 3); each layer's sliding window and RoPE base are set
+after the build (`configure_layers`). Base weights are random from a seed or a Hugging Face
+checkpoint's (`mcore.hf_import`), frozen; adapters are added afterwards with `apply_lora`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import hashlib
 import math
 import os
@@ -20,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -29,9 +27,13 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_lorafusion.config import ModelConfig
-from megatron_lorafusion.mcore.attention import PackedSelfAttention, VarlenCoreAttention
-from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, LoRAFusionGPTModel
+from megatron_lorafusion.config import ModelConfig, attention_head_dim
+from megatron_lorafusion.mcore.families import (
+    embedding_scale,
+    family_layer_spec,
+    scale_word_embeddings,
+)
+from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, LoRAFusionGPTModel
 from megatron_lorafusion.mcore.hf_import import check_hf_config, load_hf_weights
 
 
@@ -49,11 +51,13 @@ class _PortableRotaryEmbedding(RotaryEmbedding):
     token's position inside its sample, computed once per microbatch for all layers.
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, linear_factor: float | None = None, **kwargs):
         super().__init__(**kwargs)
         if self.rotary_interleaved or self.seq_len_interpolation_factor is not None:
             raise NotImplementedError("interleaved or interpolated RoPE is not supported")
         inv_freq = self.__dict__.pop("inv_freq")
+        if linear_factor is not None:  # transformers' "linear" RoPE: positions / factor
+            inv_freq = inv_freq / linear_factor
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._packed_cache: tuple | None = None
 
@@ -102,6 +106,47 @@ def set_rotary_embedding(model: GPTModel, rotary: _PortableRotaryEmbedding) -> N
         layer.self_attention.core_attention.rotary = rotary
 
 
+def _sliding(model_cfg: ModelConfig, index: int) -> bool:
+    """Whether global layer ``index`` (0-based) attends within ``model_cfg.sliding_window``."""
+    if model_cfg.sliding_window is None:
+        return False
+    types = model_cfg.layer_types
+    return types is None or types[index % len(types)] == "sliding_attention"
+
+
+def _rotary(model_cfg: ModelConfig, config: TransformerConfig, cp_group, local: bool):
+    """The RoPE module of the model's full-attention layers, or (``local``) sliding ones."""
+    return _PortableRotaryEmbedding(
+        kv_channels=config.kv_channels,
+        rotary_percent=1.0,
+        rotary_base=model_cfg.rope_local_theta if local else model_cfg.rope_theta,
+        rope_scaling=model_cfg.rope_scaling_factor is not None and not local,
+        rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
+        linear_factor=None if local else model_cfg.rope_linear_factor,
+        use_cpu_initialization=True,
+        cp_group=cp_group,
+    )
+
+
+def configure_layers(model: GPTModel, model_cfg: ModelConfig, config: TransformerConfig, cp_group):
+    """Give every layer its sliding window and RoPE module, the model the full layers' RoPE.
+
+    Gemma 3's sliding layers rotate with ``rope_local_theta`` (and no scaling), one module
+    shared by those layers, so each microbatch builds two cos/sin tables, not one per layer.
+    """
+    rotary = _rotary(model_cfg, config, cp_group, local=False)
+    set_rotary_embedding(model, rotary)
+    local = None
+    if model_cfg.rope_local_theta is not None and model_cfg.sliding_window is not None:
+        local = _rotary(model_cfg, config, cp_group, local=True)
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        sliding = _sliding(model_cfg, layer.layer_number - 1)
+        core.window = model_cfg.sliding_window if sliding else None
+        if sliding and local is not None:
+            core.rotary, core.local_rope = local, True
+
+
 def _transformer_config(
     model_cfg: ModelConfig,
     tp_size: int,
@@ -131,10 +176,19 @@ def _transformer_config(
         ffn_hidden_size=model_cfg.ffn_hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
         num_query_groups=model_cfg.num_query_groups,
+        kv_channels=attention_head_dim(model_cfg),
+        qk_layernorm=model_cfg.family != "llama",
+        softmax_scale=(
+            None
+            if model_cfg.query_pre_attn_scalar is None
+            else model_cfg.query_pre_attn_scalar**-0.5
+        ),
         layernorm_epsilon=model_cfg.norm_epsilon,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=F.silu,
+        # FusedGeGLU computes tanh GELU; Megatron's check of use_te_activation_func admits
+        # F.gelu (erf), which no code path of ours evaluates.
+        activation_func=F.gelu if model_cfg.family == "gemma3" else F.silu,
         add_bias_linear=False,
         add_qkv_bias=model_cfg.add_qkv_bias,
         hidden_dropout=0.0,
@@ -176,6 +230,7 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     is therefore the same for every TP and PP size, and on every device: weights are drawn
     on the CPU, each with its own generator and so in parallel threads (one thread drew the
     8B preset in ~40 s), and copied to where the model lives. Norm weights keep their ones.
+    With ``tie_word_embeddings`` the output layer gets the embedding's draw.
     """
     to_global = {
         str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
@@ -186,6 +241,8 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
         global_name = re.sub(
             r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{to_global[m[1]]}.", name
         )
+        if model_cfg.tie_word_embeddings and global_name == "output_layer.weight":
+            global_name = "embedding.word_embeddings.weight"  # tied: the same draw
         std = (
             scaled_std
             if global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
@@ -209,34 +266,25 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
             done.result()  # re-raises a draw's error here
 
 
-def get_gpt_lora_layer_spec() -> ModuleSpec:
-    """The local GPT layer spec (RMSNorm), `PackedSelfAttention` over `VarlenCoreAttention`.
+def get_gpt_lora_layer_spec(family: str = "llama") -> ModuleSpec:
+    """The local GPT layer spec (RMSNorm) of ``family`` (`mcore.families.family_layer_spec`).
 
-    LoRA is not part of the spec: `apply_lora` wraps the built linears instead, so base
-    weights can be loaded first. Norms are `FrozenRMSNorm` (sequence-parallel capable, fused
-    on CUDA); the MLP's activation module is `FusedSwiGLU` (built by Megatron's MLP when the
-    config sets ``use_te_activation_func``, as `_transformer_config` does).
+    `PackedSelfAttention` over `VarlenCoreAttention`. LoRA is not part of the spec:
+    `apply_lora` wraps the built linears instead, so base weights can be loaded first. Norms
+    are `FrozenRMSNorm` (sequence-parallel capable, fused on CUDA); the MLP's activation module
+    is `FusedSwiGLU` or `FusedGeGLU` (built by Megatron's MLP when the config sets
+    ``use_te_activation_func``, as `_transformer_config` does).
     """
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    spec.submodules.self_attention.module = PackedSelfAttention
-    spec.submodules.self_attention.submodules.core_attention = VarlenCoreAttention
-    spec.submodules.input_layernorm = FrozenRMSNorm
-    spec.submodules.pre_mlp_layernorm = FrozenRMSNorm
-    mlp = spec.submodules.mlp  # functools.partial(MLP.as_mlp_submodule, submodules=...)
-    submodules = dataclasses.replace(mlp.keywords["submodules"], activation_func=FusedSwiGLU)
-    spec.submodules.mlp = functools.partial(
-        mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules}
-    )
-    return spec
+    return family_layer_spec(family)
 
 
-def _gpt_block_spec(config: TransformerConfig) -> TransformerBlockSubmodules:
+def _gpt_block_spec(config: TransformerConfig, family: str) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder: `get_gpt_lora_layer_spec` layers, a `FrozenRMSNorm` last.
 
     Spelled out because Megatron's default final norm is its torch-norm fallback (see
     `FrozenRMSNorm`).
     """
-    layer = get_gpt_lora_layer_spec()
+    layer = get_gpt_lora_layer_spec(family)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=FrozenRMSNorm
     )
@@ -256,12 +304,13 @@ def build_gpt_model(
     Megatron's parallel state must be initialised by the caller
     (``parallel_state.initialize_model_parallel``); TP and PP sizes and this rank's layers are
     taken from it at build time. With ``model_cfg.hf_path`` set, this rank's shard of the
-    checkpoint is loaded (`mcore.hf_import`; Qwen2's q/k/v biases and Llama 3 RoPE scaling
-    included); otherwise every weight is drawn from a generator keyed by
+    checkpoint is loaded (`mcore.hf_import`; Qwen2's q/k/v biases, Llama 3 RoPE scaling,
+    Qwen3 and Gemma 3 included); otherwise every weight is drawn from a generator keyed by
     ``(model_cfg.init_seed, global parameter name)`` (`_init_base_weights`; the global RNG is
-    left untouched), so the model is identical for any TP and PP size. Untied embeddings (a
-    tied checkpoint gets two equal frozen copies), no dropout, RoPE with
-    ``model_cfg.rope_theta``.
+    left untouched), so the model is identical for any TP and PP size. The layer is
+    ``model_cfg.family``'s (`mcore.families`), each layer's window and RoPE base set by
+    `configure_layers`. Untied embeddings (a tied checkpoint gets two equal frozen copies),
+    no dropout.
 
     Args:
         model_cfg: sizes and seed (or checkpoint) of the model.
@@ -301,7 +350,7 @@ def build_gpt_model(
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
         model = LoRAFusionGPTModel(
             config=config,
-            transformer_layer_spec=_gpt_block_spec(config),
+            transformer_layer_spec=_gpt_block_spec(config, model_cfg.family),
             vocab_size=model_cfg.vocab_size,
             max_sequence_length=model_cfg.max_position_embeddings,
             pre_process=pre_process,
@@ -311,18 +360,10 @@ def build_gpt_model(
             rotary_base=model_cfg.rope_theta,
             pg_collection=pg_collection,
         )
-        set_rotary_embedding(
-            model,
-            _PortableRotaryEmbedding(
-                kv_channels=config.kv_channels,
-                rotary_percent=1.0,
-                rotary_base=model_cfg.rope_theta,
-                rope_scaling=model_cfg.rope_scaling_factor is not None,
-                rope_scaling_factor=model_cfg.rope_scaling_factor or 1.0,
-                use_cpu_initialization=True,
-                cp_group=pg_collection.cp,
-            ),
-        )
+        configure_layers(model, model_cfg, config, pg_collection.cp)
+    scale = embedding_scale(model_cfg, params_dtype)
+    if pre_process and scale is not None:
+        scale_word_embeddings(model.embedding.word_embeddings, scale)
     model.requires_grad_(False)
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
     if model_cfg.hf_path is not None:

@@ -25,6 +25,7 @@ from megatron_lorafusion.ops.fused_lora_linear import (
     fused_lora_linear,
     resolve_gemm,
 )
+from megatron_lorafusion.ops.geglu import GeGLUFunction, geglu, geglu_ref
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.linear_cross_entropy import (
     LinearCrossEntropyFunction,
@@ -68,6 +69,7 @@ from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 __all__ = [
     "AdapterLayout",
     "DoRAScaleFunction",
+    "GeGLUFunction",
     "HostCopy",
     "InputRebuild",
     "LinearCrossEntropyFunction",
@@ -93,6 +95,8 @@ __all__ = [
     "fused_lora_down",
     "fused_lora_linear",
     "fused_lora_up",
+    "geglu",
+    "geglu_ref",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "lora_down",

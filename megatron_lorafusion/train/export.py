@@ -1,5 +1,11 @@
 """Write an adapter as a Hugging Face PEFT folder for the matching Llama-style model.
 
+The matching model is the checkpoint's class: ``LlamaForCausalLM``, ``Qwen3ForCausalLM``,
+``Gemma3ForCausalLM``, ... (modules ``model.layers.{i}.self_attn.q_proj``, ...), or for a
+``Gemma3ForConditionalGeneration`` base its language model's modules
+(``model.language_model.layers.{i}...``; ``target_modules`` is then a pattern that matches
+those only, not the vision tower's projections of the same names).
+
 Megatron fuses projections that Hugging Face keeps apart; a LoRA on a fused linear is exactly
 several LoRAs sharing one ``A``:
 - ``linear_qkv`` → ``q_proj``/``k_proj``/``v_proj``: the output rows are grouped per query
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,12 +42,22 @@ from megatron_lorafusion.config import (
     JobConfig,
     ModelConfig,
     adapter_scaling,
+    attention_head_dim,
     job_from_dict,
     lora_blocks,
 )
 from megatron_lorafusion.validation import adapter_name_problem
 
-_PREFIX = "base_model.model.model.layers"
+_PEFT = "base_model.model."  # PEFT's prefix of the wrapped model's module names
+_LAYERS = "model.layers"
+_MULTIMODAL_LAYERS = "model.language_model.layers"  # Gemma3ForConditionalGeneration's text
+
+
+def _layers(model: ModelConfig) -> str:
+    """The module path of the decoder layers in the transformers model ``model`` exports to."""
+    return _MULTIMODAL_LAYERS if model.hf_multimodal else _LAYERS
+
+
 _HF_BLOCK = {
     "linear_qkv": "self_attn",
     "linear_proj": "self_attn",
@@ -52,7 +69,7 @@ _HF_BLOCK = {
 def _split_b(module: str, lora_b: torch.Tensor, model: ModelConfig) -> list[torch.Tensor]:
     """Rows of a fused module's ``B`` (N, r), one block per Hugging Face module."""
     if module == "linear_qkv":
-        head_dim = model.hidden_size // model.num_attention_heads
+        head_dim = attention_head_dim(model)
         per_group = model.num_attention_heads // model.num_query_groups
         grouped = lora_b.reshape(model.num_query_groups, (per_group + 2) * head_dim, -1)
         q, k, v = grouped.split([per_group * head_dim, head_dim, head_dim], dim=1)
@@ -115,10 +132,12 @@ def _block_pieces(
     return out
 
 
-def _peft_key(layer: str, module: str, hf: str, factor: str, kind: AdapterType) -> str:
+def _peft_key(
+    layer: str, module: str, hf: str, factor: str, kind: AdapterType, model: ModelConfig
+) -> str:
     """PEFT's name of one tensor: ``...{hf}.lora_A.weight``, or the row vector's own key."""
     tail = kind.peft_row_vector if factor == kind.row_vector else f"{factor}.weight"
-    return f"{_PREFIX}.{layer}.{_HF_BLOCK[module]}.{hf}.{tail}"
+    return f"{_PEFT}{_layers(model)}.{layer}.{_HF_BLOCK[module]}.{hf}.{tail}"
 
 
 def peft_state_dict(
@@ -139,9 +158,10 @@ def peft_state_dict(
         kind: the adapter's variant (`adapter_types.adapter_type`).
 
     Returns:
-        ``base_model.model.model.layers.{i}.{self_attn|mlp}.{hf}.lora_{A|B}.weight`` tensors:
-        ``A`` (r, H_in), ``B`` (out, r) per Hugging Face module the adapter targets, and
-        DoRA's ``...{hf}.lora_magnitude_vector`` (out,).
+        ``base_model.model.model.layers.{i}.{self_attn|mlp}.{hf}.lora_{A|B}.weight`` tensors
+        (``...model.language_model.layers...`` for a multimodal Gemma 3 base): ``A``
+        (r, H_in), ``B`` (out, r) per Hugging Face module the adapter targets, and DoRA's
+        ``...{hf}.lora_magnitude_vector`` (out,).
 
     Raises:
         ValueError: for a key that names no LoRA module the targets adapt, or weights that
@@ -162,14 +182,21 @@ def peft_state_dict(
             raise ValueError(f"adapter tensor {key!r} must end in one of {list(factors)}")
         pieces = _block_pieces(key, module, factor, tensor, blocks[module], model)
         for hf, piece in pieces.items():
-            name = _peft_key(layer, module, hf, factor, kind)
+            name = _peft_key(layer, module, hf, factor, kind, model)
             out[name] = piece.detach().to(torch.float32).contiguous().clone()
     return out
 
 
-def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict:
-    """The ``adapter_config.json`` of ``adapter`` (``base``: the base model's folder, if any)."""
-    targets = sorted(
+def peft_adapter_config(
+    adapter: AdapterConfig, base: str | None = None, *, model: ModelConfig | None = None
+) -> dict:
+    """The ``adapter_config.json`` of ``adapter`` (``base``: the base model's folder, if any).
+
+    ``target_modules`` lists the Hugging Face projections, or for a multimodal Gemma 3
+    ``model`` is a pattern PEFT matches against whole module names: the language model's
+    layers only.
+    """
+    targets: list[str] | str = sorted(
         {
             hf
             for blocks in lora_blocks(adapter.target_modules).values()
@@ -177,6 +204,8 @@ def peft_adapter_config(adapter: AdapterConfig, base: str | None = None) -> dict
             for hf in block
         }
     )
+    if model is not None and model.hf_multimodal:
+        targets = rf"^{re.escape(_MULTIMODAL_LAYERS)}\.\d+\.(self_attn|mlp)\.({'|'.join(targets)})$"
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -245,7 +274,7 @@ def _write_peft(
     tmp.mkdir(parents=True)
     save_file(peft, str(tmp / "adapter_model.safetensors"))
     (tmp / "adapter_config.json").write_text(
-        json.dumps(peft_adapter_config(adapter, model.hf_path), indent=2) + "\n",
+        json.dumps(peft_adapter_config(adapter, model.hf_path, model=model), indent=2) + "\n",
         encoding="utf-8",
     )
     if folder.exists():
@@ -254,10 +283,33 @@ def _write_peft(
     return folder
 
 
+def _checkpoint_layers(source: Path) -> str:
+    """The name prefix of the decoder layers' tensors in the checkpoint files at ``source``.
+
+    ``model.layers.`` for a CausalLM; a multimodal Gemma 3 saved by transformers 5 names its
+    language model ``language_model.model.layers.``, other tools ``model.language_model.``.
+    """
+    from safetensors import safe_open
+
+    index = source / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    else:
+        with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+            names = list(f.keys())
+    embeddings = sorted(n for n in names if n.endswith("embed_tokens.weight"))
+    if not embeddings:
+        raise ValueError(f"base checkpoint {str(source)!r} holds no ...embed_tokens.weight")
+    return embeddings[0].removesuffix("embed_tokens.weight") + "layers."
+
+
 def _merge_factors(
-    kind: AdapterType, peft_state: dict[str, torch.Tensor]
+    kind: AdapterType, peft_state: dict[str, torch.Tensor], layers: str
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """``(A, B, row vector or None)`` of each adapted Hugging Face module, by its weight name."""
+    """``(A, B, row vector or None)`` of each adapted module, by its checkpoint weight name.
+
+    ``layers``: the checkpoint's prefix of the layer tensors (`_checkpoint_layers`).
+    """
     factors = {}
     for key, lora_a in peft_state.items():
         if not key.endswith(".lora_A.weight"):
@@ -266,8 +318,12 @@ def _merge_factors(
         vector = None
         if kind.row_vector is not None:
             vector = peft_state[f"{module}.{kind.peft_row_vector}"]
-        name = module.removeprefix("base_model.model.") + ".weight"
-        factors[name] = (lora_a, peft_state[f"{module}.lora_B.weight"], vector)
+        in_layers = re.sub(r"^.*?\.layers\.", "", module.removeprefix(_PEFT))  # "{i}.self_attn.."
+        factors[f"{layers}{in_layers}.weight"] = (
+            lora_a,
+            peft_state[f"{module}.lora_B.weight"],
+            vector,
+        )
     return factors
 
 
@@ -303,9 +359,9 @@ def _write_merged(
             "trained on a random base, which has no checkpoint to merge into"
         )
     kind = adapter_type(adapter)
-    factors = _merge_factors(kind, peft)
-    scale = adapter_scaling(adapter)
     source, folder = Path(model.hf_path), Path(folder)
+    factors = _merge_factors(kind, peft, _checkpoint_layers(source))
+    scale = adapter_scaling(adapter)
     tmp = _tmp_sibling(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

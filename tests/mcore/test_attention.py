@@ -1,7 +1,11 @@
 """`VarlenCoreAttention`: packed samples attend causally to themselves only, RoPE restarts.
 
-Also its kernel choice (flash, flex, loop) and FlexAttention's document-causal block mask.
+Also its kernel choice (flash, flex, loop), FlexAttention's document-causal block mask,
+sliding windows (Mistral, Gemma 3) on every kernel, and `PackedSelfAttention`'s fused split
+(with Qwen3's and Gemma 3's q/k norms) against Megatron's own path.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ import torch.nn.functional as F
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 from megatron_lorafusion.mcore import apply_lora, attention, varlen_causal_attention_ref
+from megatron_lorafusion.mcore import flex as flex_module
 from megatron_lorafusion.ops import AdapterLayout
 
 # dtype -> tolerances; fp32 recomputations of the same function in a different order
@@ -116,7 +121,7 @@ def test_document_causal_block_mask_equals_create_block_mask(lengths):
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
     tokens = sum(lengths)
-    mask = attention.document_causal_block_mask(_cu_seqlens(lengths), tokens)
+    mask = flex_module.document_causal_block_mask(_cu_seqlens(lengths), tokens)
     torch.testing.assert_close(
         create_mask(mask.mask_mod, None, None, tokens, tokens, device="cpu")[0, 0],
         _block_diagonal_causal([n for n in lengths if n]),
@@ -143,9 +148,15 @@ def test_document_causal_block_mask_equals_create_block_mask(lengths):
 
 def test_document_causal_block_mask_is_cached_per_cu_seqlens_tensor():
     cu = _cu_seqlens(LENGTHS["ragged"])
-    mask = attention.document_causal_block_mask(cu, 511)
-    assert attention.document_causal_block_mask(cu, 511) is mask
-    assert attention.document_causal_block_mask(cu.clone(), 511) is not mask  # identity, not value
+    mask = flex_module.document_causal_block_mask(cu, 511)
+    assert flex_module.document_causal_block_mask(cu, 511) is mask
+    assert (
+        flex_module.document_causal_block_mask(cu.clone(), 511) is not mask
+    )  # identity, not value
+    windowed = flex_module.document_causal_block_mask(cu, 511, 64)
+    assert windowed is not mask, "a window is another mask"
+    assert flex_module.document_causal_block_mask(cu, 511, 64) is windowed
+    assert flex_module.document_causal_block_mask(cu, 511) is mask, "both cached side by side"
 
 
 def test_varlen_attention_flex_matches_reference_forward_on_cpu(monkeypatch):
@@ -153,14 +164,14 @@ def test_varlen_attention_flex_matches_reference_forward_on_cpu(monkeypatch):
     and the head mapping; the compiled CUDA kernels' forward and backward are the gpu test."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(flex_module, "_compiled_flex_attention", lambda: flex_attention)
     lengths = [5, 0, 300, 17, 1, 188]
     tokens, heads, groups, head_dim = sum(lengths), 4, 2, 16
     q = torch.randn(tokens, heads, head_dim)
     k, v = torch.randn(tokens, groups, head_dim), torch.randn(tokens, groups, head_dim)
     cu = _cu_seqlens(lengths)
     torch.testing.assert_close(
-        attention.varlen_causal_attention_flex(q, k, v, cu, scale=head_dim**-0.5),
+        flex_module.varlen_causal_attention_flex(q, k, v, cu, scale=head_dim**-0.5),
         varlen_causal_attention_ref(q, k, v, cu, scale=head_dim**-0.5),
         **TOL[torch.float32],
         msg="FlexAttention with the document-causal mask differs from per-sample SDPA",
@@ -175,11 +186,11 @@ def test_packed_layers_share_one_flex_block_mask(tiny_model, monkeypatch):
     with torch.no_grad():
         loop = run_model(tiny_model, context, batch)[0]
     masks = []
-    build = attention.document_causal_block_mask
+    build = flex_module.document_causal_block_mask
     monkeypatch.setattr(attention, "attention_backend", lambda *args: "flex")
-    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(flex_module, "_compiled_flex_attention", lambda: flex_attention)
     monkeypatch.setattr(
-        attention,
+        flex_module,
         "document_causal_block_mask",
         lambda *args: masks.append(build(*args)) or masks[-1],
     )
@@ -334,45 +345,193 @@ def _logits_and_grads(model, context, batch):
     return logits.detach(), context.grads.clone()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["reference", "triton"])
-def test_packed_self_attention_equals_megatrons_path(megatron_single_process, monkeypatch, fused):
-    """`PackedSelfAttention`'s fused QKV split + RoPE computes Megatron's split, then RoPE.
+def _family_model(family: str, device="cpu", **overrides):
+    """The tests' tiny model as ``family`` (head size 24, not 64 / 4; Gemma 3 with a window of
+    3 tokens on its first layer, another RoPE base there, linear scaling on the second), its
+    norm weights drawn around 1 so they matter."""
+    from megatron_lorafusion.mcore import build_gpt_model
+
+    sizes = {
+        "llama": {},
+        "qwen3": dict(family="qwen3", head_dim=24),
+        "gemma3": dict(
+            family="gemma3",
+            head_dim=24,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_local_theta=1e4,
+            rope_linear_factor=8.0,
+            query_pre_attn_scalar=20.0,
+            tie_word_embeddings=True,
+        ),
+    }[family]
+    model = build_gpt_model(dataclasses.replace(TINY, **{**sizes, **overrides}), device=device)
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+    return model.eval()
+
+
+# (family, fused): Gemma 3's Triton case covers the q/k norms Qwen3's would (9 s in the
+# interpreter), plus windows, GeGLU and the local RoPE
+@pytest.mark.parametrize(
+    ("family", "fused"),
+    [("llama", False), ("llama", True), ("qwen3", False), ("gemma3", False), ("gemma3", True)],
+    ids=["llama-reference", "llama-triton", "qwen3-reference", "gemma3-reference", "gemma3-triton"],
+)
+def test_packed_self_attention_equals_megatrons_path(
+    megatron_single_process, monkeypatch, fused, family
+):
+    """`PackedSelfAttention`'s fused QKV split (+ q/k norms) + RoPE computes Megatron's split,
+    then norms, then RoPE; with q/k norms the split is given them (never skipped).
 
     fp32; the Triton kernel runs in the interpreter without CUDA, compiled with it.
     """
     from interpreter_testing import reload_interpreted
 
-    from megatron_lorafusion.mcore import attention, build_gpt_model, fused_base
+    from megatron_lorafusion.mcore import fused_base, self_attention
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if fused and device == "cpu":
         reload_interpreted()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fused_base, "use_fused_kernels", lambda x: fused)
-    model = build_gpt_model(TINY, device=device).eval()
+    model = _family_model(family, device)
     context = _lora_model(model)
     batch = make_packed_batch([0, 0, 1, 2], [5, 3, 9, 4], 3, seed=4, device=device)
     batch.input_ids = batch.input_ids.to(device)
     splits = []
-    real_split = attention.qkv_rope if fused else attention.qkv_rope_ref
+    name = "qkv_rope" if fused else "qkv_rope_ref"
+    real_split = getattr(self_attention, name)
     monkeypatch.setattr(
-        attention,
-        "qkv_rope" if fused else "qkv_rope_ref",
-        lambda *args: splits.append(args[0].shape) or real_split(*args),
+        self_attention,
+        name,
+        lambda *args, **kw: splits.append(sorted(kw)) or real_split(*args, **kw),
     )
     packed = _logits_and_grads(model, context, batch)
     assert len(splits) == len(model.decoder.layers), "every layer must take the packed path"
-    monkeypatch.setattr(attention.PackedSelfAttention, "_packed_path_applies", lambda *a: False)
+    norms = ["eps", "k_norm", "q_norm"] if family != "llama" else []
+    assert all(kw == norms for kw in splits), f"the split must get the q/k norms: {splits}"
+    monkeypatch.setattr(
+        self_attention.PackedSelfAttention, "_packed_path_applies", lambda *a: False
+    )
     megatron = _logits_and_grads(model, context, batch)
     assert len(splits) == len(model.decoder.layers), "the patched run must be Megatron's"
-    for name, got, want in zip(("logits", "adapter grads"), packed, megatron, strict=True):
-        torch.testing.assert_close(got, want, **TOL[torch.float32], msg=name)
+    for what, got, want in zip(("logits", "adapter grads"), packed, megatron, strict=True):
+        torch.testing.assert_close(got, want, **TOL[torch.float32], msg=f"{family} {what}")
+
+
+def _windowed(lengths, window) -> torch.Tensor:
+    """(T, T) bool: same sample and 0 <= i - j < window."""
+    allowed = _block_diagonal_causal(lengths)
+    distance = torch.arange(sum(lengths))[:, None] - torch.arange(sum(lengths))[None, :]
+    return allowed & (distance < window)
+
+
+def test_varlen_attention_ref_with_window_matches_masked_sdpa():
+    lengths, window = [3, 9, 1, 6], 4
+    tokens, heads, groups, head_dim = sum(lengths), 4, 2, 8
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, groups, head_dim), torch.randn(tokens, groups, head_dim)
+    out = varlen_causal_attention_ref(
+        q, k, v, _cu_seqlens(lengths), scale=head_dim**-0.5, window=window
+    )
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
+        attn_mask=_windowed(lengths, window),
+        scale=head_dim**-0.5,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, expected, **TOL[torch.float32], msg="windowed reference")
+
+
+@pytest.mark.parametrize("window", [1, 100, 128, 129, 300])
+@pytest.mark.parametrize("lengths", [LENGTHS["ragged"], [5, 0, 700, 3, 0]], ids=["ragged", "long"])
+def test_windowed_block_mask_equals_create_block_mask(lengths, window):
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    tokens = sum(lengths)
+    mask = flex_module.document_causal_block_mask(_cu_seqlens(lengths), tokens, window)
+    torch.testing.assert_close(
+        create_mask(mask.mask_mod, None, None, tokens, tokens, device="cpu")[0, 0],
+        _windowed([n for n in lengths if n], window),
+        atol=0,
+        rtol=0,
+        msg="mask_mod is not the windowed block-diagonal causal mask",
+    )
+    expected = create_block_mask(mask.mask_mod, None, None, tokens, tokens, device="cpu")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        torch.testing.assert_close(
+            getattr(mask, name), getattr(expected, name), atol=0, rtol=0, msg=name
+        )
+
+
+def test_varlen_attention_flex_with_window_matches_reference_on_cpu(monkeypatch):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(flex_module, "_compiled_flex_attention", lambda: flex_attention)
+    lengths, window = [5, 0, 300, 17, 1, 188], 130
+    tokens, heads, groups, head_dim = sum(lengths), 4, 2, 16
+    q = torch.randn(tokens, heads, head_dim)
+    k, v = torch.randn(tokens, groups, head_dim), torch.randn(tokens, groups, head_dim)
+    cu, scale = _cu_seqlens(lengths), head_dim**-0.5
+    torch.testing.assert_close(
+        flex_module.varlen_causal_attention_flex(q, k, v, cu, scale=scale, window=window),
+        varlen_causal_attention_ref(q, k, v, cu, scale=scale, window=window),
+        **TOL[torch.float32],
+        msg="FlexAttention with the windowed mask differs from per-sample SDPA",
+    )
+
+
+def test_packed_tokens_attend_only_inside_their_sample_and_window(megatron_single_process):
+    """Every layer slides (window 3, two layers): changing token j of a sample changes exactly
+    the outputs of its tokens j..j + 2·(3 - 1), nothing before, after or in other samples."""
+    model = _family_model("gemma3", layer_types=None)
+    window, reach = 3, 2 * (3 - 1)
+    context = _lora_model(model)
+    batch = make_packed_batch([0, 1, 1, 2], [6, 12, 7, 5], 3, seed=1)
+    sample = batch.sample(1)
+    j = sample.start + 2
+    changed_ids = batch.input_ids.clone()
+    changed_ids[0, j] = (changed_ids[0, j] + 17) % 260
+    changed = make_packed_batch(batch.adapters, batch.lengths, 3, input_ids=changed_ids)
+    with torch.no_grad():
+        logits = run_model(model, context, batch)[0]
+        logits_changed = run_model(model, context, changed)[0]
+    moved = (logits_changed - logits).abs().amax(-1) > 1e-6  # (T,)
+    expected = torch.zeros_like(moved)
+    expected[j : j + reach + 1] = True
+    assert model.decoder.layers[0].self_attention.core_attention.window == window
+    assert moved.tolist() == expected.tolist(), "a token moved outside its sample or window"
+
+
+def test_unpacked_input_with_window_matches_packed_and_local_rope_is_refused(
+    megatron_single_process,
+):
+    """[b, s] input: Megatron rotates it with the model's RoPE, so a sliding-only model (one
+    base) matches its packed run; a Gemma 3 local layer (another base) refuses it."""
+    sliding = _family_model("gemma3", layer_types=None, rope_local_theta=None)
+    batch = make_packed_batch([0, 2], [6, 6], 3, seed=3)
+    with torch.no_grad():
+        packed = run_model(sliding, None, batch)[0]
+        unpacked = sliding(batch.input_ids.reshape(2, 6), None, None)
+    torch.testing.assert_close(
+        unpacked.reshape(12, -1), packed, **TOL[torch.float32], msg="unpacked != packed"
+    )
+    local = _family_model("gemma3")
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="pass packed"):
+        local(batch.input_ids.reshape(2, 6), None, None)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 100], ids=["causal", "window100"])
 @pytest.mark.parametrize("lengths", LENGTHS.values(), ids=LENGTHS)
-def test_flex_attention_matches_flash_forward_and_backward(lengths):
-    """bf16 on CUDA: forced flex against forced flash, both against an fp32 reference.
+def test_flex_attention_matches_flash_forward_and_backward(lengths, window):
+    """bf16 on CUDA: forced flex against forced flash, both against an fp32 reference, plain
+    causal and with a sliding window shorter than the longest samples.
 
     The second case has another T, so the compiled flex recompiles with dynamic shapes.
     """
@@ -388,6 +547,7 @@ def test_flex_attention_matches_flash_forward_and_backward(lengths):
         attention_dropout=0.0,
     )
     core = attention.VarlenCoreAttention(config, 1, AttnMaskType.causal, "self")
+    core.window = window
     cu = _cu_seqlens(lengths, "cuda")
     params = PackedSeqParams(
         qkv_format="thd",
@@ -410,7 +570,8 @@ def test_flex_attention_matches_flash_forward_and_backward(lengths):
         out = core(*inputs, None, packed_seq_params=params)
         results[backend] = (out, *torch.autograd.grad(out, inputs, grad))
     exact = [t.detach().float().requires_grad_() for t in inputs]
-    out = varlen_causal_attention_ref(*exact, cu, scale=head_dim**-0.5).reshape(tokens, -1)
+    out = varlen_causal_attention_ref(*exact, cu, scale=head_dim**-0.5, window=window)
+    out = out.reshape(tokens, -1)
     reference = (out, *torch.autograd.grad(out, exact, grad.float()))
     names = ("output", "dq", "dk", "dv")
     for name, flash, flex, ref in zip(
@@ -421,3 +582,33 @@ def test_flex_attention_matches_flash_forward_and_backward(lengths):
         )
         flex_err, flash_err = ((t.float() - ref).abs().mean() for t in (flex, flash))
         assert flex_err <= 2 * flash_err, f"{name}: flex err {flex_err} > 2 x flash {flash_err}"
+
+
+def test_window_without_flash_support_falls_back_exactly_or_refuses(monkeypatch):
+    """A torch whose FlashAttention op has no window: auto takes an exact kernel (here the
+    loop), a forced flash says why it cannot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2
+    )
+    core = attention.VarlenCoreAttention(config, 1, AttnMaskType.causal, "self", 0.0)
+    core.window = 3
+    lengths = [5, 9]
+    cu = _cu_seqlens(lengths)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9
+    )
+    q, k, v = (torch.randn(14, heads, 16) for heads in (4, 2, 2))
+    monkeypatch.setattr(attention, "attention_backend", lambda *args: "flash")
+    monkeypatch.setattr(attention, "_flash_window_available", lambda: False)
+    monkeypatch.setattr(attention, "_flex_available", lambda: False)
+    expected = varlen_causal_attention_ref(q, k, v, cu, scale=0.25, window=3).reshape(14, -1)
+    torch.testing.assert_close(
+        core.attend_packed(q, k, v, params), expected, **TOL[torch.float32], msg="fallback"
+    )
+    core.backend = "flash"
+    with pytest.raises(RuntimeError, match="has no sliding window"):
+        core.attend_packed(q, k, v, params)

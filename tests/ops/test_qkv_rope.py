@@ -1,8 +1,9 @@
-"""`qkv_rope` (fused-QKV split with RoPE) against `qkv_rope_ref`.
+"""`qkv_rope` (fused-QKV split with RoPE, optionally per-head q/k RMSNorm) against
+`qkv_rope_ref`.
 
 CPU: Triton interpreter in fp32 and fp16, the fused row given as a strided view (a token
 stride wider than the row, as a ``[T, 1, N]`` linear output sliced or padded would have);
-forward outputs and the row's gradient. GPU: bf16, Llama-3-8B heads.
+forward outputs and the row's gradient. GPU: bf16, Llama-3-8B, Qwen3-8B and Gemma-3-12B heads.
 """
 
 import pytest
@@ -26,11 +27,18 @@ def _tables(tokens, dim, device, dtype, gen):
     return torch.cos(emb).to(device, dtype), torch.sin(emb).to(device, dtype)
 
 
-def _check(tokens, groups, q_per_group, dim, dtype, device, grads=(True, True, True)):
+def _check(tokens, groups, q_per_group, dim, dtype, device, grads=(True, True, True), norm=False):
     gen = torch.Generator().manual_seed(0)
     width = groups * (q_per_group + 2) * dim
     wide = torch.randn(tokens, width + 8, generator=gen).to(device, dtype)  # token stride > width
+    wide[:, :width] *= 1 + 3 * torch.rand(width, generator=gen).to(device, dtype)  # uneven rms
     cos, sin = _tables(tokens, dim, device, dtype, gen)
+    weights = {}
+    if norm:  # frozen per-head RMSNorm weights around 1, as trained q_norm / k_norm are
+        weights = {
+            name: (1 + 0.5 * torch.randn(dim, generator=gen)).to(device, dtype)
+            for name in ("q_norm", "k_norm")
+        }
     upstream = [
         torch.randn(tokens, heads, dim, generator=gen).to(device, dtype)
         for heads in (groups * q_per_group, groups, groups)
@@ -38,7 +46,7 @@ def _check(tokens, groups, q_per_group, dim, dtype, device, grads=(True, True, T
     outs = []
     for fn in (qkv_rope, qkv_rope_ref):
         leaf = wide.clone().requires_grad_(True)
-        q, k, v = fn(leaf[:, :width], cos, sin, groups, q_per_group, dim)
+        q, k, v = fn(leaf[:, :width], cos, sin, groups, q_per_group, dim, **weights, eps=1e-5)
         assert all(t.is_contiguous() for t in (q, k, v))
         used = [(t, g) for t, g, wanted in zip((q, k, v), upstream, grads, strict=True) if wanted]
         torch.autograd.backward(*zip(*used, strict=True))
@@ -58,6 +66,21 @@ def test_qkv_rope_matches_reference(tokens, groups, q_per_group, dim, dtype, dev
     _check(tokens, groups, q_per_group, dim, dtype, device)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("tokens", "groups", "q_per_group", "dim"),
+    [(16, 2, 2, 16), (9, 1, 3, 20), (6, 2, 1, 24)],
+    ids=["round-gqa", "ragged", "mha-24"],
+)
+def test_qkv_rope_with_qk_norm_matches_reference(tokens, groups, q_per_group, dim, dtype, device):
+    """Qwen3 / Gemma 3: each q and k head RMS-normalised before its rotation, both ways."""
+    _check(tokens, groups, q_per_group, dim, dtype, device, norm=True)
+
+
+def test_qkv_rope_with_qk_norm_without_gradient_for_k_matches_reference(device):
+    _check(7, 2, 2, 8, torch.float32, device, grads=(True, False, True), norm=True)
+
+
 def test_qkv_rope_without_gradient_for_v_matches_reference(device):
     """An output without gradient (v unused) contributes zeros to the row's gradient."""
     _check(7, 2, 2, 8, torch.float32, device, grads=(True, True, False))
@@ -72,9 +95,25 @@ def test_qkv_rope_refuses_mismatched_inputs(device):
         qkv_rope(row, torch.ones(3, 1, 8, device=device), cos, 2, 2, 8)
     with pytest.raises(ValueError, match="even head_dim"):
         qkv_rope(torch.randn(4, 2 * 4 * 7, device=device), cos, cos, 2, 2, 7)
+    weight = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match="q_norm and k_norm must be given together"):
+        qkv_rope(row, cos, cos, 2, 2, 8, q_norm=weight)
+    with pytest.raises(ValueError, match="k_norm has shape"):
+        qkv_rope(row, cos, cos, 2, 2, 8, q_norm=weight, k_norm=weight[:4])
+    with pytest.raises(ValueError, match="q_norm must be frozen"):
+        qkv_rope(row, cos, cos, 2, 2, 8, q_norm=weight.requires_grad_(), k_norm=weight)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tokens", "groups", "q_per_group"), [(8192, 8, 4), (777, 2, 4)])
-def test_qkv_rope_bf16_matches_reference_on_gpu(tokens, groups, q_per_group):
-    _check(tokens, groups, q_per_group, 128, torch.bfloat16, "cuda")
+@pytest.mark.parametrize(
+    ("tokens", "groups", "q_per_group", "dim", "norm"),
+    [
+        (8192, 8, 4, 128, False),  # Llama-3-8B
+        (777, 2, 4, 128, False),
+        (8192, 8, 4, 128, True),  # Qwen3-8B
+        (4099, 8, 2, 256, True),  # Gemma-3-12B
+    ],
+    ids=["llama3-8b", "ragged", "qwen3-8b", "gemma3-12b"],
+)
+def test_qkv_rope_bf16_matches_reference_on_gpu(tokens, groups, q_per_group, dim, norm):
+    _check(tokens, groups, q_per_group, dim, torch.bfloat16, "cuda", norm=norm)

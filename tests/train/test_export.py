@@ -94,7 +94,7 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path, monkeypa
     transformers = pytest.importorskip("transformers", reason="dev extra: transformers")
     peft = pytest.importorskip("peft", reason="dev extra: peft")
     import yaml
-    from hf_testing import hf_logits, save_tiny_hf_model
+    from hf_testing import exported_states, hf_logits, save_tiny_hf_model, trained_lora_logits
 
     from megatron_lorafusion.cli import main as cli_main
     from megatron_lorafusion.config import load_config
@@ -142,7 +142,7 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path, monkeypa
     ), "one checkpoint folder, one adapter"
     assert sorted(p.name for p in (tmp_path / "y").iterdir()) == [".lorafusion-export.json", "add"]
 
-    ours = _imported_lora_logits(cfg, states, LENGTHS)
+    ours = trained_lora_logits(cfg, states, LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
         expected = torch.cat(
@@ -178,64 +178,6 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path, monkeypa
 
 def _fresh(transformers, base):
     return transformers.LlamaForCausalLM.from_pretrained(str(base)).eval()
-
-
-def exported_states(monkeypatch) -> dict:
-    """Record the Megatron-named factors each adapter is exported with (``name -> tensors``),
-    the weights a one-process run ends with."""
-    import megatron_lorafusion.train.saving as saving
-
-    states, real = {}, saving.write_peft_folder
-
-    def spy(folder, adapter, megatron_state, model):
-        states[adapter.name] = {k: v.clone() for k, v in megatron_state.items()}
-        return real(folder, adapter, megatron_state, model)
-
-    monkeypatch.setattr(saving, "write_peft_folder", spy)
-    return states
-
-
-def _imported_lora_logits(cfg, states, lengths, owners=(0, 0, 1, 1)):
-    """Our imported model with trained adapters (``states``: name -> Megatron-named factors):
-    logits of one packed microbatch of samples ``lengths`` of adapters ``owners``."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-    from megatron_lorafusion.ops import AdapterLayout
-
-    owners = list(owners)
-    ids = torch.randint(
-        0, cfg.model.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(5)
-    )
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        model = build_gpt_model(cfg.model)
-        lora = apply_lora(model, cfg.adapters, seed=cfg.train.seed)
-        for a, adapter in enumerate(cfg.adapters):
-            lora.load_adapter_state_dict(a, states[adapter.name])
-        model.eval()
-        layout = AdapterLayout.from_samples(owners, list(lengths), len(cfg.adapters))
-        lora.layout = layout
-        cu = layout.cu_seqlens
-        params = PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=cu,
-            cu_seqlens_kv=cu,
-            max_seqlen_q=max(lengths),
-            max_seqlen_kv=max(lengths),
-        )
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        with torch.no_grad():
-            logits = model(ids[None], positions, None, packed_seq_params=params)[0]
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    bounds = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
-    slices = [slice(bounds[i], bounds[i + 1]) for i in range(len(lengths))]
-    return {"ids": ids, "logits": logits, "slices": slices, "owners": owners}
 
 
 def test_export_refuses_non_finite_weights_and_writes_nothing(tmp_path):

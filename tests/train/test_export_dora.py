@@ -1,12 +1,12 @@
 """DoRA adapters (use_dora) export what PEFT loads, and PEFT reproduces our logits and grads.
 
-On an imported tiny Llama / Qwen2 (Qwen2's q/k/v biases stay outside DoRA's scale, as in
-PEFT), DoRA adapters on the fused linears (one ``A`` shared by q, k and v), on all-linear
-and on q/v, next to a plain LoRA q/v adapter, run in one packed microbatch. Each export
-has exactly PEFT's DoRA keys (``lora_magnitude_vector`` per module) and ``use_dora: true``;
-PEFT, loading it, gives our logits and the gradients of every A, B and magnitude; the
-merged checkpoint gives our logits too. Dropout 0: with dropout PEFT also drops the base
-term's input (docs/adapters.md).
+On an imported tiny Llama / Qwen2 / Qwen3 / Gemma 3 (Qwen2's q/k/v biases stay outside
+DoRA's scale, as in PEFT), DoRA adapters on the fused linears (one ``A`` shared by q, k and
+v), on all-linear and on q/v, next to a plain LoRA q/v adapter, run in one packed
+microbatch. Each export has exactly PEFT's DoRA keys (``lora_magnitude_vector`` per module)
+and ``use_dora: true``; PEFT, loading it, gives our logits and the gradients of every A, B
+and magnitude; the merged checkpoint gives our logits too. Dropout 0: with dropout PEFT also
+drops the base term's input (docs/adapters.md).
 """
 
 import json
@@ -39,7 +39,7 @@ ADAPTERS = [
 OWNERS, LENGTHS = [0, 1, 1, 2, 3, 3], [8, 6, 9, 7, 5, 6]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_dora_matches_peft_logits_grads_and_merge(megatron_single_process, tmp_path, kind):
     def check_config(adapter, config):
         assert config["use_dora"] is adapter.use_dora, adapter.name
@@ -52,9 +52,9 @@ def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_pat
     linears (with dropout), LoRA+ on the MLP; each export loads in peft with no missing or
     unexpected keys and gives our logits."""
     import yaml
-    from hf_testing import hf_logits
+    from hf_testing import exported_states, hf_logits, trained_lora_logits
     from safetensors.torch import load_file
-    from test_export import TOL_LOGITS, _imported_lora_logits, exported_states
+    from test_export import TOL_LOGITS
 
     from megatron_lorafusion.config import load_config
     from megatron_lorafusion.data import write_task
@@ -103,7 +103,7 @@ def test_train_main_mixed_lora_dora_loraplus_job_exports_what_peft_loads(tmp_pat
     train_main(cfg)
 
     lengths, owners = (9, 7, 11, 6, 8, 5), (0, 0, 1, 1, 2, 2)
-    ours = _imported_lora_logits(cfg, states, lengths, owners)
+    ours = trained_lora_logits(cfg, states, lengths, owners)
     hf_base = _fresh(base)
     for a, adapter in enumerate(cfg.adapters):
         folder = tmp_path / "run" / "adapters" / adapter.name

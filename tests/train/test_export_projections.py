@@ -1,11 +1,11 @@
 """Per-projection targets (PEFT's q_proj, v_proj, all-linear, ...) train what PEFT trains.
 
-On an imported tiny Llama / Qwen2, adapters with per-projection, all-linear, MLP-only and
-fused targets run together in one packed microbatch; each one's export has exactly the keys
-and shapes PEFT writes for its targets, and PEFT, loading it, reproduces our logits and our
-gradients of every factor (so training steps what PEFT would step: the off-block entries of
-a stacked B get exactly zero gradient; a fused target's shared A gets the sum of PEFT's).
-The merged checkpoint reproduces the logits too.
+On an imported tiny Llama / Qwen2 / Qwen3 / Gemma 3, adapters with per-projection,
+all-linear, MLP-only and fused targets run together in one packed microbatch; each one's
+export has exactly the keys and shapes PEFT writes for its targets, and PEFT, loading it,
+reproduces our logits and our gradients of every factor (so training steps what PEFT would
+step: the off-block entries of a stacked B get exactly zero gradient; a fused target's
+shared A gets the sum of PEFT's). The merged checkpoint reproduces the logits too.
 """
 
 import json
@@ -202,7 +202,7 @@ def check_exports_against_peft(tmp_path, kind, adapters, owners, lengths, check_
         )
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_projection_targets_match_peft_logits_grads_and_merge(
     megatron_single_process, tmp_path, kind
 ):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 from dist_testing import torchrun_train
-from hf_testing import hf_logits, save_tiny_hf_model
-from test_export import LENGTHS, TOL_LOGITS, _fresh, _imported_lora_logits
+from hf_testing import hf_logits, save_tiny_hf_model, trained_lora_logits
+from test_export import LENGTHS, TOL_LOGITS, _fresh
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.data import write_task
@@ -67,7 +67,7 @@ def test_tp2_per_projection_adapters_export_what_peft_reproduces(tmp_path):
         )
         for a in cfg.adapters
     }
-    ours = _imported_lora_logits(cfg, states, LENGTHS)
+    ours = trained_lora_logits(cfg, states, LENGTHS)
     samples = [ours["ids"][sl] for sl in ours["slices"]]
     for a, adapter in enumerate(cfg.adapters):
         mine = [s for s, owner in zip(samples, ours["owners"], strict=True) if owner == a]
