@@ -73,6 +73,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=131072,
         rope_theta=500000.0,
     ),
+    # ~141 GB of bf16 weights: on one H200 only with base_precision: fp8 (~73 GB) and
+    # train.recompute: full (configs/llama70b_fp8.yaml, docs/fp8.md).
+    "llama3.1-70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        num_query_groups=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -93,7 +105,8 @@ class ModelConfig:
     """
 
     preset: str | None = None
-    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b); explicit keys override it."""
+    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b, llama3.1-70b); explicit keys
+    override it."""
     hf_path: str | None = None
     """Local Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Qwen2 or
     Mistral model; its sizes replace the defaults and its weights the random init."""
@@ -130,6 +143,14 @@ class ModelConfig:
     sliding_window: int | None = None
     """Attention window of the checkpoint in tokens (Mistral); samples must fit in it, since
     full causal attention equals windowed attention only there. Set from hf_path."""
+    base_precision: Literal["bf16", "fp8"] = "bf16"
+    """Storage of the frozen decoder linears. ``bf16``: train.precision's dtype. ``fp8``: e4m3
+    with one power-of-two scale per output channel, quantized once at load (from the
+    train.precision values, tensor by tensor); activations and incoming gradients quantized
+    per token on the fly; their GEMMs on FP8 tensor cores (compute capability >= 8.9;
+    refused on older GPUs). Half the weight memory; embeddings, norms, the output layer,
+    attention and adapters unchanged. On CPU a torch reference quantizes alike
+    (docs/fp8.md)."""
 
 
 @dataclass(frozen=True)

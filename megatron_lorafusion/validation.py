@@ -234,6 +234,33 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
     return p
 
 
+def _fp8_problems(cfg: JobConfig) -> list[str]:
+    """``model.base_precision: fp8``: widths its scaled GEMMs can take, no DoRA adapter."""
+    m, tp = cfg.model, max(cfg.parallel.tp, 1)
+    if m.base_precision != "fp8":
+        return []
+    p = []
+    for name in ("hidden_size", "ffn_hidden_size"):
+        if getattr(m, name) % (16 * tp):
+            p.append(
+                f"model.{name} must be a multiple of 16·parallel.tp = {16 * tp} with "
+                f"model.base_precision: fp8 (FP8 GEMMs take 16-element multiples per "
+                f"tensor-parallel shard), got {getattr(m, name)}"
+            )
+    if m.num_attention_heads > 0 and (m.hidden_size // m.num_attention_heads) % 16:
+        p.append(
+            f"model.hidden_size / model.num_attention_heads (the head dim) must be a multiple "
+            f"of 16 with model.base_precision: fp8, got {m.hidden_size // m.num_attention_heads}"
+        )
+    for i, a in enumerate(cfg.adapters):
+        if a.use_dora:
+            p.append(
+                f"adapters.{i}.use_dora must be false with model.base_precision: fp8 (DoRA's "
+                f"column norms read the full-precision base weight), got true"
+            )
+    return p
+
+
 def validate(cfg: JobConfig) -> list[str]:
     """Every cross-field rule of a job, checked once; returns the problems found."""
     p: list[str] = _validate_numbers(cfg)
@@ -323,6 +350,7 @@ def validate(cfg: JobConfig) -> list[str]:
             f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
             f"got {m.rope_scaling_factor}"
         )
+    p.extend(_fp8_problems(cfg))
     if m.sliding_window is not None and cfg.data.max_seq_length > m.sliding_window:
         p.append(
             f"data.max_seq_length must be <= model.sliding_window ({m.sliding_window}) "

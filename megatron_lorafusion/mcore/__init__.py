@@ -17,7 +17,13 @@ from megatron_lorafusion.mcore.attention import (
     varlen_causal_attention_ref,
 )
 from megatron_lorafusion.mcore.context import LoRAContext, apply_lora
-from megatron_lorafusion.mcore.hf_import import HFCheckpoint, load_hf_weights
+from megatron_lorafusion.mcore.fp8 import (
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    fp8_weight,
+    materialize_fp8_model,
+)
+from megatron_lorafusion.mcore.hf_import import HFCheckpoint, hf_weight_source, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
 from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES, RecomputedLayer, apply_recompute
@@ -25,6 +31,8 @@ from megatron_lorafusion.mcore.wgrad import WgradQueue
 
 __all__ = [
     "RECOMPUTE_MODES",
+    "Fp8ColumnParallelLinear",
+    "Fp8RowParallelLinear",
     "HFCheckpoint",
     "LoRAColumnParallelLinear",
     "LoRAContext",
@@ -38,8 +46,11 @@ __all__ = [
     "attention_backend",
     "build_gpt_model",
     "document_causal_block_mask",
+    "fp8_weight",
     "get_gpt_lora_layer_spec",
+    "hf_weight_source",
     "load_hf_weights",
+    "materialize_fp8_model",
     "set_attention_backend",
     "varlen_causal_attention_flex",
     "varlen_causal_attention_ref",
