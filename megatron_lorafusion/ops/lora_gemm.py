@@ -273,8 +273,13 @@ _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops 
 
 
 def _hopper_config(key: tuple) -> TmaConfig:
-    """Hopper's tile for problem ``key`` (ends with the operands' element size)."""
-    return {1: _TMA_FP8, 2: _TMA_HOPPER}.get(key[-1], _TMA_FP32)
+    """Hopper's tile for problem ``key`` (ends with the output's and operands' element sizes).
+
+    An fp32 output (tests) takes the small fp32 tile, whose shared memory fits.
+    """
+    if key[-2] == 4:
+        return _TMA_FP32
+    return _TMA_FP8 if key[-1] == 1 else _TMA_HOPPER
 
 
 def tma_supported(
@@ -425,7 +430,8 @@ def lora_gemm(
             f"{out.stride()}, {x.element_size()}-byte elements"
         )
     args = (x, weight, s, b_t, bias, layout, out)
-    key = (tokens, width, x.shape[1], _utils.padded_rank(s.shape[1]), x.element_size())
+    key = (tokens, width, x.shape[1], _utils.padded_rank(s.shape[1]))
+    key += (out.element_size(), x.element_size())
     config = _utils.pick_config(
         "lora_gemm",
         key,
