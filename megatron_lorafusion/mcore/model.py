@@ -202,7 +202,7 @@ def _draw_matrix(
     if parallel:
         shape[param.partition_dim] *= tp_size
     generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
-    full = torch.randn(shape, generator=generator) * std
+    full = torch.randn(shape, generator=generator).mul_(std)  # in place: one fp32 copy held
     if parallel:
         chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
         full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
