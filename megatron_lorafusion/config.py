@@ -108,6 +108,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         norm_epsilon=1e-6,
         tie_word_embeddings=True,
     ),
+    # ~141 GB of bf16 weights: on one H200 only with base_precision: fp8 (~73 GB) and
+    # train.recompute: full (configs/llama70b_fp8.yaml, docs/fp8.md).
+    "llama3.1-70b": dict(
+        num_layers=80,
+        hidden_size=8192,
+        ffn_hidden_size=28672,
+        num_attention_heads=64,
+        num_query_groups=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -129,8 +141,8 @@ class ModelConfig:
     """
 
     preset: str | None = None
-    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b, qwen3-8b, gemma3-12b);
-    explicit keys override it."""
+    """Named size preset (tiny, small, llama3.2-1b, llama3.1-8b, llama3.1-70b, qwen3-8b,
+    gemma3-12b); explicit keys override it."""
     hf_path: str | None = None
     """Local Hugging Face checkpoint folder (config.json + safetensors) of a Llama, Mistral,
     Qwen2, Qwen3 or Gemma 3 model; its sizes replace the defaults and its weights the random
@@ -193,6 +205,14 @@ class ModelConfig:
     """hf_path is a Gemma3ForConditionalGeneration: only its language model is imported
     (the vision tower is not trained), and exports name the modules as that class does
     (model.language_model.layers.*). Set from hf_path."""
+    base_precision: Literal["bf16", "fp8"] = "bf16"
+    """Storage of the frozen decoder linears. ``bf16``: train.precision's dtype. ``fp8``: e4m3
+    with one power-of-two scale per output channel, quantized once at load (from the
+    train.precision values, tensor by tensor); activations and incoming gradients quantized
+    per token on the fly; their GEMMs on FP8 tensor cores (compute capability >= 8.9;
+    refused on older GPUs). Half the weight memory; embeddings, norms, the output layer,
+    attention and adapters unchanged. On CPU a torch reference quantizes alike
+    (docs/fp8.md)."""
 
 
 def attention_head_dim(model: ModelConfig) -> int:

@@ -275,6 +275,34 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
     return p
 
 
+def _fp8_problems(cfg: JobConfig) -> list[str]:
+    """``model.base_precision: fp8``: widths its scaled GEMMs can take, no DoRA adapter."""
+    m, tp = cfg.model, max(cfg.parallel.tp, 1)
+    if m.base_precision != "fp8":
+        return []
+    p = []
+    for name in ("hidden_size", "ffn_hidden_size"):
+        if getattr(m, name) % (16 * tp):
+            p.append(
+                f"model.{name} must be a multiple of 16·parallel.tp = {16 * tp} with "
+                f"model.base_precision: fp8 (FP8 GEMMs take 16-element multiples per "
+                f"tensor-parallel shard), got {getattr(m, name)}"
+            )
+    head = m.head_dim or (m.hidden_size // m.num_attention_heads if m.num_attention_heads else 16)
+    if head % 16:
+        p.append(
+            f"model.head_dim (or model.hidden_size / model.num_attention_heads: the head dim) "
+            f"must be a multiple of 16 with model.base_precision: fp8, got {head}"
+        )
+    for i, a in enumerate(cfg.adapters):
+        if a.use_dora:
+            p.append(
+                f"adapters.{i}.use_dora must be false with model.base_precision: fp8 (DoRA's "
+                f"column norms read the full-precision base weight), got true"
+            )
+    return p
+
+
 def validate(cfg: JobConfig) -> list[str]:
     """Every cross-field rule of a job, checked once; returns the problems found."""
     p: list[str] = _validate_numbers(cfg)
@@ -367,6 +395,7 @@ def validate(cfg: JobConfig) -> list[str]:
             f"model.rope_scaling_factor needs model.hf_path (random bases use plain RoPE), "
             f"got {m.rope_scaling_factor}"
         )
+    p.extend(_fp8_problems(cfg))
     t = cfg.train
     if (t.steps is None) == (t.epochs is None):
         p.append(

@@ -10,6 +10,8 @@
     python -m scripts.bench_train_throughput --device cpu --layers 1 --tokens 256 --microbatches 2
     python -m scripts.bench_train_throughput --shapes llama3.2-1b --microbatches 24 --passes 3
     python -m scripts.bench_train_throughput --shapes llama3.2-1b --no-compare --rounds 3
+    python -m scripts.bench_train_throughput --shapes llama3.1-8b --no-matrix \
+        --base-precision fp8   # issue 34: our rows on an FP8 frozen base, peers as always
 
 Random bf16 weights, every linear adapted, one process, one GPU. The matrix (shape x rank x
 dropout x adapters) applies LoRA afresh per cell to the model built once per shape, steps every
@@ -119,6 +121,7 @@ def _model_config(shape: str, args) -> ModelConfig:
     sizes = {**MODEL_PRESETS[shape], "max_position_embeddings": args.tokens}
     if args.device.type == "cpu":
         sizes.update(TINY, vocab_size=512)
+    sizes["base_precision"] = args.base_precision
     return ModelConfig(**{**sizes, "num_layers": args.layers or sizes["num_layers"]})
 
 
@@ -718,6 +721,12 @@ def _parse_args(argv: list[str] | None):
         "--ours", action=on_off, default=True, help="our rows (--no-ours: the peers only)"
     )
     parser.add_argument("--device", type=torch.device, default="cuda", help="cpu: a dry run")
+    parser.add_argument(
+        "--base-precision",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="our frozen base's linears (model.base_precision); the peers stay bf16",
+    )
     parser.add_argument("--csv", type=Path, help="append every row to this CSV file")
     parser.add_argument(
         "--profile", action="store_true", help="kernel and host-wait tables of issue 15's rows"
@@ -771,7 +780,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"# {name} | torch {torch.__version__} | triton {_version('triton')} | "
         f"transformers {_version('transformers')} | peft {_version('peft')} | "
         f"liger-kernel {_version('liger-kernel')} | {str(args.dtype).removeprefix('torch.')} | "
-        f"attention {args.backend} | "
+        f"attention {args.backend} | base {args.base_precision} | "
         f"{args.tokens}-token microbatches, >= {args.microbatches} timed after a warm-up pass"
         + (f", matrix cells in {args.rounds} rounds" if args.rounds > 1 else "")
     )

@@ -621,3 +621,26 @@ def test_config_model_family_fields_are_checked(tmp_path):
     empty = {"preset": "tiny", "sliding_window": 8, "layer_types": []}
     errors = _errors(tmp_path, _job(tmp_path, model=empty))
     assert "model.layer_types must list at least one type (or be null), got []" in errors
+
+
+def test_config_fp8_base_precision_is_checked(tmp_path):
+    assert load_config(_write(tmp_path, _job(tmp_path))).model.base_precision == "bf16"
+    fp8 = load_config(_write(tmp_path, _job(tmp_path)), ["model.base_precision=fp8"])
+    assert fp8.model.base_precision == "fp8"
+    job = _job(tmp_path, model={"preset": "tiny", "base_precision": "fp4"})
+    assert "model.base_precision must be one of 'bf16', 'fp8', got 'fp4'" in _errors(tmp_path, job)
+    job = _job(tmp_path, model={"preset": "tiny", "base_precision": "fp8", "hidden_size": 136})
+    job["adapters"][0]["use_dora"] = True
+    errors = _errors(tmp_path, job, ["parallel.tp=2", "model.num_attention_heads=8"])
+    assert "model.hidden_size must be a multiple of 16·parallel.tp = 32 with" in errors
+    assert "model.ffn_hidden_size must be a multiple of 16·parallel.tp = 32" not in errors
+    assert "the head dim) must be a multiple of 16 with model.base_precision: fp8, got 17" in errors
+    assert "adapters.0.use_dora must be false with model.base_precision: fp8" in errors
+
+
+def test_config_llama70b_preset_is_llama_3_1_70b(tmp_path):
+    job = _job(tmp_path, model={"preset": "llama3.1-70b", "base_precision": "fp8"})
+    model = load_config(_write(tmp_path, job)).model
+    assert (model.num_layers, model.hidden_size, model.ffn_hidden_size) == (80, 8192, 28672)
+    assert (model.num_attention_heads, model.num_query_groups) == (64, 8)
+    assert (model.vocab_size, model.rope_theta) == (128256, 500000.0)

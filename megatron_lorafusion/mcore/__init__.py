@@ -20,7 +20,13 @@ from megatron_lorafusion.mcore.flex import (
     document_causal_block_mask,
     varlen_causal_attention_flex,
 )
-from megatron_lorafusion.mcore.hf_import import HFCheckpoint, load_hf_weights
+from megatron_lorafusion.mcore.fp8 import (
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    fp8_weight,
+    materialize_fp8_model,
+)
+from megatron_lorafusion.mcore.hf_import import HFCheckpoint, hf_weight_source, load_hf_weights
 from megatron_lorafusion.mcore.lora import LoRAColumnParallelLinear, LoRARowParallelLinear
 from megatron_lorafusion.mcore.model import build_gpt_model, get_gpt_lora_layer_spec
 from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES, RecomputedLayer, apply_recompute
@@ -29,6 +35,8 @@ from megatron_lorafusion.mcore.wgrad import WgradQueue
 
 __all__ = [
     "RECOMPUTE_MODES",
+    "Fp8ColumnParallelLinear",
+    "Fp8RowParallelLinear",
     "HFCheckpoint",
     "LoRAColumnParallelLinear",
     "LoRAContext",
@@ -45,8 +53,11 @@ __all__ = [
     "build_gpt_model",
     "document_causal_block_mask",
     "family_layer_spec",
+    "fp8_weight",
     "get_gpt_lora_layer_spec",
+    "hf_weight_source",
     "load_hf_weights",
+    "materialize_fp8_model",
     "set_attention_backend",
     "sliding_causal_mask",
     "varlen_causal_attention_flex",

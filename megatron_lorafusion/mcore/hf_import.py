@@ -31,7 +31,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_lorafusion.config import ModelConfig, attention_head_dim
 from megatron_lorafusion.hf_config import hf_model_fields
 
-__all__ = ["HFCheckpoint", "check_hf_config", "load_hf_weights"]
+__all__ = ["HFCheckpoint", "check_hf_config", "hf_weight_source", "load_hf_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +245,25 @@ def load_hf_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int) -> No
             )
         with torch.no_grad():
             param.copy_(value.to(param.dtype))
+
+
+def hf_weight_source(model_cfg: ModelConfig, tp_rank: int):
+    """``(global name, parameter) -> this rank's checkpoint values`` (`mcore.fp8.ValueSource`).
+
+    The FP8 base loads through it one tensor at a time (`mcore.fp8.materialize_fp8_model`);
+    values come in the checkpoint's dtype, shaped as Megatron's parameter (sliced lazily).
+
+    Raises:
+        ValueError: when ``model_cfg.hf_path`` is unset.
+    """
+    if model_cfg.hf_path is None:
+        raise ValueError("hf_weight_source needs model.hf_path, got None")
+    ckpt = HFCheckpoint(model_cfg.hf_path)
+
+    def values(global_name: str, param: torch.Tensor) -> torch.Tensor:
+        return _source(global_name, param, ckpt, model_cfg, tp_rank)
+
+    return values
 
 
 def check_hf_config(model_cfg: ModelConfig) -> None:

@@ -38,6 +38,7 @@ from torch import nn
 
 from megatron_lorafusion.adapter_types import LORA, adapter_type
 from megatron_lorafusion.config import AdapterConfig, adapter_scaling
+from megatron_lorafusion.mcore.fp8 import FP8_LINEARS, fp8_weight
 from megatron_lorafusion.mcore.fused_base import input_rebuild
 from megatron_lorafusion.mcore.wgrad import WgradQueue, down_projection
 from megatron_lorafusion.ops import (
@@ -258,6 +259,12 @@ def _init_row_vectors(
         raise NotImplementedError(
             f"adapter {adapters[ids[0]].name!r} uses {wrapper.types[ids[0]].name} "
             f"(use_dora), which supports tp = 1 only, got tp = {wrapper.tp_size}"
+        )
+    if isinstance(wrapper.base, FP8_LINEARS):
+        raise NotImplementedError(
+            f"adapter {adapters[ids[0]].name!r} uses {wrapper.types[ids[0]].name} "
+            f"(use_dora), whose column norms read the full-precision base weight; an FP8 "
+            f"base (model.base_precision: fp8) supports LoRA adapters only"
         )
     wrapper.row_vector = names.pop()
     wrapper.weight_sq = weight_sq_norm(wrapper.base.weight)  # (N_local,) fp32
@@ -553,11 +560,11 @@ def _lora_forward(wrapper: nn.Module, input_: torch.Tensor, args: tuple, kwargs:
     scale = _column_scale(wrapper, layout)  # (A, N_local), None without DoRA
     if wrapper.tp_size == 1 and input_.is_cuda and not args and not kwargs and not defer:
         # One fused multi-LoRA linear (the Triton path behind `lora_linear`), DoRA's scale
-        # on its output before the bias.
+        # on its output before the bias; an FP8 base passes its `Fp8Weight`.
         bias = None if base.skip_bias_add else base.bias
         out = lora_linear(
             x,
-            base.weight,
+            fp8_weight(base) if isinstance(base, FP8_LINEARS) else base.weight,
             bias if scale is None else None,
             lora_a,
             lora_b,
@@ -617,7 +624,7 @@ class _LoRAWrapper(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The frozen base weight, this rank's shard."""
+        """The frozen base weight, this rank's shard (e4m3 for an FP8 base)."""
         return self.base.weight
 
     @property
@@ -632,12 +639,16 @@ class _LoRAWrapper(nn.Module):
     def merged_weight(self, adapter_id: int) -> torch.Tensor:
         """This rank's shard of ``W + s·B·A``, shaped like the base weight, in its dtype.
 
+        An FP8 base gives ``dequantized W + s·B·A`` in the compute dtype.
+
         Raises:
             ValueError: for an ``adapter_id`` outside ``[0, A)``.
         """
         if not 0 <= adapter_id < self.num_adapters:
             raise ValueError(f"adapter_id must lie in [0, {self.num_adapters}), got {adapter_id}")
         weight = self.base.weight.detach()
+        if isinstance(self.base, FP8_LINEARS):  # an FP8 base merges into its dequantized W
+            weight = fp8_weight(self.base).dequantize(self.base.config.params_dtype)
         if self.ranks[adapter_id] == 0:
             return weight.clone()
         factor_a, factor_b = _adapter_factors(self, adapter_id)  # (r, H_local), (N_local, r)

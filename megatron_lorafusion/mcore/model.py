@@ -9,6 +9,9 @@ checkpoint's (`mcore.hf_import`), frozen; adapters are added afterwards with `ap
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -33,8 +36,15 @@ from megatron_lorafusion.mcore.families import (
     family_layer_spec,
     scale_word_embeddings,
 )
+from megatron_lorafusion.mcore.fp8 import (
+    Fp8ColumnParallelLinear,
+    Fp8RowParallelLinear,
+    fp8_weight_bytes,
+    materialize_fp8_model,
+)
 from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, LoRAFusionGPTModel
-from megatron_lorafusion.mcore.hf_import import check_hf_config, load_hf_weights
+from megatron_lorafusion.mcore.hf_import import check_hf_config, hf_weight_source, load_hf_weights
+from megatron_lorafusion.ops import check_fp8_device
 
 
 class _PortableRotaryEmbedding(RotaryEmbedding):
@@ -219,6 +229,44 @@ def _name_seed(init_seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
+def _global_name_fn(model: GPTModel):
+    """``local parameter name -> global name`` (a stage's layers by their model index)."""
+    to_global = {
+        str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
+    }
+
+    def global_name(name: str) -> str:
+        return re.sub(
+            r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{to_global[m[1]]}.", name
+        )
+
+    return global_name
+
+
+def _draw_matrix(
+    model_cfg: ModelConfig, tp_rank: int, tp_size: int, global_name: str, param: torch.Tensor
+) -> torch.Tensor:
+    """This rank's shard of matrix ``global_name``, fp32 on the CPU (see `_init_base_weights`)."""
+    if model_cfg.tie_word_embeddings and global_name == "output_layer.weight":
+        global_name = "embedding.word_embeddings.weight"  # tied: the same draw
+    scaled_std = model_cfg.init_method_std / math.sqrt(2.0 * model_cfg.num_layers)
+    std = (
+        scaled_std
+        if global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+        else model_cfg.init_method_std
+    )
+    shape = list(param.shape)
+    parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    if parallel:
+        shape[param.partition_dim] *= tp_size
+    generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
+    full = torch.randn(shape, generator=generator).mul_(std)  # in place: one fp32 copy held
+    if parallel:
+        chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
+        full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
+    return full
+
+
 def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp_size: int):
     """Draw every matrix from a generator keyed by ``(init_seed, global parameter name)``.
 
@@ -232,31 +280,10 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     8B preset in ~40 s), and copied to where the model lives. Norm weights keep their ones.
     With ``tie_word_embeddings`` the output layer gets the embedding's draw.
     """
-    to_global = {
-        str(i): str(layer.layer_number - 1) for i, layer in enumerate(model.decoder.layers)
-    }
-    scaled_std = model_cfg.init_method_std / math.sqrt(2.0 * model_cfg.num_layers)
+    global_name = _global_name_fn(model)
 
     def draw(name: str, param: torch.Tensor) -> None:
-        global_name = re.sub(
-            r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{to_global[m[1]]}.", name
-        )
-        if model_cfg.tie_word_embeddings and global_name == "output_layer.weight":
-            global_name = "embedding.word_embeddings.weight"  # tied: the same draw
-        std = (
-            scaled_std
-            if global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
-            else model_cfg.init_method_std
-        )
-        shape = list(param.shape)
-        parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-        if parallel:
-            shape[param.partition_dim] *= tp_size
-        generator = torch.Generator().manual_seed(_name_seed(model_cfg.init_seed, global_name))
-        full = torch.randn(shape, generator=generator) * std
-        if parallel:
-            chunks = full.chunk(tp_size * param.partition_stride, dim=param.partition_dim)
-            full = torch.cat(chunks[tp_rank::tp_size], dim=param.partition_dim)
+        full = _draw_matrix(model_cfg, tp_rank, tp_size, global_name(name), param)
         with torch.no_grad():
             param.copy_(full)
 
@@ -266,25 +293,98 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
             done.result()  # re-raises a draw's error here
 
 
-def get_gpt_lora_layer_spec(family: str = "llama") -> ModuleSpec:
+def _random_values(model_cfg: ModelConfig, tp_rank: int, tp_size: int):
+    """`mcore.fp8.ValueSource` of the random base: `_init_base_weights`'s values, by name.
+
+    Matrices are drawn as there; norm weights are ones and biases zeros, as Megatron builds
+    them.
+    """
+
+    def values(global_name: str, param: torch.Tensor) -> torch.Tensor:
+        if param.dim() == 2:
+            return _draw_matrix(model_cfg, tp_rank, tp_size, global_name, param)
+        if global_name.endswith("norm.weight"):
+            return torch.ones(param.shape)
+        if global_name.endswith(".bias"):
+            return torch.zeros(param.shape)
+        raise KeyError(f"no random initialisation is defined for {global_name!r}")
+
+    return values
+
+
+def _build_fp8(
+    model: GPTModel,
+    model_cfg: ModelConfig,
+    device: torch.device,
+    params_dtype: torch.dtype,
+    tp_group: torch.distributed.ProcessGroup,
+) -> None:
+    """Load a meta-built FP8 model (`mcore.fp8.materialize_fp8_model`): random or HF values.
+
+    The backward's transposed e4m3 copy of each weight is kept when both copies take at most
+    half the GPU's memory (Llama-3.1-8B: 2 × 7 GB), else each backward transposes its weight
+    (Llama-3.1-70B: 2 × 68 GB would not fit); the numbers are the same either way.
+    """
+    tp_rank, tp_size = tp_group.rank(), tp_group.size()
+    if model_cfg.hf_path is not None:
+        values = hf_weight_source(model_cfg, tp_rank)
+        workers = 4  # reads of checkpoint slices
+    else:
+        values = _random_values(model_cfg, tp_rank, tp_size)
+        workers = os.cpu_count() or 1
+    keep = device.type == "cuda" and 2 * fp8_weight_bytes(model) <= (
+        torch.cuda.get_device_properties(device).total_memory // 2
+    )
+    materialize_fp8_model(
+        model,
+        values,
+        _global_name_fn(model),
+        device=device,
+        dtype=params_dtype,
+        tp_group=tp_group,
+        keep_transposed=keep,
+        workers=workers,
+    )
+
+
+def get_gpt_lora_layer_spec(family: str = "llama", base_precision: str = "bf16") -> ModuleSpec:
     """The local GPT layer spec (RMSNorm) of ``family`` (`mcore.families.family_layer_spec`).
 
     `PackedSelfAttention` over `VarlenCoreAttention`. LoRA is not part of the spec:
     `apply_lora` wraps the built linears instead, so base weights can be loaded first. Norms
     are `FrozenRMSNorm` (sequence-parallel capable, fused on CUDA); the MLP's activation module
     is `FusedSwiGLU` or `FusedGeGLU` (built by Megatron's MLP when the config sets
-    ``use_te_activation_func``, as `_transformer_config` does).
+    ``use_te_activation_func``, as `_transformer_config` does). With
+    ``base_precision="fp8"`` the four linears are `Fp8ColumnParallelLinear` /
+    `Fp8RowParallelLinear`.
     """
-    return family_layer_spec(family)
+    spec = family_layer_spec(family)
+    if base_precision != "fp8":
+        return spec
+    attention = spec.submodules.self_attention
+    attention.submodules.linear_qkv = Fp8ColumnParallelLinear
+    attention.submodules.linear_proj = Fp8RowParallelLinear
+    mlp = spec.submodules.mlp  # functools.partial(<MLP builder>, submodules=...)
+    submodules = dataclasses.replace(
+        mlp.keywords["submodules"],
+        linear_fc1=Fp8ColumnParallelLinear,
+        linear_fc2=Fp8RowParallelLinear,
+    )
+    spec.submodules.mlp = functools.partial(
+        mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules}
+    )
+    return spec
 
 
-def _gpt_block_spec(config: TransformerConfig, family: str) -> TransformerBlockSubmodules:
+def _gpt_block_spec(
+    config: TransformerConfig, family: str, base_precision: str = "bf16"
+) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder: `get_gpt_lora_layer_spec` layers, a `FrozenRMSNorm` last.
 
     Spelled out because Megatron's default final norm is its torch-norm fallback (see
     `FrozenRMSNorm`).
     """
-    layer = get_gpt_lora_layer_spec(family)
+    layer = get_gpt_lora_layer_spec(family, base_precision)
     return TransformerBlockSubmodules(
         layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=FrozenRMSNorm
     )
@@ -312,6 +412,12 @@ def build_gpt_model(
     `configure_layers`. Untied embeddings (a tied checkpoint gets two equal frozen copies),
     no dropout.
 
+    With ``model_cfg.base_precision == "fp8"`` the decoder's linears are FP8
+    (`mcore.fp8`): the model is built on the meta device and loaded one tensor at a time on
+    ``device``, each linear weight quantized from its ``params_dtype`` values (the same values
+    as the bf16 model's), so the bf16 model is never held; embeddings, norms and the output
+    layer stay in ``params_dtype``. On CPU the FP8 linears run their torch reference.
+
     Args:
         model_cfg: sizes and seed (or checkpoint) of the model.
         pre_process: build the embedding (first pipeline stage).
@@ -325,7 +431,8 @@ def build_gpt_model(
         The model, in train mode, with every parameter's ``requires_grad`` False.
 
     Raises:
-        RuntimeError: when Megatron's model-parallel state is not initialised.
+        RuntimeError: when Megatron's model-parallel state is not initialised, or for an FP8
+            base on a GPU without FP8 tensor cores (the message names it).
         ValueError: when ``model_cfg`` disagrees with the checkpoint's config.json.
         NotImplementedError: for a checkpoint architecture or feature the import lacks.
     """
@@ -338,6 +445,10 @@ def build_gpt_model(
         )
     if model_cfg.hf_path is not None:
         check_hf_config(model_cfg)
+    device = torch.device(device)
+    fp8 = model_cfg.base_precision == "fp8"
+    if fp8:
+        check_fp8_device(device)
     pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     config = _transformer_config(
         model_cfg,
@@ -345,26 +456,34 @@ def build_gpt_model(
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         params_dtype=params_dtype,
         sequence_parallel=sequence_parallel,
-        fused_loss=torch.device(device).type == "cuda",
+        fused_loss=device.type == "cuda",
     )
+    # FP8: built on the meta device (nothing allocated), then loaded tensor by tensor.
+    where = torch.device("meta") if fp8 else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
-        model = LoRAFusionGPTModel(
-            config=config,
-            transformer_layer_spec=_gpt_block_spec(config, model_cfg.family),
-            vocab_size=model_cfg.vocab_size,
-            max_sequence_length=model_cfg.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            share_embeddings_and_output_weights=False,  # frozen: two equal copies are exact
-            position_embedding_type="rope",
-            rotary_base=model_cfg.rope_theta,
-            pg_collection=pg_collection,
-        )
+        with where:
+            model = LoRAFusionGPTModel(
+                config=config,
+                transformer_layer_spec=_gpt_block_spec(
+                    config, model_cfg.family, model_cfg.base_precision
+                ),
+                vocab_size=model_cfg.vocab_size,
+                max_sequence_length=model_cfg.max_position_embeddings,
+                pre_process=pre_process,
+                post_process=post_process,
+                share_embeddings_and_output_weights=False,  # frozen: two equal copies are exact
+                position_embedding_type="rope",
+                rotary_base=model_cfg.rope_theta,
+                pg_collection=pg_collection,
+            )
         configure_layers(model, model_cfg, config, pg_collection.cp)
     scale = embedding_scale(model_cfg, params_dtype)
     if pre_process and scale is not None:
         scale_word_embeddings(model.embedding.word_embeddings, scale)
     model.requires_grad_(False)
+    if fp8:
+        _build_fp8(model, model_cfg, device, params_dtype, pg_collection.tp)
+        return model.to(device)  # the rotary table
     tp_rank, tp_size = pg_collection.tp.rank(), pg_collection.tp.size()
     if model_cfg.hf_path is not None:
         load_hf_weights(model, model_cfg, tp_rank)

@@ -20,6 +20,9 @@ from megatron_lorafusion.ops.dora_scale import (
     dora_weight_norm_ref,
     weight_sq_norm,
 )
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE, Fp8Weight, check_fp8_device, fp8_problem
+from megatron_lorafusion.ops.fp8_linear import Fp8LinearFunction, fp8_linear, fp8_linear_ref
+from megatron_lorafusion.ops.fp8_quant import quantize_rows, quantize_rows_ref, quantize_weight
 from megatron_lorafusion.ops.fused_lora_linear import (
     LoRALinearFunction,
     fused_lora_linear,
@@ -67,8 +70,11 @@ from megatron_lorafusion.ops.saved_input import InputRebuild
 from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
 
 __all__ = [
+    "FP8_DTYPE",
     "AdapterLayout",
     "DoRAScaleFunction",
+    "Fp8LinearFunction",
+    "Fp8Weight",
     "GeGLUFunction",
     "HostCopy",
     "InputRebuild",
@@ -85,12 +91,16 @@ __all__ = [
     "adapter_adamw_ref",
     "cast_table",
     "cast_table_ref",
+    "check_fp8_device",
     "copy_to_device",
     "dora_scale",
     "dora_scale_ref",
     "dora_weight_norm",
     "dora_weight_norm_ref",
     "dropout_keep_mask",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "fp8_problem",
     "fused_dropout_keep_mask",
     "fused_lora_down",
     "fused_lora_linear",
@@ -117,6 +127,9 @@ __all__ = [
     "packed_slot",
     "qkv_rope",
     "qkv_rope_ref",
+    "quantize_rows",
+    "quantize_rows_ref",
+    "quantize_weight",
     "resolve_gemm",
     "rope",
     "rope_ref",

@@ -193,6 +193,11 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(index: int | None) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of CUDA device ``index`` (cached)."""
+    return _capability(index)
+
+
 @functools.lru_cache(maxsize=16)
 def sm_count(index: int | None) -> int:
     """Multiprocessors of CUDA device ``index`` (cached: launchers call this every step)."""

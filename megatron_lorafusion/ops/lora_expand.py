@@ -43,6 +43,7 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         HAS_SCALE: tl.constexpr,
         HAS_DROPOUT: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -83,6 +84,8 @@ if triton is not None:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :]
+        if ACCUMULATE:  # onto a product already there (an FP8 GEMM's output, which has no C)
+            acc += tl.load(out, mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -167,20 +170,25 @@ def lora_expand_fwd(
     out_dtype: torch.dtype | None = None,
     scales: torch.Tensor | None = None,
     col_offset: int = 0,
+    accumulate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the expand on inputs already checked (`lora_expand` checks, then calls this).
 
     The autograd functions check their inputs once and call this in forward and backward
-    (``col_offset`` already checked).
+    (``col_offset`` already checked). ``accumulate``: a contiguous (T, D) tensor the result
+    is added to in place (and returned), or None for a fresh output.
     """
     tokens, rank = s.shape
     width = m.shape[2]
     block_r = _utils.padded_rank(rank)
-    out = torch.empty(tokens, width, dtype=out_dtype or s.dtype, device=s.device)
+    if accumulate is None:
+        out = torch.empty(tokens, width, dtype=out_dtype or s.dtype, device=s.device)
+    else:
+        out = accumulate
     if tokens == 0:
         return out
 
-    def run(cfg: TileConfig) -> None:
+    def run(cfg: TileConfig, out: torch.Tensor = out) -> None:
         tiles = layout.tiles(cfg.block_t, s.device)
         grid = (tiles.shape[0], _utils.cdiv(width, cfg.block_d))
         _lora_expand_kernel[grid](
@@ -204,6 +212,7 @@ def lora_expand_fwd(
             HAS_BIAS=bias is not None,
             HAS_SCALE=scales is not None,
             HAS_DROPOUT=dropouts is not None,
+            ACCUMULATE=accumulate is not None,
             DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t,
             BLOCK_D=cfg.block_d,
@@ -213,7 +222,16 @@ def lora_expand_fwd(
         )
 
     key = (tokens, width, block_r)
-    cfg = _utils.pick_config("lora_expand", key, s.device, _hopper_config, _TILE_CONFIGS, run)
+    # Timing candidates (off Hopper) runs the kernel many times: not onto `accumulate`.
+    scratch = (lambda: torch.empty_like(out)) if accumulate is not None else (lambda: out)
+    cfg = _utils.pick_config(
+        "lora_expand",
+        key,
+        s.device,
+        _hopper_config,
+        _TILE_CONFIGS,
+        lambda cfg: run(cfg, scratch()),
+    )
     run(cfg)
     return out
 

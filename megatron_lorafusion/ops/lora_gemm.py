@@ -3,8 +3,9 @@
 LoRAFusion's fused up-projection (arXiv 2510.00206, Sec. 4.1): the frozen product and the
 LoRA up-projection in one kernel, so the (T, N) output is written once. `fused_lora_linear`
 runs it in the forward (``gemm="triton"``, the default on Hopper); ``S'`` already holds the
-dropout and the scale. M-tiles come from `AdapterLayout.tiles` (each tile inside one
-adapter's segment), so the epilogue reads a single adapter's ``B_a``.
+dropout and the scale. M-tiles come from `AdapterLayout.tiles` (each tile inside one adapter's
+segment), so the epilogue reads a single adapter's ``B_a``. With FP8 operands (an FP8 base,
+`ops.fp8_quant`) the epilogue first dequantizes the product by the rows' and columns' scales.
 
 Hopper-style: X, W and Y go through TMA tensor descriptors (host-side ``TensorDescriptor``);
 a persistent grid of one program per SM walks the tiles in grouped order; the epilogue runs
@@ -20,6 +21,7 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE
 from megatron_lorafusion.ops.layout import AdapterLayout
 
 if triton is not None:
@@ -38,10 +40,12 @@ if triton is not None:
     def _epilogue(
         acc,
         s,
+        x_scale,
         y_desc,
         y_ptr,
         b_ptr,
         bias_ptr,
+        w_scale_ptr,
         adapter,
         row_start,
         row_end,
@@ -53,18 +57,23 @@ if triton is not None:
         stride_bn,
         stride_yt,
         HAS_BIAS: tl.constexpr,
+        HAS_SCALES: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """Add ``s·B_aᵀ`` (and the bias) to one column sub-tile ``acc`` and store it.
 
         ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``col0`` the output column of ``acc``'s
-        column 0.
+        column 0. With FP8 operands (``HAS_SCALES``) ``acc`` is first dequantized by the
+        rows' ``x_scale`` (BLOCK_M,) and the columns' weight scales.
         """
         BLOCK_M: tl.constexpr = acc.shape[0]
         SUB_N: tl.constexpr = acc.shape[1]
         BLOCK_R: tl.constexpr = s.shape[1]
         cols = col0 + tl.arange(0, SUB_N)
         col_ok = cols < N
+        if HAS_SCALES:
+            w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+            acc = acc * x_scale[:, None] * w_scale[None, :]
         ranks = tl.arange(0, BLOCK_R)
         b = tl.load(
             b_ptr
@@ -96,6 +105,8 @@ if triton is not None:
         b_ptr,
         bias_ptr,
         y_ptr,
+        x_scale_ptr,
+        w_scale_ptr,
         tiles_ptr,
         n_tiles,
         N,
@@ -107,6 +118,8 @@ if triton is not None:
         stride_bn,
         stride_yt,
         HAS_BIAS: tl.constexpr,
+        HAS_SCALES: tl.constexpr,
+        MAIN_PRECISION: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         GROUP_M: tl.constexpr,
         BLOCK_M: tl.constexpr,
@@ -134,7 +147,7 @@ if triton is not None:
             for ki in range(k_steps):
                 x = x_desc.load([row_start, ki * BLOCK_K])  # (BLOCK_M, BLOCK_K)
                 w = w_desc.load([col0, ki * BLOCK_K]).T  # W is (N, K) row-major: Wᵀ tile
-                acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+                acc = tl.dot(x, w, acc, input_precision=MAIN_PRECISION)
             rows = row_start + tl.arange(0, BLOCK_M)
             ranks = tl.arange(0, BLOCK_R)
             s = tl.load(
@@ -142,15 +155,20 @@ if triton is not None:
                 mask=(rows < row_end)[:, None] & (ranks < R)[None, :],
                 other=0.0,
             )  # (BLOCK_M, BLOCK_R)
+            x_scale = 1.0
+            if HAS_SCALES:  # FP8 X: each row's dequantization scale, (BLOCK_M,)
+                x_scale = tl.load(x_scale_ptr + rows, mask=rows < row_end, other=0.0)
             # Sub-tiles of SUB_N columns: the LoRA product lives for one sub-tile at a time.
             if EPI_SPLIT == 1:
                 _epilogue(
                     acc,
                     s,
+                    x_scale,
                     y_desc,
                     y_ptr,
                     b_ptr,
                     bias_ptr,
+                    w_scale_ptr,
                     adapter,
                     row_start,
                     row_end,
@@ -162,6 +180,7 @@ if triton is not None:
                     stride_bn,
                     stride_yt,
                     HAS_BIAS,
+                    HAS_SCALES,
                     DOT_PRECISION,
                 )
             else:  # EPI_SPLIT == 2
@@ -170,10 +189,12 @@ if triton is not None:
                 _epilogue(
                     a0,
                     s,
+                    x_scale,
                     y_desc,
                     y_ptr,
                     b_ptr,
                     bias_ptr,
+                    w_scale_ptr,
                     adapter,
                     row_start,
                     row_end,
@@ -185,15 +206,18 @@ if triton is not None:
                     stride_bn,
                     stride_yt,
                     HAS_BIAS,
+                    HAS_SCALES,
                     DOT_PRECISION,
                 )
                 _epilogue(
                     a1,
                     s,
+                    x_scale,
                     y_desc,
                     y_ptr,
                     b_ptr,
                     bias_ptr,
+                    w_scale_ptr,
                     adapter,
                     row_start,
                     row_end,
@@ -205,6 +229,7 @@ if triton is not None:
                     stride_bn,
                     stride_yt,
                     HAS_BIAS,
+                    HAS_SCALES,
                     DOT_PRECISION,
                 )
 
@@ -236,23 +261,38 @@ _TMA_TILE_CONFIGS = [
     TmaConfig(128, 256, 64, 8, 3, 2),
     # fp32 (tests): TMA stages live in shared memory, 128x256x64 fp32 needs 96 KiB a stage.
     TmaConfig(64, 64, 32, 4, 3, 1),
+    # FP8 operands (1-byte X and W): the bf16 tile's bytes per stage with twice the K, 48 KiB
+    # a stage; not yet swept on the H200 (`scripts.bench_fp8` times the candidates below).
+    TmaConfig(128, 256, 128, 8, 3, 2),
+    TmaConfig(128, 256, 128, 8, 4, 2),
+    TmaConfig(128, 128, 128, 8, 4, 1),
 ]
-_TMA_HOPPER, _TMA_FP32 = _TMA_TILE_CONFIGS[1], _TMA_TILE_CONFIGS[2]
+_TMA_HOPPER, _TMA_FP32, _TMA_FP8 = _TMA_TILE_CONFIGS[1], _TMA_TILE_CONFIGS[2], _TMA_TILE_CONFIGS[3]
 _GROUP_M = 8
 _INTERPRETER_PROGRAMS = 3  # persistent programs in the interpreter: each loops over tiles
 
 
 def _hopper_config(key: tuple) -> TmaConfig:
-    """Hopper's tile for problem ``key`` (ends with the element size)."""
-    return _TMA_HOPPER if key[-1] == 2 else _TMA_FP32
+    """Hopper's tile for problem ``key`` (ends with the output's and operands' element sizes).
+
+    An fp32 output (tests) takes the small fp32 tile, whose shared memory fits.
+    """
+    if key[-2] == 4:
+        return _TMA_FP32
+    return _TMA_FP8 if key[-1] == 1 else _TMA_HOPPER
 
 
-def tma_supported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+def tma_supported(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> bool:
     """True when TMA descriptors can cover ``x`` (T, K), ``weight`` (N, K) and ``out`` (T, N).
 
     TMA needs unit-stride rows, 16-byte aligned bases and 16-byte aligned row strides (so
     ``K·itemsize`` and ``N·itemsize`` multiples of 16). ``out`` None stands for the fresh
-    contiguous output `lora_gemm` allocates.
+    contiguous output `lora_gemm` allocates, in ``out_dtype`` (default ``x``'s).
     """
 
     def rows_ok(t: torch.Tensor) -> bool:
@@ -262,12 +302,16 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | Non
             and (t.stride(0) * t.element_size()) % 16 == 0
         )
 
-    out_ok = (weight.shape[0] * x.element_size()) % 16 == 0 if out is None else rows_ok(out)
+    out_size = (out_dtype or x.dtype).itemsize
+    out_ok = (weight.shape[0] * out_size) % 16 == 0 if out is None else rows_ok(out)
     return rows_ok(x) and rows_ok(weight) and out_ok
 
 
-def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig):
-    """Launch the kernel; returns Triton's compiled kernel (registers, spills)."""
+def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig, scales=None):
+    """Launch the kernel; returns Triton's compiled kernel (registers, spills).
+
+    ``scales``: ``(x_scale, w_scale)`` of FP8 operands, or None.
+    """
     tokens, inner = x.shape
     width = weight.shape[0]
     tiles = layout.tiles(cfg.block_m, x.device)
@@ -289,6 +333,8 @@ def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig):
         b_t,
         bias if bias is not None else s,
         out,
+        scales[0] if scales is not None else s,
+        scales[1] if scales is not None else s,
         tiles,
         tiles.shape[0],
         width,
@@ -300,7 +346,9 @@ def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig):
         b_t.stride(2),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        HAS_SCALES=scales is not None,
+        MAIN_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
         GROUP_M=_GROUP_M,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -313,15 +361,21 @@ def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig):
     )
 
 
-def _check_inputs(x, weight, s, b_t, layout) -> None:
-    _utils.check_tensor("x", x, (layout.num_tokens, None), _utils.KERNEL_DTYPES, x.device)
+def _check_inputs(x, weight, s, b_t, layout, scales) -> None:
+    fp8 = scales is not None
+    dtypes = (FP8_DTYPE,) if fp8 else _utils.KERNEL_DTYPES
+    _utils.check_tensor("x", x, (layout.num_tokens, None), dtypes, x.device)
     inner = x.shape[1]
     _utils.check_tensor("weight", weight, (None, inner), (x.dtype,), x.device, contiguous=False)
-    _utils.check_tensor("s", s, (x.shape[0], None), (x.dtype,), x.device)
+    compute = (s.dtype,) if fp8 else (x.dtype,)
+    _utils.check_tensor("s", s, (x.shape[0], None), compute, x.device)
+    if fp8:
+        _utils.check_tensor("x_scale", scales[0], (x.shape[0],), (torch.float32,), x.device)
+        _utils.check_tensor("w_scale", scales[1], (weight.shape[0],), (torch.float32,), x.device)
     want = (layout.num_adapters, s.shape[1], weight.shape[0])
-    if tuple(b_t.shape) != want or b_t.dtype != x.dtype:
+    if tuple(b_t.shape) != want or b_t.dtype != s.dtype:
         raise ValueError(
-            f"b_t has shape {tuple(b_t.shape)} {b_t.dtype}, expected (A, R, N)={want} {x.dtype}"
+            f"b_t has shape {tuple(b_t.shape)} {b_t.dtype}, expected (A, R, N)={want} {s.dtype}"
         )
     _utils.padded_rank(s.shape[1])
 
@@ -333,27 +387,40 @@ def lora_gemm(
     b_t: torch.Tensor,
     bias: torch.Tensor | None,
     layout: AdapterLayout,
+    *,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Y = X·Wᵀ + S'·B_aᵀ + b`` per adapter segment, in one launch.
 
+    With FP8 operands (``x_scale`` and ``w_scale`` given) the frozen product is
+    ``(X_q·W_qᵀ)·s_x·s_w`` (`ops.fp8_quant`), dequantized in the epilogue before the LoRA term.
+
     Args:
-        x: (T, K) input, unit-stride rows, 16-byte aligned.
-        weight: (N, K) frozen weight, unit-stride rows, 16-byte aligned.
-        s: (T, R) contiguous ``S'`` (scale and dropout already applied).
-        b_t: (A, R, N) every adapter's ``Bᵀ``, any strides.
+        x: (T, K) input, unit-stride rows, 16-byte aligned; e4m3 with scales.
+        weight: (N, K) frozen weight, unit-stride rows, 16-byte aligned; ``x``'s dtype.
+        s: (T, R) contiguous ``S'`` (scale and dropout already applied), in the compute
+            dtype (``x``'s, or the output's with FP8 operands).
+        b_t: (A, R, N) every adapter's ``Bᵀ``, any strides, ``s``'s dtype.
         bias: (N,) or None.
         layout: the microbatch's adapter layout.
+        x_scale: (T,) fp32 dequantization scale of each row of an e4m3 ``x``, or None.
+        w_scale: (N,) fp32 dequantization scale of each row of an e4m3 ``weight``, or None.
 
     Returns:
-        (T, N) tensor in ``x``'s dtype.
+        (T, N) tensor in ``s``'s dtype.
 
     Raises:
-        ValueError: on shape, dtype or device mismatch (the message names the tensor), or on
-            strides TMA cannot describe (the message gives them; `tma_supported`).
+        ValueError: on shape, dtype or device mismatch (the message names the tensor), one
+            scale without the other, or strides TMA cannot describe (the message gives
+            them; `tma_supported`).
     """
-    _check_inputs(x, weight, s, b_t, layout)
+    if (x_scale is None) != (w_scale is None):
+        raise ValueError("x_scale and w_scale go together (FP8 operands), got one of them")
+    scales = None if x_scale is None else (x_scale, w_scale)
+    _check_inputs(x, weight, s, b_t, layout, scales)
     tokens, width = x.shape[0], weight.shape[0]
-    out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, width, dtype=s.dtype, device=x.device)
     if tokens == 0:
         return out
     if not tma_supported(x, weight, out):
@@ -363,16 +430,17 @@ def lora_gemm(
             f"{out.stride()}, {x.element_size()}-byte elements"
         )
     args = (x, weight, s, b_t, bias, layout, out)
-    key = (tokens, width, x.shape[1], _utils.padded_rank(s.shape[1]), x.element_size())
+    key = (tokens, width, x.shape[1], _utils.padded_rank(s.shape[1]))
+    key += (out.element_size(), x.element_size())
     config = _utils.pick_config(
         "lora_gemm",
         key,
         x.device,
         _hopper_config,
         _TMA_TILE_CONFIGS,
-        lambda cfg: _launch(*args, cfg),
+        lambda cfg: _launch(*args, cfg, scales),
     )
-    _launch(*args, config)
+    _launch(*args, config, scales)
     return out
 
 
@@ -383,11 +451,16 @@ def lora_gemm_ref(
     b_t: torch.Tensor,
     bias: torch.Tensor | None,
     layout: AdapterLayout,
+    *,
+    x_scale: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of `lora_gemm` (fp32 accumulation)."""
+    """Torch reference of `lora_gemm` (fp32 accumulation), in ``s``'s dtype."""
     out = x.float() @ weight.float().t()
+    if x_scale is not None:
+        out = out * x_scale[:, None] * w_scale[None, :]
     for adapter, start, end in layout.segments():
         out[start:end] += s[start:end].float() @ b_t[adapter].float()  # (T_a, N)
     if bias is not None:
         out += bias.float()
-    return out.to(x.dtype)
+    return out.to(s.dtype)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
+from megatron_lorafusion.ops.fp8 import Fp8Weight
+from megatron_lorafusion.ops.fp8_linear import fp8_linear_ref
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.philox import philox_keep_mask
 from megatron_lorafusion.ops.saved_input import InputRebuild
@@ -110,7 +112,7 @@ def lora_up_ref(
 
 def lora_linear_ref(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -123,7 +125,8 @@ def lora_linear_ref(
 
     Args:
         x: (T, H) activations, rows grouped by adapter.
-        weight: (N, H) frozen base weight.
+        weight: (N, H) frozen base weight, or an `Fp8Weight` (its frozen product
+            fake-quantized as the kernels quantize: `fp8_linear_ref`).
         bias: (N,) base bias or None.
         lora_a: (A, R, H) down-projections.
         lora_b: (A, N, R) up-projections.
@@ -136,14 +139,18 @@ def lora_linear_ref(
         (T, N) output ``X·Wᵀ + b + LoRA delta``.
     """
     s = lora_down_ref(x, lora_a, dropouts, layout, keep_mask)
-    return F.linear(x, weight, bias) + lora_up_ref(s, lora_b, scalings, layout)
+    if isinstance(weight, Fp8Weight):
+        frozen = fp8_linear_ref(x, weight, bias)
+    else:
+        frozen = F.linear(x, weight, bias)
+    return frozen + lora_up_ref(s, lora_b, scalings, layout)
 
 
 def _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be (T, H), got shape {tuple(x.shape)}")
     tokens, hidden = x.shape
-    if weight.dim() != 2 or weight.shape[1] != hidden:
+    if len(weight.shape) != 2 or weight.shape[1] != hidden:
         raise ValueError(f"weight has shape {tuple(weight.shape)}, expected (N, H={hidden})")
     out = weight.shape[0]
     if lora_a.dim() != 3 or lora_a.shape[2] != hidden:
@@ -165,7 +172,7 @@ def _check_shapes(x, weight, lora_a, lora_b, scalings, dropouts, layout) -> None
 
 def lora_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None,
     lora_a: torch.Tensor,
     lora_b: torch.Tensor,
@@ -184,7 +191,8 @@ def lora_linear(
     ``(layout.dropout_seed, layer_seed)``, the same on both paths (`dropout_keep_mask` on the
     reference path, drawn inside the kernels on the fused path). ``rebuild`` (how X is
     rebuilt in backward) lets the fused path save its sources instead of X; the reference
-    path saves what autograd saves.
+    path saves what autograd saves. An `Fp8Weight` makes the frozen product FP8 (both paths
+    quantize alike: `fp8_linear_ref`).
 
     Returns:
         (T, N) output in ``x``'s dtype.
@@ -199,7 +207,7 @@ def lora_linear(
 
         return fused_lora_linear(
             x.contiguous(),
-            weight.contiguous(),
+            weight if isinstance(weight, Fp8Weight) else weight.contiguous(),
             bias,
             lora_a,  # read through their strides: views of the packed table stay views
             lora_b,

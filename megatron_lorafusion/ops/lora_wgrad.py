@@ -41,6 +41,7 @@ if triton is not None:
         stride_et,
         HAS_DROPOUT: tl.constexpr,
         EXPAND: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -96,10 +97,13 @@ if triton is not None:
                     # (~20 % more instructions per loop step, sm_90, docs/kernels.md).
                     lora = (lora * keep_scale).to(ex_ptr.dtype.element_ty)
                     lora = lora * keep.to(ex_ptr.dtype.element_ty)
+                ex = ex_ptr + rows.to(tl.int64)[:, None] * stride_et + cols[None, :]
+                if ACCUMULATE:  # onto the frozen dX already there (an FP8 GEMM has no C)
+                    lora = lora.to(tl.float32) + tl.load(
+                        ex, mask=row_ok[:, None] & col_ok[None, :], other=0.0
+                    ).to(tl.float32)
                 tl.store(
-                    ex_ptr + rows.to(tl.int64)[:, None] * stride_et + cols[None, :],
-                    lora.to(ex_ptr.dtype.element_ty),
-                    mask=row_ok[:, None] & col_ok[None, :],
+                    ex, lora.to(ex_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :]
                 )
         if HAS_DROPOUT:
             acc = acc * keep_scale
@@ -245,11 +249,13 @@ def lora_wgrad_fwd(
     expand_m: torch.Tensor | None = None,
     expand_out: torch.Tensor | None = None,
     col_offset: int = 0,
+    expand_accumulate: bool = False,
 ) -> torch.Tensor:
     """Launch the weight gradient on inputs already checked (`lora_wgrad` checks first).
 
     The autograd functions check their inputs once and call this in backward (``col_offset``
-    already checked).
+    already checked). ``expand_accumulate``: the fused expand adds onto ``expand_out``
+    instead of writing it.
     """
     tokens, width = z.shape
     rank = s.shape[1]
@@ -258,9 +264,9 @@ def lora_wgrad_fwd(
     if tokens == 0:
         return out.zero_()
     m = expand_m if expand_m is not None else s[None]  # placeholders when not expanding
-    ex = expand_out if expand_out is not None else s
+    expand = expand_out if expand_out is not None else s
 
-    def run(cfg: TileConfig) -> None:
+    def run(cfg: TileConfig, ex: torch.Tensor = expand) -> None:
         chunk = _utils.chunk_rows(tokens, width, cfg, z.device, _PROGRAMS_PER_SM)
         chunks = layout.tiles(chunk, z.device)
         ranges = layout.tile_ranges(chunk, z.device)
@@ -286,6 +292,7 @@ def lora_wgrad_fwd(
             ex.stride(0),
             HAS_DROPOUT=dropouts is not None,
             EXPAND=expand_m is not None,
+            ACCUMULATE=expand_accumulate,
             DOT_PRECISION="ieee" if z.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t,
             BLOCK_D=cfg.block_d,
@@ -308,7 +315,16 @@ def lora_wgrad_fwd(
 
     mask = "none" if dropouts is None else "drawn"
     key = (tokens, width, block_r, mask)
-    cfg = _utils.pick_config("lora_wgrad", key, z.device, _hopper_config, _TILE_CONFIGS, run)
+    # Timing candidates (off Hopper) runs the kernel many times: not onto an accumulated dX.
+    scratch = (lambda: torch.empty_like(expand)) if expand_accumulate else (lambda: expand)
+    cfg = _utils.pick_config(
+        "lora_wgrad",
+        key,
+        z.device,
+        _hopper_config,
+        _TILE_CONFIGS,
+        lambda cfg: run(cfg, scratch()),
+    )
     run(cfg)
     return out
 

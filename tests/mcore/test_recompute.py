@@ -29,8 +29,8 @@ DROPOUT_ADAPTERS = [
 MICROBATCHES = [([0, 0, 1, 2], [5, 8, 6, 3], 9), ([0, 1, 2, 2], [4, 7, 6, 5], 10)]
 
 
-def _model(mode: str, adapters=DROPOUT_ADAPTERS):
-    model = build_gpt_model(TINY).train()
+def _model(mode: str, adapters=DROPOUT_ADAPTERS, cfg=TINY):
+    model = build_gpt_model(cfg).train()
     context = apply_lora(model, adapters, seed=1)
     randomize_lora_b(context, seed=2)  # non-zero B, so that A gets gradients
     apply_recompute(model, context, mode)
@@ -42,12 +42,12 @@ def _batch(index: int):
     return make_packed_batch(adapters, lengths, 3, seed=4 + index, dropout_seed=dropout_seed)
 
 
-def _interleaved_run(mode: str):
+def _interleaved_run(mode: str, cfg=TINY):
     """Both forwards, then both backwards: each microbatch's losses and the summed gradients.
 
     The context holds the second microbatch's layout when the first one's backward runs.
     """
-    model, context = _model(mode)
+    model, context = _model(mode, cfg=cfg)
     losses = []
     for i in range(len(MICROBATCHES)):
         batch = _batch(i)
@@ -57,11 +57,14 @@ def _interleaved_run(mode: str):
     return [loss.detach() for loss in losses], context.grads.clone()
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recompute_keeps_losses_and_gradients_of_none(megatron_single_process, mode):
-    want_losses, want_grads = _interleaved_run("none")
+@pytest.mark.parametrize(
+    ("mode", "base"), [("selective", "bf16"), ("full", "bf16"), ("full", "fp8")]
+)
+def test_recompute_keeps_losses_and_gradients_of_none(megatron_single_process, mode, base):
+    cfg = dataclasses.replace(TINY, base_precision=base)  # fp8: the layer's quantization again
+    want_losses, want_grads = _interleaved_run("none", cfg)
     assert (want_grads.abs().sum(1) > 0).all(), "every adapter must get a gradient"
-    losses, grads = _interleaved_run(mode)
+    losses, grads = _interleaved_run(mode, cfg)
     for i, (got, want) in enumerate(zip(losses, want_losses, strict=True)):
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=f"{mode}: loss of mb {i}")
     torch.testing.assert_close(grads, want_grads, atol=0, rtol=0, msg=f"{mode}: adapter grads")

@@ -348,3 +348,130 @@ def test_fused_lora_linear_rebuilt_input_keeps_bits_and_is_not_saved(
         torch.testing.assert_close(
             got, want, atol=0, rtol=0, msg=lambda m, n=name: f"{gemm} {n}: {m}"
         )
+
+
+# FP8 frozen weights (`Fp8Weight`): the reference is `lora_linear_ref` with the same weight,
+# which fake-quantizes X and dY exactly as the kernels do; what remains is summation order
+# (fp32) or fp16 rounding of outputs, as above. H and N are multiples of 16 (the scaled GEMMs').
+FP8_CASES = {
+    "round": ([32, 32], [16, 16], [2.0, 0.5], [0.1, 0.1], 64, 32),
+    "ragged": ([37, 0, 50, 13], [8, 3, 5, 1], [0.5, 2.0, 1.0, 3.0], [0.1, 0.2, 0.0, 0.3], 48, 80),
+}
+FP8_GEMMS = ["scaled_mm", "triton"]
+
+
+def _fp8_inputs(case, dtype, device, make_layout, make_lora):
+    from megatron_lorafusion.ops import quantize_weight
+
+    counts, ranks, scalings, dropouts, hidden, out = FP8_CASES[case]
+    gen = torch.Generator().manual_seed(7)
+    layout = make_layout(counts, device, seed=11)
+    x = torch.randn(layout.num_tokens, hidden, generator=gen).to(device, dtype)
+    weight = quantize_weight((torch.randn(out, hidden, generator=gen) / hidden**0.5).to(device))
+    bias = torch.randn(out, generator=gen).to(device, dtype)
+    lora_a, lora_b = make_lora(out, hidden, ranks, dtype, device, gen)
+    grad_y = torch.randn(layout.num_tokens, out, generator=gen).to(device, dtype)
+    return layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y
+
+
+def _needs_scaled_mm(gemm, device):
+    """CPU runs of gemm='scaled_mm' need torch's CPU ``_scaled_mm`` (torch >= 2.6 has it)."""
+    if gemm != "scaled_mm" or device != "cpu":
+        return
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"this torch has no CPU torch._scaled_mm ({err})")
+
+
+@pytest.mark.parametrize(("case", "dtype"), [("ragged", torch.float32), ("round", torch.float16)])
+@pytest.mark.parametrize("gemm", FP8_GEMMS)
+def test_fused_lora_linear_fp8_matches_fake_quant_reference(
+    gemm, case, dtype, device, make_layout, make_lora
+):
+    _needs_scaled_mm(gemm, device)
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _fp8_inputs(
+        case, dtype, device, make_layout, make_lora
+    )
+    keep = fused_dropout_keep_mask(layout, dropouts, x.shape[1], 5, device)
+    got = _grads(
+        lambda x_, a_, b_: fused_lora_linear(
+            x_, weight, bias, a_, b_, scalings, dropouts, layout, layer_seed=5, gemm=gemm
+        ),
+        x,
+        lora_a,
+        lora_b,
+        grad_y,
+    )
+    want = _grads(
+        lambda x_, a_, b_: lora_linear_ref(
+            x_, weight, bias.float(), a_, b_, scalings, dropouts, layout, keep
+        ),
+        x.float(),
+        lora_a.float(),
+        lora_b.float(),
+        grad_y.float(),
+    )
+    atol, rtol = TOL[dtype]
+    for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
+        torch.testing.assert_close(
+            g.float(), w, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{case}/{gemm} {n}: {m}"
+        )
+
+
+def test_fused_lora_linear_fp8_refuses_gemms_that_cannot_take_it(device, make_layout, make_lora):
+    from megatron_lorafusion.ops import Fp8Weight
+
+    layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, _ = _fp8_inputs(
+        "ragged", torch.float32, device, make_layout, make_lora
+    )
+    args = (bias, lora_a, lora_b, scalings, dropouts, layout)
+    with pytest.raises(ValueError, match="gemm='cublas' runs cuBLAS addmm, which takes no FP8"):
+        fused_lora_linear(x, weight, *args, gemm="cublas")
+    with pytest.raises(ValueError, match="gemm='scaled_mm' is the GEMM of FP8 weights"):
+        fused_lora_linear(x, weight.dequantize(), *args, gemm="scaled_mm")
+    narrow = Fp8Weight(weight.data[:, :40].contiguous(), weight.scale)  # H = 40: not 16·k
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fused_lora_linear(x[:, :40].contiguous(), narrow, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["auto", *FP8_GEMMS])
+def test_fused_lora_linear_fp8_bf16_matches_fake_quant_reference(gemm, make_layout, make_lora):
+    from megatron_lorafusion.ops import fp8_problem, quantize_weight
+
+    if fp8_problem(torch.device("cuda")) is not None:
+        pytest.skip(fp8_problem(torch.device("cuda")))
+    if gemm == "triton" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("gemm='triton' with FP8 operands runs on Hopper only")
+    layout = make_layout([300, 0, 517, 211], "cuda", seed=5)
+    gen = torch.Generator().manual_seed(9)
+    hidden, out = 1024, 2048 + 64
+    x = torch.randn(layout.num_tokens, hidden, generator=gen).cuda().bfloat16()
+    weight = quantize_weight((torch.randn(out, hidden, generator=gen) / hidden**0.5).cuda())
+    lora_a, lora_b = make_lora(out, hidden, [16, 8, 16, 4], torch.bfloat16, "cuda", gen)
+    grad_y = torch.randn(layout.num_tokens, out, generator=gen).cuda().bfloat16()
+    scalings, dropouts = [2.0, 1.0, 0.5, 1.0], [0.1, 0.0, 0.1, 0.0]
+    keep = fused_dropout_keep_mask(layout, dropouts, hidden, 5, "cuda")
+    got = _grads(
+        lambda x_, a_, b_: fused_lora_linear(
+            x_, weight, None, a_, b_, scalings, dropouts, layout, layer_seed=5, gemm=gemm
+        ),
+        x,
+        lora_a,
+        lora_b,
+        grad_y,
+    )
+    want = _grads(
+        lambda x_, a_, b_: lora_linear_ref(
+            x_, weight, None, a_, b_, scalings, dropouts, layout, keep
+        ),
+        x.float(),
+        lora_a.float(),
+        lora_b.float(),
+        grad_y.float(),
+    )
+    for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
+        err = float((g.float() - w).norm() / w.norm())
+        assert err < BF16_REL_ERR, f"{gemm} {name}: {err:.2e}"

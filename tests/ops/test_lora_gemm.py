@@ -85,3 +85,55 @@ def test_lora_gemm_tma_bf16_configs(cfg, make_layout, make_lora, monkeypatch):
     assert got.isfinite().all(), f"{cfg.label()}: non-finite output"
     err = _rel_err(got, want)
     assert err < BF16_REL_ERR, f"{cfg.label()}: rel err {err:.2e}"
+
+
+def _fp8_problem(layout, inner, width, ranks, dtype, device, make_lora):
+    """e4m3 X and W with their row scales, ``S'``, Bᵀ and the bias in ``dtype``."""
+    from megatron_lorafusion.ops import quantize_rows_ref, quantize_weight
+
+    x, weight, s, b_t, bias = _problem(layout, inner, width, ranks, dtype, device, make_lora)
+    x_q, x_scale = quantize_rows_ref(x)
+    w = quantize_weight(weight)
+    return x_q, x_scale, w.data, w.scale, s, b_t, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lora_gemm_fp8_operands_match_reference(dtype, device, make_layout, make_lora):
+    layout = make_layout([20, 0, 13], device, seed=8)
+    x_q, x_scale, w_q, w_scale, s, b_t, bias = _fp8_problem(
+        layout, 48, 40, [6, 2, 4], dtype, device, make_lora
+    )
+    got = lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
+    want = lora_gemm_ref(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
+    assert got.dtype == dtype, "the output takes the compute dtype of S'"
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg="fp8 gemm")
+    with pytest.raises(ValueError, match="x_scale and w_scale go together"):
+        lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", _TMA_TILE_CONFIGS[3:], ids=lambda c: c.label().replace(" ", "-"))
+def test_lora_gemm_tma_fp8_configs(cfg, make_layout, make_lora, monkeypatch):
+    # The FP8 candidates, as fused_lora_linear calls them (bf16 S', B, bias); ragged layout.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the tile configs are Hopper's; other GPUs time them (pick_config)")
+    monkeypatch.setattr(sys.modules[lora_gemm.__module__], "_hopper_config", lambda key: cfg)
+    layout = make_layout([300, 0, 517, 211], "cuda", seed=5)
+    x_q, x_scale, w_q, w_scale, s, b_t, bias = _fp8_problem(
+        layout, 512, 384, [16, 8, 16, 4], torch.bfloat16, "cuda", make_lora
+    )
+    got = lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
+    want = lora_gemm_ref(
+        x_q,
+        w_q,
+        s.float(),
+        b_t.float(),
+        bias.float(),
+        layout,
+        x_scale=x_scale,
+        w_scale=w_scale,
+    )
+    assert got.isfinite().all(), f"{cfg.label()}: non-finite output"
+    err = _rel_err(got, want)
+    assert err < BF16_REL_ERR, f"{cfg.label()}: rel err {err:.2e}"

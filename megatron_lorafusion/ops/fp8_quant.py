@@ -1,0 +1,214 @@
+"""Row-wise FP8 (e4m3) quantization of the frozen base: weights once, activations on the fly.
+
+``q[t, :] = round_e4m3(v[t, :] / 2^k_t)``, one power-of-two scale ``2^k_t`` per row, the
+smallest with ``max_d |v[t, d]| / 2^k_t <= 448`` (e4m3's largest finite value), rounded to
+nearest even. A weight (N, H) gets one scale per output channel (row), an activation (T, H)
+one per token (row); an incoming gradient (T, N) is first multiplied by the weight's channel
+scales (``col_scale``), which moves them out of the contraction of ``dX = dY·W``
+(docs/fp8.md). Powers of two make dequantization exact and let the kernel and the torch
+reference compute the same scale with integer operations, bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megatron_lorafusion.ops import _utils
+from megatron_lorafusion.ops._utils import triton
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
+
+_AMAX_FLOOR = 2.0**-100  # an all-zero (or subnormal) row gets scale 2^-108, not inf or NaN
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """(R,) fp32 ``2^k``: the smallest power of two with ``amax / 2^k <= FP8_MAX``.
+
+    With ``amax = m·2^E``, ``m`` in [1, 2): ``k = E − 8``, or ``E − 7`` when ``m > 1.75``
+    (448 = 1.75·2^8). Integer operations on the fp32 bits, as the kernel does them.
+    """
+    bits = amax.float().clamp(min=_AMAX_FLOOR).view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    k = exponent - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def quantize_rows_ref(
+    x: torch.Tensor,
+    col_scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `quantize_rows` (any device); also quantizes weights at load.
+
+    Args:
+        x: (R, D) values, any float dtype.
+        col_scale: (D,) fp32 factor applied to every row first, or None.
+        amax: (R,) fp32 largest magnitude of each row to scale by (a tensor-parallel shard's
+            rows take the whole row's), or None: each row's own.
+
+    Returns:
+        ``q`` (R, D) e4m3 and ``scale`` (R,) fp32 powers of two, ``q·scale ≈ x``.
+    """
+    v = x.float()
+    if col_scale is not None:
+        v = v * col_scale.float()[None, :]
+    if amax is None:
+        amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
+    scale = _pow2_scale(amax)
+    q = (v * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def quantize_weight(
+    weight: torch.Tensor, amax: torch.Tensor | None = None, *, transposed: bool = False
+) -> Fp8Weight:
+    """`Fp8Weight` of a (N, H) frozen weight: e4m3 rows, one scale per output channel.
+
+    Args:
+        weight: (N, H) bf16/fp32 values, on the device the weight will live on.
+        amax: (N,) largest magnitude of each whole row (for a row-parallel shard of H), or
+            None: this tensor's rows.
+        transposed: also keep the (H, N) transposed copy for the backward.
+    """
+    data, scale = quantize_rows_ref(weight, amax=amax)
+    return Fp8Weight(data, scale, data.t().contiguous() if transposed else None)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _e4m3_grid(v):
+        """``v`` (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even.
+
+        Done with integer operations so that the final cast is exact on every backend: the
+        hardware's cvt rounds the same way, and Triton's interpreter (3.8) rounds values
+        whose mantissa carries into the exponent wrongly (126.04 -> 64).
+        """
+        bits = v.to(tl.uint32, bitcast=True)
+        sign = bits & 0x80000000
+        mag = bits & 0x7FFFFFFF
+        # Normal e4m3 (|v| >= 2^-6): keep 3 of 23 mantissa bits, round the 20 dropped ones.
+        normal = (mag + 0x7FFFF + ((mag >> 20) & 1)) & 0xFFF00000
+        # Subnormal e4m3 (|v| < 2^-6): multiples of 2^-9.
+        a = tl.abs(v) * 512.0  # exact, < 8
+        whole = tl.floor(a)
+        frac = a - whole
+        odd = (whole.to(tl.int32) & 1) == 1
+        up = (frac > 0.5) | ((frac == 0.5) & odd)
+        sub = ((whole + up.to(tl.float32)) * (1.0 / 512.0)).to(tl.uint32, bitcast=True)
+        out = tl.where(mag < 0x3C800000, sub, normal) | sign  # 0x3C800000 = 2^-6
+        return out.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr,
+        col_ptr,
+        q_ptr,
+        scale_ptr,
+        R,
+        D,
+        stride_xr,
+        stride_qr,
+        HAS_COL_SCALE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):  # pass 1: each row's largest magnitude
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            if HAS_COL_SCALE:
+                v = v * tl.load(col_ptr + cols, mask=cols < D, other=0.0)[None, :]
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        # 2^k from the bits of amax, as `_pow2_scale` does
+        bits = tl.maximum(amax, 7.888609052210118e-31).to(tl.int32, bitcast=True)  # 2^-100
+        k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        scale = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qr
+        for d0 in range(0, D, BLOCK_D):  # pass 2: the row again (from L2), quantized
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (cols < D)[None, :]
+            v = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            if HAS_COL_SCALE:
+                v = v * tl.load(col_ptr + cols, mask=cols < D, other=0.0)[None, :]
+            q = _e4m3_grid(tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0))
+            tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+# Memory-bound: read a row twice (the second time mostly from L2), write it once in 1 byte.
+# Interpreter: small blocks, several loop steps; GPU: 4 rows of 1024 columns a step.
+_INTERPRETER_BLOCKS = (2, 16)
+_GPU_BLOCKS = (4, 1024)
+
+
+def quantize_rows_fwd(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col_scale: torch.Tensor | None
+) -> None:
+    """Launch the row quantization into ``q`` (R, D) and ``scale`` (R,), inputs checked.
+
+    ``q`` is e4m3, or fp32 in tests: the kernel rounds to the e4m3 grid itself, so an fp32
+    ``q`` holds the exact values the e4m3 one would.
+    """
+    rows, width = x.shape
+    if rows == 0:
+        return
+    block_r, block_d = _GPU_BLOCKS if x.is_cuda else _INTERPRETER_BLOCKS
+    _quantize_rows_kernel[(_utils.cdiv(rows, block_r),)](
+        x,
+        col_scale if col_scale is not None else scale,
+        q,
+        scale,
+        rows,
+        width,
+        x.stride(0),
+        q.stride(0),
+        HAS_COL_SCALE=col_scale is not None,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+def quantize_rows(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize each row of ``x`` to e4m3 with its own power-of-two scale (Triton).
+
+    The same function as `quantize_rows_ref`, bit for bit.
+
+    Args:
+        x: (R, D) fp16/bf16/fp32, unit-stride rows.
+        col_scale: (D,) fp32 factor applied to every row before quantizing, or None.
+
+    Returns:
+        ``q`` (R, D) contiguous e4m3 and ``scale`` (R,) fp32.
+
+    Raises:
+        ValueError: on a bad shape, dtype or device (the message names the tensor).
+        RuntimeError: when Triton cannot run on ``x``'s device.
+    """
+    if not _utils.triton_usable(x):
+        raise RuntimeError(f"quantize_rows needs Triton on CUDA, got x on {x.device}")
+    _utils.check_tensor("x", x, (None, None), _utils.KERNEL_DTYPES, x.device, contiguous=False)
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
+    if col_scale is not None:
+        _utils.check_tensor("col_scale", col_scale, (x.shape[1],), (torch.float32,), x.device)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    quantize_rows_fwd(x, q, scale, col_scale)
+    return q, scale
+
+
+@functools.lru_cache(maxsize=64)
+def unit_scales(width: int, device: str) -> torch.Tensor:
+    """(1, width) fp32 ones: the scale of an operand whose scales were folded elsewhere."""
+    return torch.ones(1, width, dtype=torch.float32, device=device)
