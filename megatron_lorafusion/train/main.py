@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
-_WRITER_THREADS = 4  # files of several adapters written and hashed at once
+# Files of two adapters written and hashed at once; their Python work shares the GIL with the
+# training loop, so more threads are not free.
+_WRITER_THREADS = 2
 
 
 class JobsFailedError(RuntimeError):

@@ -172,6 +172,8 @@ class Session:
         self._slots_cache: dict[str, tuple] = {}
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
+        if settings.writes and settings.save_every:  # pinned before the loop, not in it
+            staging.reserve((3, run.lora.weights.shape[1]), run.lora.num_adapters)
 
     # -- admission and retirement ----------------------------------------------------------
     def admit(self, job: AdapterJob, slot: int | None = None) -> int:

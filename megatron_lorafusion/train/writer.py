@@ -123,6 +123,20 @@ class StagingPool:
         self._cond = threading.Condition()
         self._warned = -_WARN_EVERY_S
 
+    def reserve(self, shape: tuple[int, ...], count: int) -> int:
+        """Allocate up to ``count`` (shape) buffers now, within the capacity; returns how many.
+
+        Pinning host memory takes time (and the first saves would pay it in the training
+        loop): a run reserves the buffers of one save of every adapter at start-up.
+        """
+        nbytes = 4 * int(torch.Size(shape).numel())
+        count = max(0, min(count, self.capacity // max(nbytes, 1)))
+        with self._cond:
+            free = self._free.setdefault(tuple(shape), [])
+            while len(free) < count:
+                free.append(torch.empty(shape, dtype=torch.float32, pin_memory=self.pinned))
+        return count
+
     def acquire(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A (shape) fp32 host buffer; waits while handing it out would pass the capacity."""
         nbytes = 4 * int(torch.Size(shape).numel())
