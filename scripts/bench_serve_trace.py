@@ -216,7 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
         size_scale=args.size_scale,
         max_length=args.max_seq_length,
     )
-    runs = {policy: _serve(args, jobs, folder, policy) for policy in args.policies}
+    runs = {}
+    for policy in args.policies:  # each policy's figures as soon as it is done
+        runs[policy] = _serve(args, jobs, folder, policy)
+        s = _summary(jobs, runs[policy], {})
+        print(f"{policy}: {json.dumps(s)}", file=sys.stderr, flush=True)
     alone = {}
     if "fifo" in runs:
         alone = {n: f - s for n, (_, s, f, _) in runs["fifo"]["jobs"].items()}

@@ -20,7 +20,7 @@ import torch
 from megatron_lorafusion.config import ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
 from megatron_lorafusion.lifetime import die_with_parent
-from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem
+from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 from megatron_lorafusion.train.evaluate import LossSums, one_stage_loss_sums, split_eval_rows
 from megatron_lorafusion.train.job import AdapterJob
@@ -98,6 +98,28 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
         )
         return 1
     return cfg.parallel.tp
+
+
+_IN_PROCESS_SAMPLES = 4096  # smaller plans are made in the loop (~0.1 s), not in a worker
+
+
+def start_planner(cfg: JobConfig):
+    """``problem -> chunks`` of `JobStream`: a worker process for big problems, in-process else.
+
+    A worker takes a process start (~1-2 s) before its first chunk, which a server would
+    pay at every job that joins or leaves; a small problem is planned in this process faster.
+    """
+
+    def start(problem: PlanProblem):
+        if sum(len(x) for x in problem.lengths) <= _IN_PROCESS_SAMPLES:
+            return iter_plan_chunks(
+                problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
+            )
+        return BackgroundPlanner(
+            problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
+        )
+
+    return start
 
 
 def _check_same_job(cfg: JobConfig, sizes: dict[str, int]) -> None:
@@ -320,9 +342,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         num_stages=cfg.parallel.pp,
         tile_height=cfg.planner.tile_height,
         seed=cfg.train.seed,
-        start_planner=lambda problem: BackgroundPlanner(
-            problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
-        ),
+        start_planner=start_planner(cfg),
         on_plan=_on_plan(cfg, sizes, rank0),
     )
     settings = SessionSettings(

@@ -95,10 +95,19 @@ class Saver:
     on_exported: Callable[[str, Path], None] = lambda name, folder: None
     failures: list[tuple[str, str]] = field(default_factory=list)
     _failed: set[str] = field(default_factory=set)  # never written again
+    _exporting: set[str] = field(default_factory=set)  # finished: its export is queued
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def submit(self, request: SaveRequest) -> None:
-        """Queue ``request`` after the earlier saves of its job."""
+        """Queue ``request`` after the earlier saves of its job.
+
+        A job's checkpoint still queued when its export is submitted is skipped: the export
+        and ``done.json`` supersede it (a kill before they are written resumes the job from
+        its checkpoint before), and the run's tail waits for less.
+        """
+        if request.export_step is not None:
+            with self._lock:
+                self._exporting.add(request.name)
         what = f"saving adapter {request.name!r} at step {request.step}"
         self.writer.submit(request.name, lambda: self._run(request), what)
 
@@ -119,6 +128,8 @@ class Saver:
         try:
             if request.name in self._failed:
                 return 0  # an adapter that failed: its later rows are not worth keeping
+            if request.export_step is None and request.name in self._exporting:
+                return 0  # superseded by its export
             tensors = rows_to_tensors(request.rows.wait(), request.slots)
             bad = non_finite_tensors(table_tensors(tensors, TABLES[0]), request.name)
             if bad:

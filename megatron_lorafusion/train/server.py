@@ -26,7 +26,6 @@ import torch
 from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig, JobConfig, job_from_dict
 from megatron_lorafusion.data import DataError, load_tokenizer
 from megatron_lorafusion.inbox import ServerRoot
-from megatron_lorafusion.planner import BackgroundPlanner
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, CheckpointError, Shard
 from megatron_lorafusion.train.job import AdapterJob
 from megatron_lorafusion.train.main import (
@@ -40,6 +39,7 @@ from megatron_lorafusion.train.main import (
     _sequence_shards,
     _writes_metrics,
     make_job,
+    start_planner,
 )
 from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar
 from megatron_lorafusion.train.recipe import Run, build_run
@@ -360,9 +360,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         num_stages=cfg.parallel.pp,
         tile_height=cfg.planner.tile_height,
         seed=cfg.train.seed,
-        start_planner=lambda problem: BackgroundPlanner(
-            problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
-        ),
+        start_planner=start_planner(cfg),
     )
 
     def metrics_of(job: AdapterJob) -> MetricsWriter:
