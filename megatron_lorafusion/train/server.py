@@ -189,9 +189,17 @@ class _Server:
 
     # -- status ------------------------------------------------------------------------------
     def write_statuses(self) -> None:
-        """Every running and queued job's ``status.json`` (rank 0)."""
+        """Every running and queued job's ``status.json``, and the server's stats (rank 0)."""
         if not self.rank0:
             return
+        info = self.root.server_info() or {}
+        tokens = self.session.timing.tokens
+        info["stats"] = {  # what the server did so far (the trace benchmark reads it)
+            "tokens": tokens,
+            "busy_s": self.busy_s,
+            "tokens_per_busy_s": tokens / max(self.busy_s, 1e-9),
+        }
+        self.root.write_server_info(info)
         for job in self.session.jobs.values():
             since, step0 = self.started.get(job.name, (time.perf_counter(), job.step))
             rate = (job.step - step0) / max(time.perf_counter() - since, 1e-9)
@@ -399,15 +407,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
     try:
         server.loop()
         session.finish()
-        if sizes["rank"] == 0:  # what the server did, for the trace benchmark
-            info = root.server_info() or {}
-            tokens = session.timing.tokens
-            info["stats"] = {
-                "tokens": tokens,
-                "busy_s": server.busy_s,
-                "tokens_per_busy_s": tokens / max(server.busy_s, 1e-9),
-            }
-            root.write_server_info(info)
+        server.write_statuses()
     finally:
         stream.close()
         writer.close()
