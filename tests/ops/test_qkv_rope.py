@@ -3,7 +3,8 @@
 
 CPU: Triton interpreter in fp32 and fp16, the fused row given as a strided view (a token
 stride wider than the row, as a ``[T, 1, N]`` linear output sliced or padded would have);
-forward outputs and the row's gradient. GPU: bf16, Llama-3-8B, Qwen3-8B and Gemma-3-12B heads.
+forward outputs and the row's gradient. GPU: bf16 against the fp32 reference (no further than
+twice torch-bf16's error), Llama-3-8B, Qwen3-8B and Gemma-3-12B heads.
 """
 
 import pytest
@@ -15,7 +16,6 @@ from megatron_lorafusion.ops import qkv_rope, qkv_rope_ref
 TOL = {
     torch.float32: (1e-6, 1e-5),
     torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (2e-2, 2e-2),
 }
 
 
@@ -115,5 +115,39 @@ def test_qkv_rope_refuses_mismatched_inputs(device):
     ],
     ids=["llama3-8b", "ragged", "qwen3-8b", "gemma3-12b"],
 )
-def test_qkv_rope_bf16_matches_reference_on_gpu(tokens, groups, q_per_group, dim, norm):
-    _check(tokens, groups, q_per_group, dim, torch.bfloat16, "cuda", norm=norm)
+def test_qkv_rope_bf16_is_as_close_to_fp32_as_torch_bf16_on_gpu(
+    tokens, groups, q_per_group, dim, norm
+):
+    """bf16 on the GPU: the fused outputs and row gradient are no further from the fp32
+    reference than twice the torch bf16 reference is (STYLE.md; inputs up to |x| ~ 20, where
+    a bf16 step is 0.125: measured 0.12 fused vs 0.16 torch-bf16 on q at Llama-3-8B)."""
+    gen = torch.Generator().manual_seed(0)
+    width = groups * (q_per_group + 2) * dim
+    wide = torch.randn(tokens, width, generator=gen)
+    wide *= 1 + 3 * torch.rand(width, generator=gen)  # uneven rms
+    cos, sin = _tables(tokens, dim, "cpu", torch.float32, gen)
+    weights = {}
+    if norm:
+        weights = {n: 1 + 0.5 * torch.randn(dim, generator=gen) for n in ("q_norm", "k_norm")}
+    upstream = [
+        torch.randn(tokens, heads, dim, generator=gen)
+        for heads in (groups * q_per_group, groups, groups)
+    ]
+    results = {}
+    for name, fn, dtype in (
+        ("fused", qkv_rope, torch.bfloat16),
+        ("torch", qkv_rope_ref, torch.bfloat16),
+        ("fp32", qkv_rope_ref, torch.float32),
+    ):
+        leaf = wide.to("cuda", dtype).requires_grad_(True)
+        w = {k: v.to("cuda", dtype) for k, v in weights.items()}
+        c, s = cos.to("cuda", dtype), sin.to("cuda", dtype)
+        outs = fn(leaf, c, s, groups, q_per_group, dim, **w, eps=1e-5)
+        grads = [g.to("cuda", dtype) for g in upstream]
+        torch.autograd.backward(outs, grads)
+        results[name] = [t.detach().float() for t in (*outs, leaf.grad)]
+    for i, what in enumerate(("q", "k", "v", "drow")):
+        want = results["fp32"][i]
+        fused = float((results["fused"][i] - want).abs().max())
+        plain = float((results["torch"][i] - want).abs().max())
+        assert fused <= 2 * plain + 1e-6, f"{what}: fused {fused:.4f} vs torch bf16 {plain:.4f}"
