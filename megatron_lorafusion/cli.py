@@ -21,11 +21,11 @@ import dataclasses
 import logging
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_lorafusion.config import ConfigError, JobConfig, load_config
+from megatron_lorafusion.lifetime import StopSignals, Terminated
 
 if TYPE_CHECKING:
     from megatron_lorafusion.sim.commands import PlanRequest
@@ -220,16 +220,18 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so a run unwinds as on Ctrl-C (children stopped)."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; returns the process exit status."""
+    """Run one sub-command; returns the process exit status.
+
+    SIGINT and SIGTERM end it with one line and status 130 or 143, however often they come
+    (`lifetime.StopSignals`; `__main__.run` installs it before the imports and catches an
+    interrupt of the argument parsing).
+    """
+    stops = StopSignals.current()
+    own = stops is None
+    if stops is None:  # called as a function, not through __main__.run
+        stops = StopSignals()
+        stops.install()
     args = _parser().parse_args(argv)
     try:
         if args.command == "synth-data":
@@ -267,8 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_lorafusion.train.main import main as train_main
         from megatron_lorafusion.train.optim import DivergenceError
 
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _raise_terminated)  # a scheduler's stop, torchrun's
         try:
             train_main(cfg)
         except (DataError, CheckpointError, ExportError, DivergenceError) as err:
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # one line, not a traceback; 128 + SIGINT or SIGTERM
-        terminated = isinstance(stop, _Terminated)
+        stops.done = True  # first: a signal now is ignored, never raised inside this handler
+        terminated = isinstance(stop, Terminated)
         where = f" at {stop.args[0]}" if stop.args else ""  # train.main names the step
         print(
             f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
@@ -291,3 +292,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if own:
+            stops.uninstall()
