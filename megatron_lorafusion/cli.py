@@ -227,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     (`lifetime.StopSignals`; `__main__.run` installs it before the imports and catches an
     interrupt of the argument parsing).
     """
+    args = _parser().parse_args(argv)
     stops = StopSignals.current()
     own = stops is None
     if stops is None:  # called as a function, not through __main__.run
         stops = StopSignals()
         stops.install()
-    args = _parser().parse_args(argv)
     try:
         if args.command == "synth-data":
             return _synth(args)
