@@ -159,6 +159,13 @@ def _job_request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
+def _data_problems(cfg: JobConfig) -> list[str]:
+    """What train would refuse in the job's data, from the first rows of each dataset."""
+    from megatron_lorafusion.data import probe_job_datasets
+
+    return probe_job_datasets(cfg)
+
+
 def _report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -253,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":  # the launch is not known yet: train checks it
+            if problems := _data_problems(cfg):
+                print("\n".join(f"error: {q}" for q in problems), file=sys.stderr)
+                return 2
             if args.print_job:
                 print(_resolved_yaml(cfg, args.config), end="")
             else:

@@ -161,7 +161,8 @@ class DatasetConfig:
     path: str = ""
     """Local file or dataset folder (e.g. a downloaded hub snapshot; relative to the working
     directory), or a hub dataset name when data.offline is false. A path ending in
-    .json/.jsonl/.parquet/.csv must exist."""
+    .json/.jsonl/.parquet/.csv must exist; ``lorafusion validate`` reads a local file's first
+    1,000 rows as training would."""
     format: Literal["auto", "json", "parquet", "csv"] = "auto"
     """File format; auto = from the suffix (.jsonl and .json are json)."""
     split: str = "train"
@@ -218,13 +219,16 @@ class AdapterConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "cosine"
     """Decay after warm-up (to min_lr_ratio × lr at the last step)."""
     warmup_steps: int = 0
-    """Linear warm-up, in optimizer steps."""
+    """Linear warm-up, in optimizer steps (at most 10^7)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of lr for cosine/linear schedules."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     global_batch_size: int = 8
-    """Samples per optimizer step."""
+    """Samples per optimizer step (at most 10^8). Steps follow the training order across
+    epoch boundaries, as Megatron's sample-based training does: with fewer training rows than
+    this, one step holds some rows twice. train.steps × this, summed over adapters, must stay
+    within 10^8 samples and the host memory planning takes (~1 KiB a sample)."""
     max_grad_norm: float = 1.0
     """Clip this adapter's gradient to this L2 norm (over all its factors, on every TP / PP /
     DP rank) before each step, 1.0 as HF/TRL and torchtune; 0 does not clip."""
@@ -234,7 +238,7 @@ class AdapterConfig:
     """Fraction of the training rows held out for evaluation instead, in [0, 1); 0: none."""
     early_stopping_patience: int = 0
     """Stop stepping this adapter after this many evaluations (train.eval_every) without a
-    new best eval loss, and export its best weights; 0: never stop early."""
+    new best eval loss, and export its best weights; 0: never stop early. At most 10^7."""
 
 
 @dataclass(frozen=True)
@@ -256,8 +260,9 @@ class DataConfig:
     shuffle: bool = True
     """Shuffle each adapter's samples per epoch (seeded by train.seed)."""
     bad_rows: Literal["error", "skip"] = "error"
-    """A malformed row stops loading with an error naming file and row, or is skipped and
-    counted (one warning per dataset)."""
+    """A malformed row (a line that is not JSON, a CSV record with more or fewer fields than
+    its header, a missing or non-text field) stops loading with an error naming file and row,
+    or is skipped and counted (one warning per dataset)."""
     cache_dir: str | None = None
     """Folder of tokenised datasets, reused while file, fields, template, tokenizer and
     truncation are unchanged; also the ``datasets`` download cache. None: no cache."""
@@ -305,9 +310,12 @@ class TrainConfig:
     """The training run."""
 
     steps: int | None = None
-    """Optimizer steps per adapter (exactly one of steps and epochs)."""
+    """Optimizer steps per adapter (exactly one of steps and epochs; at most 10^7)."""
     epochs: int | None = None
-    """Passes over each adapter's dataset (exactly one of steps and epochs)."""
+    """Passes over each adapter's dataset (exactly one of steps and epochs; at most 10^7).
+    Every planned sample (epochs × training rows, summed over adapters) is held in host
+    memory, ~1 KiB each: at most 10^8 samples, and no more than the memory free. validate
+    checks it from the first 1,000 rows of each file, train from all of them."""
     seed: int = 1234
     """Seed of adapter init, shuffling and dropout."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -319,7 +327,7 @@ class TrainConfig:
     """Checkpoints and exported adapters go here; created only after validation."""
     save_every: int = 0
     """Save a checkpoint each time the adapters' optimizer steps pass a multiple of this many
-    per adapter (on average over adapters); 0: only at the end."""
+    per adapter (on average over adapters); 0: only at the end. At most 10^7."""
     resume: str = "auto"
     """``auto``: continue from the newest complete checkpoint in output_dir (if any);
     ``never``: start fresh; or the path of one checkpoint folder."""
@@ -328,10 +336,11 @@ class TrainConfig:
     default); the run's own files (job.json, checkpoints/, adapters/<name>/, ...) replace
     same-named ones there."""
     keep_last: int = 3
-    """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all."""
+    """Complete checkpoints kept in output_dir (older ones are deleted); 0 keeps all. At most
+    10^7."""
     eval_every: int = 0
     """Evaluate each adapter that has eval data every this many of its optimizer steps (and at
-    its last); 0: never."""
+    its last); 0: never. At most 10^7."""
     recompute: Literal["none", "selective", "full"] = "selective"
     """Activation recomputation in backward (memory for compute). ``selective``: the LoRA
     wrappers of linear_qkv, linear_fc1 and linear_fc2 rebuild their norm / SwiGLU input
@@ -345,7 +354,7 @@ class LoggingConfig:
     """Progress and metrics."""
 
     log_every: int = 1
-    """Log one line every this many optimizer steps of the slowest adapter."""
+    """Log one line every this many optimizer steps of the slowest adapter (at most 10^7)."""
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
     level: Literal["DEBUG", "INFO", "WARNING"] = "INFO"

@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_lorafusion.config import JobConfig
+from megatron_lorafusion.config import ConfigError, JobConfig
 from megatron_lorafusion.data import PackedBatch, TokenizedSample, load_adapter_dataset
 from megatron_lorafusion.planner import Microbatch, Sample
+from megatron_lorafusion.validation import held_out_rows, planned_samples_problems
 
 __all__ = ["Evaluator", "LossSums", "one_stage_loss_sums", "split_eval_datasets"]
 
@@ -50,6 +51,10 @@ def split_eval_datasets(
 
     ``eval_fraction`` holds out ``round(fraction × rows)`` rows (at least one, at most all but
     one) chosen by a generator seeded with ``(train.seed, adapter id)``.
+
+    Raises:
+        ConfigError: when the samples the run would plan (``train.epochs`` × these rows)
+            pass `validation.MAX_SAMPLES` or this machine's free memory, before any is.
     """
     train, held = [], []
     for a, (adapter, rows) in enumerate(zip(cfg.adapters, datasets, strict=True)):
@@ -57,8 +62,7 @@ def split_eval_datasets(
             eval_adapter = replace(adapter, dataset=adapter.eval_dataset)
             train.append(rows)
             held.append(load_adapter_dataset(eval_adapter, cfg.data, tokenizer))
-        elif adapter.eval_fraction > 0 and len(rows) > 1:
-            count = min(max(round(adapter.eval_fraction * len(rows)), 1), len(rows) - 1)
+        elif count := held_out_rows(adapter.eval_fraction, len(rows)):
             chosen = set(
                 random.Random(f"{cfg.train.seed}:eval:{a}").sample(range(len(rows)), count)
             )
@@ -67,6 +71,9 @@ def split_eval_datasets(
         else:
             train.append(rows)
             held.append([])
+    # The rows are known only now: under train.epochs the plan's size too (issue 36).
+    if problems := planned_samples_problems(cfg, [(len(rows), True) for rows in train]):
+        raise ConfigError(problems)
     return train, held
 
 
