@@ -37,5 +37,5 @@ setup(
             "ruff==0.17.6",
         ],
     },
-    entry_points={"console_scripts": ["lorafusion=megatron_lorafusion.cli:main"]},
+    entry_points={"console_scripts": ["lorafusion=megatron_lorafusion.__main__:run"]},
 )

@@ -25,11 +25,11 @@ import dataclasses
 import logging
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_lorafusion.config import ConfigError, JobConfig, load_config
+from megatron_lorafusion.lifetime import StopSignals, Terminated
 
 if TYPE_CHECKING:
     from megatron_lorafusion.sim.commands import PlanRequest
@@ -160,14 +160,21 @@ def _job_request(args: argparse.Namespace) -> PlanRequest:
     # train.main imports Megatron (its warnings hidden); our INFO lines would repeat the summary
     _quiet_start(False, "WARNING")
     from megatron_lorafusion.data import load_tokenizer
-    from megatron_lorafusion.train.main import make_job, prepare_problem
+    from megatron_lorafusion.train.main import make_jobs, prepare_problem
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    problem = prepare_problem(cfg, [make_job(cfg, a, tokenizer) for a in cfg.adapters])
+    problem = prepare_problem(cfg, make_jobs(cfg, cfg.adapters, tokenizer))
     names = tuple(a.name for a in cfg.adapters)
     return PlanRequest(
         problem, cfg.planner.solver, cfg.planner.time_limit_s, f"job {args.job}", None, names
     )
+
+
+def _data_problems(cfg: JobConfig) -> list[str]:
+    """What train would refuse in the job's data, from the first rows of each dataset."""
+    from megatron_lorafusion.data import probe_job_datasets
+
+    return probe_job_datasets(cfg)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -229,14 +236,6 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread so a run unwinds as on Ctrl-C (children stopped)."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated
-
-
 def _server_files(args: argparse.Namespace) -> int:
     """``submit``, ``status`` and ``cancel``: files in the server's root, no torch."""
     from megatron_lorafusion.inbox import ServerRoot, submit_job
@@ -262,8 +261,18 @@ def _server_files(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one sub-command; returns the process exit status."""
+    """Run one sub-command; returns the process exit status.
+
+    SIGINT and SIGTERM end it with one line and status 130 or 143, however often they come
+    (`lifetime.StopSignals`; `__main__.run` installs it before the imports and catches an
+    interrupt of the argument parsing).
+    """
     args = _parser().parse_args(argv)
+    stops = StopSignals.current()
+    own = stops is None
+    if stops is None:  # called as a function, not through __main__.run
+        stops = StopSignals()
+        stops.install()
     try:
         if args.command in ("submit", "status", "cancel"):
             return _server_files(args)
@@ -286,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         cfg = load_config(args.config, args.overrides)
         if args.command == "validate":  # the launch is not known yet: train checks it
+            if problems := _data_problems(cfg):
+                print("\n".join(f"error: {q}" for q in problems), file=sys.stderr)
+                return 2
             if args.print_job:
                 print(_resolved_yaml(cfg, args.config), end="")
             else:
@@ -304,8 +316,6 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_lorafusion.train.main import main as train_main
         from megatron_lorafusion.train.writer import WriteError
 
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, _raise_terminated)  # a scheduler's stop, torchrun's
         try:
             if args.command == "serve":
                 from megatron_lorafusion.train.server import serve
@@ -334,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:  # one line, not a traceback; 128 + SIGINT or SIGTERM
-        terminated = isinstance(stop, _Terminated)
+        stops.done = True  # first: a signal now is ignored, never raised inside this handler
+        terminated = isinstance(stop, Terminated)
         where = f" at {stop.args[0]}" if stop.args else ""  # train.main names the step
         print(
             f"{'terminated' if terminated else 'interrupted'}{where}: {args.command} stopped"
@@ -346,3 +357,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if own:
+            stops.uninstall()

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import string
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,14 @@ if TYPE_CHECKING:  # config calls validate: a runtime import back would be a cyc
 
 __all__ = [
     "DATA_SUFFIXES",
+    "MAX_SAMPLES",
+    "PLAN_BYTES_PER_SAMPLE",
     "PROMPT_TEMPLATES",
     "adapter_name_problem",
+    "held_out_rows",
+    "host_memory",
     "launch_problems",
+    "planned_samples_problems",
     "validate",
 ]
 
@@ -174,9 +180,17 @@ _MODEL_MAX = dict(
     max_position_embeddings=1 << 24,
 )
 _SEED_MAX = 2**32 - 1  # numpy's and Philox's seed range
-_MAX_STEPS = 10**7  # optimizer steps, warm-up steps, save and log intervals
-_MAX_SAMPLES = 10**9  # samples trained per adapter (steps × global batch): the plan's size
+_MAX_STEPS = 10**7  # optimizer steps, epochs, warm-up, and every interval counted in steps
 _FP32_MAX = 3.4028234663852886e38  # adapter weights, their scale and AdamW's state are fp32
+MAX_SAMPLES = 10**8
+"""Most samples one run may plan, summed over its adapters (``steps × global_batch_size``
+or ``epochs × rows`` each): the run holds every planned sample in host memory
+(`PLAN_BYTES_PER_SAMPLE`: ~100 GB at this cap) and plans them all before its first step
+(greedy: 2.3-2.6 s per 100,000, ~40 minutes at this cap)."""
+PLAN_BYTES_PER_SAMPLE = 1024
+"""Host memory a planned sample takes, in bytes, rounded up from a measured ~660: ~190 in
+the trainer (its place in the training order, its length, the plan check) and ~470 in the
+planner worker while it plans the run (greedy, 400,000 samples)."""
 
 
 def _non_finite(node: object, where: str) -> list[str]:
@@ -251,9 +265,11 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
     for name, value in (("model.init_seed", m.init_seed), ("train.seed", t.seed)):
         if not 0 <= value <= _SEED_MAX:
             p.append(f"{name} must be in [0, {_SEED_MAX}], got {value}")
-    for name in ("steps", "epochs", "save_every"):
+    for name in ("steps", "epochs", "save_every", "keep_last", "eval_every"):
         if getattr(t, name) is not None and getattr(t, name) > _MAX_STEPS:
             p.append(f"train.{name} must be <= {_MAX_STEPS}, got {getattr(t, name)}")
+    if cfg.logging.log_every > _MAX_STEPS:
+        p.append(f"logging.log_every must be <= {_MAX_STEPS}, got {cfg.logging.log_every}")
     for i, a in enumerate(cfg.adapters):
         for name in ("lr", "alpha", "weight_decay"):
             if math.isfinite(getattr(a, name)) and getattr(a, name) > _FP32_MAX:
@@ -261,13 +277,17 @@ def _validate_numbers(cfg: JobConfig) -> list[str]:
                     f"adapters.{i}.{name} must be <= {_FP32_MAX:.4g} (the largest fp32 "
                     f"number), got {getattr(a, name)}"
                 )
-        if a.warmup_steps > _MAX_STEPS:
-            p.append(f"adapters.{i}.warmup_steps must be <= {_MAX_STEPS}, got {a.warmup_steps}")
-        if t.steps is not None and t.steps * a.global_batch_size > _MAX_SAMPLES:
+        for name in ("warmup_steps", "early_stopping_patience"):
+            if getattr(a, name) > _MAX_STEPS:
+                p.append(f"adapters.{i}.{name} must be <= {_MAX_STEPS}, got {getattr(a, name)}")
+        if a.global_batch_size > MAX_SAMPLES:
             p.append(
-                f"adapters.{i}.global_batch_size must keep train.steps × global_batch_size "
-                f"<= {_MAX_SAMPLES} samples, got {t.steps} × {a.global_batch_size}"
+                f"adapters.{i}.global_batch_size must be <= {MAX_SAMPLES} (the samples a run "
+                f"may plan), got {a.global_batch_size}"
             )
+    if t.steps is not None and 0 < t.steps <= _MAX_STEPS:
+        if all(0 < a.global_batch_size <= MAX_SAMPLES for a in cfg.adapters):
+            p.extend(planned_samples_problems(cfg, [None] * len(cfg.adapters)))
     if cfg.planner.token_capacity > 1 << 24:
         p.append(f"planner.token_capacity must be <= {1 << 24}, got {cfg.planner.token_capacity}")
     if cfg.planner.time_limit_s > 3600:
@@ -424,6 +444,103 @@ def validate(cfg: JobConfig) -> list[str]:
     ):
         p.append(problem)
     return p
+
+
+def planned_samples_problems(cfg: JobConfig, rows: Sequence[tuple[int, bool] | None]) -> list[str]:
+    """The samples the run plans against `MAX_SAMPLES` and this machine's free memory.
+
+    Under ``train.steps`` the count is known from the job; under ``train.epochs`` it is
+    ``epochs × rows`` per adapter, so ``rows`` must say what the data holds: ``validate``
+    (the CLI) passes what the first rows of each file told it, training the exact counts.
+
+    Args:
+        cfg: the job.
+        rows: per adapter, ``(n, exact)``: the rows it trains on (``exact`` False: at least
+            ``n``), or None when unknown. Read only under ``train.epochs``.
+
+    Returns:
+        One problem naming the keys and the adapter with the most samples, or none.
+    """
+    t = cfg.train
+    if t.steps is not None:
+        per = {i: (t.steps * a.global_batch_size, True) for i, a in enumerate(cfg.adapters)}
+    elif t.epochs is not None:
+        per = {i: (t.epochs * r[0], r[1]) for i, r in enumerate(rows) if r is not None}
+    else:
+        return []
+    if not per:
+        return []
+    total = sum(n for n, _ in per.values())
+    exact = len(per) == len(cfg.adapters) and all(e for _, e in per.values())
+    top = max(per, key=lambda i: per[i][0])
+    if t.steps is not None:
+        what = f"train.steps × adapters.{top}.global_batch_size"
+        got = f"{t.steps} × {cfg.adapters[top].global_batch_size}"
+    else:
+        what = f"train.epochs × the rows of adapters.{top}'s dataset"
+        got = f"{t.epochs} × {'' if per[top][1] else 'at least '}{rows[top][0]} rows"
+    if total > per[top][0]:
+        got += f", and {total - per[top][0]}{'' if exact else ' or more'} samples of other adapters"
+    if total > MAX_SAMPLES:
+        return [
+            f"{what} must be <= {MAX_SAMPLES} samples summed over the adapters (a run holds "
+            f"every planned sample in host memory, ~{PLAN_BYTES_PER_SAMPLE} bytes apiece), "
+            f"got {got}"
+        ]
+    free = host_memory()
+    if free is not None and total * PLAN_BYTES_PER_SAMPLE > free[0]:
+        return [
+            f"{what} must fit in this machine's memory: {total} samples take "
+            f"~{total * PLAN_BYTES_PER_SAMPLE / 2**30:.1f} GiB of host memory to plan "
+            f"(~{PLAN_BYTES_PER_SAMPLE} bytes apiece), and {free[0] / 2**30:.1f} GiB is free "
+            f"({free[1]}); got {got}"
+        ]
+    return []
+
+
+def held_out_rows(fraction: float, rows: int) -> int:
+    """Rows that ``eval_fraction`` holds out of ``rows`` for evaluation.
+
+    ``round(fraction × rows)``, at least one and at most all but one; none of a single row
+    or at fraction 0.
+    """
+    if fraction <= 0 or rows <= 1:
+        return 0
+    return min(max(round(fraction * rows), 1), rows - 1)
+
+
+def host_memory() -> tuple[int, str] | None:
+    """Host memory this process may still allocate, in bytes, and the limit that sets it.
+
+    The least of: ``MemAvailable`` of ``/proc/meminfo``, the headroom under this process's
+    cgroup v2 ``memory.max`` and under its address-space limit (``ulimit -v``, which
+    counts mapped libraries too). None where none of them is known (not Linux).
+    """
+    found = []
+    try:
+        info = Path("/proc/meminfo").read_text(encoding="utf-8")
+        if m := re.search(r"^MemAvailable:\s+(\d+) kB", info, re.MULTILINE):
+            found.append((int(m.group(1)) << 10, "/proc/meminfo's MemAvailable"))
+        own = Path("/proc/self/cgroup").read_text(encoding="utf-8")
+        if m := re.search(r"^0::(/.*)$", own, re.MULTILINE):
+            group = Path("/sys/fs/cgroup") / m.group(1).lstrip("/")
+            top = (group / "memory.max").read_text(encoding="utf-8").strip()
+            if top != "max":
+                used = int((group / "memory.current").read_text(encoding="utf-8"))
+                found.append((int(top) - used, "the cgroup's memory.max"))
+    except (OSError, ValueError):  # not Linux, no cgroup v2, no memory controller
+        pass
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        status = Path("/proc/self/status").read_text(encoding="utf-8")
+        mapped = re.search(r"^VmSize:\s+(\d+) kB", status, re.MULTILINE)
+        if soft != resource.RLIM_INFINITY and mapped:
+            found.append((soft - (int(mapped.group(1)) << 10), "the address-space limit"))
+    except (ImportError, OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def launch_problems(cfg: JobConfig, environ: dict[str, str] | None = None) -> list[str]:

@@ -155,7 +155,8 @@ def test_cli_checkpoint_that_is_not_safetensors_is_skipped_by_train_refused_by_e
     it with a warning and starts over; export refuses it, naming the file, in one line."""
     import hashlib
 
-    assert main(["train", str(_job(tmp_path)), "train.save_every=1"]) == 0
+    # the step-2 checkpoint is superseded by the export: step 1's is left
+    assert main(["train", str(_job(tmp_path)), "train.steps=2", "train.save_every=1"]) == 0
     out = tmp_path / "out"
     _unfinished(out, "a")
     for step in sorted((out / "checkpoints" / "a").glob("step_*")):
@@ -173,12 +174,13 @@ def test_cli_checkpoint_that_is_not_safetensors_is_skipped_by_train_refused_by_e
     err = capsys.readouterr().err
     assert "is not a safetensors file" in err, err
     assert len(err.strip().splitlines()) == 1, err
-    assert main(["train", str(tmp_path / "job.yaml"), "train.save_every=1"]) == 0
+    rerun = ["train", str(tmp_path / "job.yaml"), "train.steps=2", "train.save_every=1"]
+    assert main(rerun) == 0
     assert (out / "adapters" / "a" / "adapter_model.safetensors").is_file(), "trained anew"
 
 
 def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(tmp_path, capsys):
-    assert main(["train", str(_job(tmp_path)), "train.steps=2", "train.save_every=1"]) == 0
+    assert main(["train", str(_job(tmp_path)), "train.steps=3", "train.save_every=1"]) == 0
     out = tmp_path / "out"
     _unfinished(out, "a")
     older, newest = sorted((out / "checkpoints" / "a").glob("step_*"))
@@ -459,7 +461,7 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
     from megatron_lorafusion.data import load_adapter_dataset
     from megatron_lorafusion.planner import plan_microbatches
     from megatron_lorafusion.planner.io import load_plan
-    from megatron_lorafusion.train.main import make_job, prepare_problem
+    from megatron_lorafusion.train.main import make_jobs, prepare_problem
 
     path = _two_adapter_job(tmp_path)
     out = tmp_path / "plan.json"
@@ -480,7 +482,7 @@ def test_cli_plan_job_plans_the_samples_train_would(tmp_path, capsys):
     assert planned[0] == sorted(len(r) for r in rows[0]), "every row of a, tokenised"
     assert len(planned[1]) == 2, "b's eval half is held out"
     assert set(planned[1]) <= {len(r) for r in rows[1]}
-    problem = prepare_problem(cfg, [make_job(cfg, a, None) for a in cfg.adapters])
+    problem = prepare_problem(cfg, make_jobs(cfg, cfg.adapters, None))
     assert plan == plan_microbatches(problem, cfg.planner.solver, cfg.planner.time_limit_s)
 
 
@@ -528,3 +530,118 @@ def test_cli_plan_refuses_flags_the_job_sets_and_overrides_without_a_job(tmp_pat
     assert "dotted overrides ['planner.token_capacity=512'] need --job FILE" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("notes.txt", "hello\n", "dataset file '{path}' has an unknown suffix"),
+        ("/dev/null", None, "dataset '/dev/null' must be a data file or a folder, got a character"),
+        ("job.json", "model:\n  preset: tiny\n", "{path}:1: not JSON (a JSON dataset starts with"),
+        ("b.jsonl", "", "dataset file '{path}' is empty"),
+        (
+            "a.csv",
+            "prompt,response\np,r\nq\n",
+            "{path} row 2 (line 3): 1 field where the header has 2 (prompt, response): a field "
+            "is missing (set data.bad_rows: skip to skip such rows)",
+        ),
+        (
+            "b.jsonl",
+            '{"prompt": "p", "response": "r"}\n{"prompt": 3}\n',
+            "{path}:2: adapter 'a': field 'prompt' must be a string",
+        ),
+    ],
+)
+def test_cli_validate_reports_the_dataset_problems_train_would(
+    tmp_path, capsys, name, content, message
+):
+    """Issue 36: a dataset that is not one (a .txt, /dev/null, YAML given as JSON, an empty
+    file, a ragged CSV row) passed validate and failed train; both now exit 2 naming it."""
+    path = name if content is None else tmp_path / name
+    job = _job(tmp_path, dataset={"path": str(path)})
+    if content is not None:
+        path.write_text(content)
+    before = sorted(tmp_path.rglob("*"))
+    expected = f"error: {message.format(path=path)}"
+    for command in ("validate", "train"):
+        assert main([command, str(job)]) == 2, command
+        out, err = capsys.readouterr()
+        assert expected in err, f"{command}: {err}"
+        assert "Traceback" not in err
+        assert out == ""
+    assert sorted(tmp_path.rglob("*")) == before, "nothing written"
+
+
+def test_cli_ragged_csv_row_is_skipped_and_counted_with_bad_rows_skip(tmp_path, capsys, caplog):
+    data = tmp_path / "a.csv"
+    data.write_text("prompt,response\np,r\nq\n")
+    job = _job(tmp_path, dataset={"path": str(data)})
+    assert main(["validate", str(job), "data.bad_rows=skip"]) == 0
+    with caplog.at_level("WARNING"):
+        assert main(["train", str(job), "data.bad_rows=skip", "logging.progress_bar=false"]) == 0
+    assert f"adapter 'a': skipped 1 malformed rows of {data}" in caplog.text
+
+
+def _rows(path, count):
+    path.write_text('{"prompt": "p", "response": "r"}\n' * count)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows", "message"),
+    [
+        (
+            [f"adapters.0.global_batch_size={10**9}"],
+            1,
+            "adapters.0.global_batch_size must be <= 100000000 (the samples a run may plan), "
+            "got 1000000000",
+        ),
+        (
+            [f"train.steps={10**7}", "adapters.0.global_batch_size=16"],
+            1,
+            "train.steps × adapters.0.global_batch_size must be <= 100000000 samples summed "
+            "over the adapters",
+        ),
+        (
+            ["train.steps=null", f"train.epochs={10**6}"],
+            200,
+            "train.epochs × the rows of adapters.0's dataset must be <= 100000000 samples "
+            "summed over the adapters (a run holds every planned sample in host memory, ~1024 "
+            "bytes apiece), got 1000000 × 200 rows",
+        ),
+    ],
+)
+def test_cli_huge_counts_exit_2_under_a_memory_limit(tmp_path, overrides, rows, message):
+    """Issue 36: global_batch_size 1e9 validated, then train died of a MemoryError after 27 s
+    building the training order. Both commands refuse before allocating (the job file's
+    counts within 1 GiB of address space)."""
+    from limits_testing import GiB, run_limited
+
+    job = _job(tmp_path)
+    _rows(tmp_path / "a.jsonl", rows)
+    for command in ("validate", "train"):  # past the config, both import torch: 3-5 GiB mapped
+        done = run_limited([command, str(job), *overrides], memory=(8 if rows > 1 else 1) * GiB)
+        assert done.returncode == 2, f"{command}: {done.stderr}"
+        assert message in done.stderr, f"{command}: {done.stderr}"
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists(), "nothing written"
+
+
+def test_cli_plan_size_known_only_from_the_whole_dataset_is_checked_by_train(tmp_path):
+    """validate reads the first 1,000 rows: 1,001 epochs of at least those pass it, and
+    train, counting all 100,000, refuses before planning (under 8 GiB: torch is mapped)."""
+    from limits_testing import GiB, run_limited
+
+    job = _job(tmp_path)
+    _rows(tmp_path / "a.jsonl", 100_000)
+    overrides = ["train.steps=null", "train.epochs=1001", "logging.progress_bar=false"]
+    checked = run_limited(["validate", str(job), *overrides], memory=8 * GiB)
+    assert checked.returncode == 0, checked.stderr
+    done = run_limited(["train", str(job), *overrides], memory=8 * GiB)
+    assert done.returncode == 2, done.stderr
+    assert (
+        "train.epochs × the rows of adapters.0's dataset must be <= 100000000 samples summed "
+        "over the adapters (a run holds every planned sample in host memory, ~1024 bytes "
+        "apiece), got 1001 × 100000 rows"
+    ) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists(), "nothing written"

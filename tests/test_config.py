@@ -284,7 +284,21 @@ def test_config_safe_adapter_names_accepted(tmp_path):
         (f"train.steps={10**9}", f"train.steps must be <= 10000000, got {10**9}"),
         (
             f"adapters.0.global_batch_size={10**9}",
-            "adapters.0.global_batch_size must keep train.steps × global_batch_size <= 1000000000",
+            "adapters.0.global_batch_size must be <= 100000000 (the samples a run may plan), "
+            "got 1000000000",
+        ),
+        (
+            f"adapters.0.global_batch_size={6 * 10**7}",  # train.steps is 2
+            "train.steps × adapters.0.global_batch_size must be <= 100000000 samples summed "
+            "over the adapters (a run holds every planned sample in host memory, ~1024 bytes "
+            "apiece), got 2 × 60000000",
+        ),
+        (f"train.keep_last={10**9}", "train.keep_last must be <= 10000000, got 1000000000"),
+        (f"train.eval_every={10**9}", "train.eval_every must be <= 10000000, got 1000000000"),
+        (f"logging.log_every={10**9}", "logging.log_every must be <= 10000000, got 1000000000"),
+        (
+            f"adapters.0.early_stopping_patience={10**9}",
+            "adapters.0.early_stopping_patience must be <= 10000000, got 1000000000",
         ),
         (f"planner.token_capacity={10**18}", "planner.token_capacity must be <= 16777216"),
     ],
@@ -344,9 +358,10 @@ def test_config_yaml_syntax_and_encoding_errors_name_file_and_line(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.problems == [f"job file {str(path)!r}, line 2: not UTF-8 text (byte 0xe9)"]
-    path.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
-    with pytest.raises(ConfigError, match="nested too deeply"):
-        load_config(path)
+    for depth in (100, 5000):  # ours at 64 levels; libyaml's own limit at 1,000
+        path.write_text("a: " + "[" * depth + "]" * depth + "\n")
+        with pytest.raises(ConfigError, match="nested too deeply|exceeded maximum nesting"):
+            load_config(path)
 
 
 def test_config_override_that_is_not_yaml_is_named(tmp_path):
@@ -644,3 +659,16 @@ def test_config_llama70b_preset_is_llama_3_1_70b(tmp_path):
     assert (model.num_layers, model.hidden_size, model.ffn_hidden_size) == (80, 8192, 28672)
     assert (model.num_attention_heads, model.num_query_groups) == (64, 8)
     assert (model.vocab_size, model.rope_theta) == (128256, 500000.0)
+
+
+def test_config_plan_larger_than_free_memory_is_refused_naming_the_limit(tmp_path, monkeypatch):
+    """Issue 36: below the fixed cap, the run's planned samples must fit this machine."""
+    from megatron_lorafusion import validation
+
+    monkeypatch.setattr(validation, "host_memory", lambda: (1 << 30, "the test's limit"))
+    overrides = ["train.steps=1000", "adapters.0.global_batch_size=2000"]
+    assert _errors(tmp_path, _job(tmp_path), overrides) == (
+        "train.steps × adapters.0.global_batch_size must fit in this machine's memory: 2000000 "
+        "samples take ~1.9 GiB of host memory to plan (~1024 bytes apiece), and 1.0 GiB is "
+        "free (the test's limit); got 1000 × 2000"
+    )

@@ -5,6 +5,8 @@ from megatron_lorafusion.data.dataset import (
     DataError,
     TokenizedSample,
     load_adapter_dataset,
+    probe_adapter_dataset,
+    probe_job_datasets,
     training_order,
 )
 from megatron_lorafusion.data.synthetic import TASKS, write_lengths, write_task
@@ -22,6 +24,8 @@ __all__ = [
     "load_adapter_dataset",
     "load_tokenizer",
     "pack_microbatch",
+    "probe_adapter_dataset",
+    "probe_job_datasets",
     "training_order",
     "write_lengths",
     "write_task",

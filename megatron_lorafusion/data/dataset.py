@@ -16,16 +16,17 @@ import json
 import logging
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig
+from megatron_lorafusion.config import AdapterConfig, DataConfig, DatasetConfig, JobConfig
 from megatron_lorafusion.data._errors import DataError
-from megatron_lorafusion.data.hf import dataset_identity, read_rows
+from megatron_lorafusion.data.hf import RawRows, dataset_identity, read_first_rows, read_rows
 from megatron_lorafusion.data.templates import PROMPT_TEMPLATES
-from megatron_lorafusion.data.tokenizer import ByteTokenizer, Tokenizer
+from megatron_lorafusion.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from megatron_lorafusion.validation import held_out_rows, planned_samples_problems
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,8 @@ __all__ = [
     "DataError",
     "TokenizedSample",
     "load_adapter_dataset",
+    "probe_adapter_dataset",
+    "probe_job_datasets",
     "training_order",
 ]
 
@@ -208,6 +211,41 @@ def load_adapter_dataset(
             )
             return samples
     raw = read_rows(adapter.dataset, data)
+    samples, truncated, skipped = _tokenized(raw, adapter, data, tokenizer)
+    if not samples:
+        raise DataError(
+            f"adapter {adapter.name!r}: dataset {adapter.dataset.path!r} has no "
+            f"usable rows ({skipped} skipped)"
+        )
+    if skipped:
+        logger.warning(
+            "adapter %r: skipped %d malformed rows of %s",
+            adapter.name,
+            skipped,
+            adapter.dataset.path,
+        )
+    if truncated:
+        logger.warning(
+            "adapter %r: truncated %d of %d samples to %d tokens",
+            adapter.name,
+            truncated,
+            len(samples),
+            data.max_seq_length,
+        )
+    if cache is not None:
+        _save_cache(cache, samples)
+    return samples
+
+
+def _tokenized(
+    raw: RawRows, adapter: AdapterConfig, data: DataConfig, tokenizer: Tokenizer
+) -> tuple[list[TokenizedSample], int, int]:
+    """``(samples, truncated, skipped)`` of ``raw``'s rows under ``data``'s policies.
+
+    Raises:
+        DataError: for a malformed row (unless ``data.bad_rows: skip``) or a sample over
+            ``data.max_seq_length`` under ``truncation: reject``, naming file and row.
+    """
     samples: list[TokenizedSample] = []
     truncated, skipped = 0, raw.skipped
     for row, where in zip(raw.rows, raw.where, strict=True):
@@ -233,29 +271,74 @@ def load_adapter_dataset(
             continue
         samples.append(sample)
         truncated += cut
-    if not samples:
+    return samples, truncated, skipped
+
+
+PROBE_ROWS = 1000
+"""Rows `probe_adapter_dataset` reads: a few milliseconds of JSON or CSV."""
+
+
+def probe_adapter_dataset(
+    adapter: AdapterConfig,
+    data: DataConfig,
+    tokenizer: Tokenizer | None = None,
+    rows: int = PROBE_ROWS,
+) -> tuple[int, bool] | None:
+    """Read and tokenise the first ``rows`` rows of ``adapter``'s dataset as training would.
+
+    A cheap check for ``lorafusion validate``: the same readers and row rules as
+    `load_adapter_dataset`, so it raises the `DataError` that training would raise for
+    those rows, and writes nothing (no cache).
+
+    Returns:
+        ``(usable rows, complete)``: ``complete`` when those are all the dataset's rows (else
+        the count is a lower bound); None when the source is not read this way (a dataset
+        folder, a hub name, a .json file over 4 MiB).
+
+    Raises:
+        DataError: naming file and row, as `load_adapter_dataset`.
+    """
+    tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+    raw = read_first_rows(adapter.dataset, data, rows)
+    if raw is None:
+        return None
+    samples, _, skipped = _tokenized(raw, adapter, data, tokenizer)
+    if raw.complete and not samples:
         raise DataError(
             f"adapter {adapter.name!r}: dataset {adapter.dataset.path!r} has no "
             f"usable rows ({skipped} skipped)"
         )
-    if skipped:
-        logger.warning(
-            "adapter %r: skipped %d malformed rows of %s",
-            adapter.name,
-            skipped,
-            adapter.dataset.path,
-        )
-    if truncated:
-        logger.warning(
-            "adapter %r: truncated %d of %d samples to %d tokens",
-            adapter.name,
-            truncated,
-            len(samples),
-            data.max_seq_length,
-        )
-    if cache is not None:
-        _save_cache(cache, samples)
-    return samples
+    return len(samples), raw.complete
+
+
+def probe_job_datasets(cfg: JobConfig) -> list[str]:
+    """What training would refuse in the job's data, judged from the first rows of each file.
+
+    Loads the tokenizer, probes every dataset and eval dataset (`probe_adapter_dataset`),
+    then checks the samples the run would plan under ``train.epochs`` with the rows seen
+    (`planned_samples_problems`). Writes nothing.
+
+    Returns:
+        At most one problem per adapter (the first its data shows), then the plan's size.
+    """
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+    except (DataError, ImportError) as err:
+        return [str(err)]
+    problems, rows = [], []
+    for adapter in cfg.adapters:
+        try:
+            seen = probe_adapter_dataset(adapter, cfg.data, tokenizer)
+            if adapter.eval_dataset is not None:
+                held = replace(adapter, dataset=adapter.eval_dataset)
+                probe_adapter_dataset(held, cfg.data, tokenizer)
+            elif seen is not None:  # eval_fraction's rows do not train
+                seen = (seen[0] - held_out_rows(adapter.eval_fraction, seen[0]), seen[1])
+        except DataError as err:
+            problems.append(str(err))
+            seen = None
+        rows.append(seen)
+    return problems + planned_samples_problems(cfg, rows)
 
 
 def training_order(

@@ -7,7 +7,8 @@ greedy); from then on the worker is ahead of the GPU. A worker that raises or di
 surfaces in the training process as `PlannerWorkerError` on the next read. A worker never
 outlives its parent, however the parent dies (SIGKILL included): on Linux the kernel kills it
 (``PR_SET_PDEATHSIG``), and everywhere it checks its parent whenever a full queue makes it
-wait.
+wait. It ignores Ctrl-C, which the terminal sends to its whole process group: the parent
+stops it (`lifetime.ignore_ctrl_c`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,16 @@ import pickle
 import queue
 import signal
 import traceback
+import weakref
 from collections.abc import Iterator
 from typing import Literal
 
-from megatron_lorafusion.lifetime import die_with_parent, parent_alive
+from megatron_lorafusion.lifetime import (
+    die_with_parent,
+    ignore_ctrl_c,
+    parent_alive,
+    started_deaf,
+)
 from megatron_lorafusion.planner.cost import CostModel
 from megatron_lorafusion.planner.plan import DEFAULT_SOLVER, DEFAULT_TIME_LIMIT_S, iter_plan_chunks
 from megatron_lorafusion.planner.types import Plan, PlanProblem
@@ -60,6 +67,7 @@ def _produce(job: bytes, out: mp.Queue, parent_pid: int, poll_s: float) -> None:
     bootstrap, it would only end the worker with exit code 1).
     """
     try:
+        ignore_ctrl_c()  # the parent gets the terminal's Ctrl-C too, and stops us
         die_with_parent(parent_pid)
         problem, rounds_per_chunk, solver, time_limit_s, cost = pickle.loads(job)
         chunks = iter_plan_chunks(problem, rounds_per_chunk, solver, time_limit_s, cost=cost)
@@ -68,6 +76,11 @@ def _produce(job: bytes, out: mp.Queue, parent_pid: int, poll_s: float) -> None:
         _put(out, (_DONE, None), parent_pid, poll_s)
     except BaseException:  # the parent must see every failure, then we exit
         _put(out, (_ERROR, traceback.format_exc()), parent_pid, poll_s)
+
+
+def _kill(process: mp.Process) -> None:
+    if process.is_alive():
+        process.kill()
 
 
 class BackgroundPlanner:
@@ -127,7 +140,11 @@ class BackgroundPlanner:
             name="lorafusion-planner",
             daemon=True,
         )
-        self._process.start()
+        # Dropped unclosed (Ctrl-C raised right after the start): its queue's semaphores go,
+        # and a worker still unpickling them would print a traceback; SIGKILL ends it first.
+        weakref.finalize(self, _kill, self._process)
+        with started_deaf():  # a Ctrl-C while the worker's interpreter starts stays pending
+            self._process.start()
 
     @property
     def pid(self) -> int | None:

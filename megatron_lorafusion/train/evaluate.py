@@ -24,6 +24,7 @@ import torch
 from megatron_lorafusion.config import AdapterConfig, DataConfig
 from megatron_lorafusion.data import PackedBatch, TokenizedSample, load_adapter_dataset
 from megatron_lorafusion.planner import Microbatch, Sample
+from megatron_lorafusion.validation import held_out_rows
 
 __all__ = ["LossSums", "eval_microbatches", "one_stage_loss_sums", "split_eval_rows"]
 
@@ -47,8 +48,7 @@ def split_eval_rows(
     if adapter.eval_dataset is not None:
         eval_adapter = replace(adapter, dataset=adapter.eval_dataset)
         return rows, load_adapter_dataset(eval_adapter, data, tokenizer)
-    if adapter.eval_fraction > 0 and len(rows) > 1:
-        count = min(max(round(adapter.eval_fraction * len(rows)), 1), len(rows) - 1)
+    if count := held_out_rows(adapter.eval_fraction, len(rows)):
         chosen = set(random.Random(f"{seed}:eval:{adapter.name}").sample(range(len(rows)), count))
         return (
             [r for i, r in enumerate(rows) if i not in chosen],

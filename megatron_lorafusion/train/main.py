@@ -12,12 +12,12 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-from megatron_lorafusion.config import ConfigError, JobConfig
+from megatron_lorafusion.config import AdapterConfig, ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
 from megatron_lorafusion.lifetime import die_with_parent
 from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
@@ -31,8 +31,9 @@ from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
 from megatron_lorafusion.train.stream import JobStream
 from megatron_lorafusion.train.writer import BackgroundWriter, StagingPool
+from megatron_lorafusion.validation import planned_samples_problems
 
-__all__ = ["JobsFailedError", "main", "make_job", "prepare_problem"]
+__all__ = ["JobsFailedError", "main", "make_jobs", "prepare_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,20 +48,31 @@ class JobsFailedError(RuntimeError):
     """Adapters failed (diverged, or could not be saved); the others finished and exported."""
 
 
-def make_job(cfg: JobConfig, adapter, tokenizer) -> AdapterJob:
-    """One adapter's job: its rows read and tokenised, eval rows held out, its order drawn.
+def make_jobs(cfg: JobConfig, adapters: Sequence[AdapterConfig], tokenizer) -> list[AdapterJob]:
+    """Each adapter's job: its rows read and tokenised, eval rows held out, its order drawn.
 
     Raises:
         DataError: on an unusable dataset.
+        ConfigError: when the samples these jobs plan (``train.epochs`` × their rows, known
+            only now) pass `validation.MAX_SAMPLES` or the host's free memory, before any
+            order is drawn (issue 36).
     """
-    rows = load_adapter_dataset(adapter, cfg.data, tokenizer)
-    rows, held = split_eval_rows(adapter, rows, cfg.data, tokenizer, cfg.train.seed)
-    if cfg.train.steps is not None:
-        total = cfg.train.steps * adapter.global_batch_size
-    else:
-        total = cfg.train.epochs * len(rows)
-    order = training_order(len(rows), total, cfg.train.seed, adapter.name, cfg.data.shuffle)
-    return AdapterJob.create(adapter, rows, held, order, cfg.train.seed)
+    loaded = []
+    for adapter in adapters:
+        rows = load_adapter_dataset(adapter, cfg.data, tokenizer)
+        loaded.append(split_eval_rows(adapter, rows, cfg.data, tokenizer, cfg.train.seed))
+    view = replace(cfg, adapters=list(adapters))
+    if problems := planned_samples_problems(view, [(len(rows), True) for rows, _ in loaded]):
+        raise ConfigError(problems)
+    jobs = []
+    for adapter, (rows, held) in zip(adapters, loaded, strict=True):
+        if cfg.train.steps is not None:
+            total = cfg.train.steps * adapter.global_batch_size
+        else:
+            total = cfg.train.epochs * len(rows)
+        order = training_order(len(rows), total, cfg.train.seed, adapter.name, cfg.data.shuffle)
+        jobs.append(AdapterJob.create(adapter, rows, held, order, cfg.train.seed))
+    return jobs
 
 
 def prepare_problem(cfg: JobConfig, jobs: Sequence[AdapterJob]) -> PlanProblem:
@@ -155,7 +167,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
             ["train.device must be 'auto' or 'cpu' on a machine without CUDA, got 'cuda'"]
         )
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    jobs = [make_job(cfg, adapter, tokenizer) for adapter in cfg.adapters]
+    jobs = make_jobs(cfg, cfg.adapters, tokenizer)
     rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's; a plain run is rank 0
     if rank0:  # the first screen, before the model is built (seconds on a real model)
         for line in job_summary(cfg, jobs, int(os.environ.get("WORLD_SIZE", "1"))).splitlines():

@@ -23,7 +23,13 @@ import time
 
 import torch
 
-from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig, JobConfig, job_from_dict
+from megatron_lorafusion.config import (
+    FUSED_LINEARS,
+    AdapterConfig,
+    ConfigError,
+    JobConfig,
+    job_from_dict,
+)
 from megatron_lorafusion.data import DataError, load_tokenizer
 from megatron_lorafusion.inbox import ServerRoot
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, CheckpointError, Shard
@@ -38,7 +44,7 @@ from megatron_lorafusion.train.main import (
     _eval_losses,
     _sequence_shards,
     _writes_metrics,
-    make_job,
+    make_jobs,
     start_planner,
 )
 from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar
@@ -141,7 +147,7 @@ class _Server:
             cfg = dataclasses.replace(self.cfg, train=train, adapters=[adapter])
             slot = self.session.free[0]
             self.run.lora.bind(slot, adapter, cfg.train.seed)
-            aj = make_job(cfg, adapter, self.tokenizer)
+            aj = make_jobs(cfg, [adapter], self.tokenizer)[0]
             self.run.optimizer.bind(slot, adapter, aj.total_steps)
             self.run.runs[slot] = aj.run
             store = self.store(name)
@@ -153,13 +159,13 @@ class _Server:
             agree_min = _collectives(self.sizes, self.run.device)[0]
             outcome = restore_job(aj, store, load, shared, agree_min=agree_min)
             self.run.optimizer.steps[slot] = aj.step
-        except (DataError, CheckpointError, NotImplementedError, ValueError) as err:
+        except (DataError, ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
             self._fail(name, f"not admitted: {err}")
             return
         if outcome == "done":
             self.finished[name] = aj.status
             return
-        self.session.admit(aj, slot)
+        self.session.admit(aj, slot, shared)
         self.started[name] = (time.perf_counter(), aj.step)
         self.admitted_at[name] = time.time()
         self.metrics[name] = MetricsWriter(

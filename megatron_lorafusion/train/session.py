@@ -163,6 +163,7 @@ class Session:
         self.on_retire, self.on_segment = on_retire, on_segment
         self.jobs: dict[int, AdapterJob] = {}  # slot -> running job
         self.known: dict[str, AdapterJob] = {}  # every job admitted, by name
+        self.shared_of: dict[str, dict] = {}  # name -> the shared identity its saves record
         self.free = list(range(run.lora.num_adapters))
         self.timing = Timing()
         self._evals: list[tuple[AdapterJob, int]] = []  # (job, step) due at the segment end
@@ -176,10 +177,12 @@ class Session:
             staging.reserve((3, run.lora.weights.shape[1]), run.lora.num_adapters)
 
     # -- admission and retirement ----------------------------------------------------------
-    def admit(self, job: AdapterJob, slot: int | None = None) -> int:
+    def admit(self, job: AdapterJob, slot: int | None = None, shared: dict | None = None) -> int:
         """Start training ``job`` in a free row of the tables (``slot``, or the first free).
 
         The row must already hold the job's factors (built for it, bound, or loaded).
+        ``shared`` is the job's own `resume.shared_identity` where it differs from the
+        session's (a served job of its own length); its checkpoints record it.
         """
         slot = self.free[0] if slot is None else slot
         self.free.remove(slot)
@@ -188,6 +191,7 @@ class Session:
         self.run.global_batch_sizes[slot] = job.global_batch_size  # its loss denominators
         self.jobs[slot] = job
         self.known[job.name] = job
+        self.shared_of[job.name] = self.shared if shared is None else shared
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
         return slot
@@ -344,7 +348,11 @@ class Session:
 
     def _commit(self, job: AdapterJob, request: SaveRequest) -> None:
         """Hand ``request`` to the writer with the job's state now (its evaluation included)."""
-        request.state = {"job": job.state(), "identity": job.identity(), "shared": self.shared}
+        request.state = {
+            "job": job.state(),
+            "identity": job.identity(),
+            "shared": self.shared_of[job.name],
+        }
         request.keep = () if job.best is None else (job.best[0],)
         if job.finished and job.status != "failed":
             request.export_step = job.export_step() or request.step

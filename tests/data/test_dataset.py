@@ -11,6 +11,8 @@ from megatron_lorafusion.data import (
     DataError,
     load_adapter_dataset,
     pack_microbatch,
+    probe_adapter_dataset,
+    probe_job_datasets,
     training_order,
 )
 from megatron_lorafusion.planner import Microbatch, Sample
@@ -225,3 +227,61 @@ def test_dataset_csv_number_response_trains_as_its_text(tmp_path):
     (sample,) = load_adapter_dataset(adapter, DataConfig(cache_dir=str(tmp_path / "c")), tok)
     trained = [t for t, m in zip(sample.labels, sample.loss_mask, strict=True) if m]
     assert trained == [*b"42", tok.eos_id], "the response is the string '42', then eos"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "bad"),
+    [
+        (".jsonl", '{"prompt": "p"}\n'),
+        (".csv", "p\n"),
+        (".jsonl", '{"prompt": "p", "response": 3}\n'),
+    ],
+)
+def test_probe_raises_what_loading_raises_for_the_first_rows(tmp_path, suffix, bad):
+    """validate's cheap read: the same readers and row rules, the same message."""
+    path = tmp_path / f"a{suffix}"
+    head = "prompt,response\n" if suffix == ".csv" else ""
+    good = "p,r\n" if suffix == ".csv" else '{"prompt": "p", "response": "r"}\n'
+    path.write_text(head + good * 3 + bad + good)
+    adapter = AdapterConfig(name="a", dataset=DatasetConfig(path=str(path)))
+    with pytest.raises(DataError) as loaded:
+        load_adapter_dataset(adapter, DataConfig())
+    with pytest.raises(DataError) as probed:
+        probe_adapter_dataset(adapter, DataConfig(), rows=10)
+    assert str(probed.value) == str(loaded.value)
+    assert "row 4" in str(probed.value) or "a.jsonl:4" in str(probed.value)
+    assert probe_adapter_dataset(adapter, DataConfig(), rows=3) == (3, False), "not read: fine"
+    assert probe_adapter_dataset(adapter, DataConfig(bad_rows="skip"), rows=10) == (4, True)
+
+
+def test_probe_leaves_folders_and_hub_names_to_training(tmp_path):
+    (tmp_path / "set").mkdir()
+    (tmp_path / "set" / "train.jsonl").write_text('{"prompt": "p"}\n')
+    for path in (str(tmp_path / "set"), "someone/some-dataset"):
+        adapter = AdapterConfig(name="a", dataset=DatasetConfig(path=path))
+        assert probe_adapter_dataset(adapter, DataConfig()) is None, path
+
+
+def test_probe_job_datasets_names_each_adapter_and_the_plan_size_and_writes_nothing(tmp_path):
+    from megatron_lorafusion.config import JobConfig, TrainConfig
+
+    good = _adapter(tmp_path, [{"prompt": "p", "response": "r"}] * 20, "good")
+    bad = _adapter(tmp_path, [{"prompt": "p"}], "bad")
+    held = AdapterConfig(
+        name="held", dataset=good.dataset, eval_dataset=DatasetConfig(str(tmp_path / "no.csv"))
+    )
+    cfg = JobConfig(
+        adapters=[good, bad, held],
+        data=DataConfig(cache_dir=str(tmp_path / "cache")),
+        train=TrainConfig(epochs=6 * 10**6),
+    )
+    problems = probe_job_datasets(cfg)
+    assert problems == [
+        f"{bad.dataset.path}:1: adapter 'bad': field 'response' is missing (set "
+        "data.bad_rows: skip to skip such rows)",
+        f"dataset file {str(tmp_path / 'no.csv')!r} not found",
+        "train.epochs × the rows of adapters.0's dataset must be <= 100000000 samples summed "
+        "over the adapters (a run holds every planned sample in host memory, ~1024 bytes "
+        "apiece), got 6000000 × 20 rows",
+    ]
+    assert not (tmp_path / "cache").exists(), "a probe writes nothing"

@@ -54,11 +54,11 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
 def test_job_summary_and_plan_summary_name_the_job(tmp_path):
     from megatron_lorafusion.data import load_tokenizer
     from megatron_lorafusion.planner import plan_microbatches
-    from megatron_lorafusion.train.main import make_job
+    from megatron_lorafusion.train.main import make_jobs
 
     cfg = _job(tmp_path)
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
-    jobs = [make_job(cfg, a, tokenizer) for a in cfg.adapters]
+    jobs = make_jobs(cfg, cfg.adapters, tokenizer)
     problem = prepare_problem(cfg, jobs)
     text = job_summary(cfg, jobs, world_size=1)
     assert "preset tiny" in text, text

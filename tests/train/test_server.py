@@ -47,12 +47,13 @@ def _data(tmp_path, name: str) -> str:
     return str(path)
 
 
-def _entry(tmp_path, name: str, **keys) -> dict:
+def _entry(tmp_path, name: str, task: str | None = None, **keys) -> dict:
+    """Job ``name`` on the synthetic task ``task`` (default: its name)."""
     return {
         "name": name,
         "alpha": 8,
         "lr": 1e-2,
-        "dataset": {"path": _data(tmp_path, name)},
+        "dataset": {"path": _data(tmp_path, task or name)},
         **ADAPTERS.get(name, {}),
         **keys,
     }
@@ -156,11 +157,14 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
         sort, add, upper = (_entry(tmp_path, n) for n in ("sort", "add", "upper"))
         _submit(tmp_path, sort)
         _wait(tmp_path, "sort", {"running"}, server)
-        _submit(tmp_path, add, _entry(tmp_path, "wild", lr=1e30, global_batch_size=2, steps=4))
+        _submit(
+            tmp_path, add, _entry(tmp_path, "wild", "add", lr=1e30, global_batch_size=2, steps=4)
+        )
         _submit(tmp_path, upper)
         gone = _entry(
             tmp_path,
             "gone",
+            "add",
             rank=4,
             global_batch_size=2,
             steps=2,
@@ -236,7 +240,7 @@ def _wait_step(tmp_path, name: str, step: int, server) -> None:
 @pytest.mark.slow
 def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupted(tmp_path):
     server = _serve(tmp_path, "server.max_adapters=1")
-    entries = [_entry(tmp_path, "sort", steps=8), _entry(tmp_path, "add", steps=6)]
+    entries = [_entry(tmp_path, "sort", steps=30), _entry(tmp_path, "add", steps=6)]
     try:
         _wait_info(tmp_path, server)
         _submit(tmp_path, *entries)
@@ -283,7 +287,12 @@ def test_submit_refuses_a_bad_job_naming_every_problem_and_queues_nothing(tmp_pa
     again = tmp_path / "again.yaml"
     again.write_text(
         yaml.safe_dump(
-            {"adapters": [_entry(tmp_path, "sort", rank=16), _entry(tmp_path, "x", use_dora=True)]}
+            {
+                "adapters": [
+                    _entry(tmp_path, "sort", rank=16),
+                    _entry(tmp_path, "x", "sort", use_dora=True),
+                ]
+            }
         )
     )
     assert cli_main(["submit", "--server", str(root), str(again)]) == 2
