@@ -28,4 +28,4 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal

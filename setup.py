@@ -31,6 +31,7 @@ setup(
         "hf": ["transformers>=4.45"],
         "dev": [
             "pytest>=8.0",
+            "pytest-xdist>=3.5",
             "hypothesis>=6.100",
             "transformers>=4.45",
             "peft>=0.13",

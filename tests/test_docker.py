@@ -61,7 +61,7 @@ def test_docker_requirements_are_setup_runtime_requirements(setup_kwargs):
         str(Requirement(r)) for r in declared
     ), "docker/requirements.txt must list setup.py's install_requires + the hf extra"
     dev_only = _names(setup_kwargs["extras_require"]["dev"]) - _names(declared)
-    assert dev_only == {"pytest", "hypothesis", "peft", "ruff"}
+    assert dev_only == {"pytest", "pytest-xdist", "hypothesis", "peft", "ruff"}
     assert not dev_only & _names(listed)
 
 

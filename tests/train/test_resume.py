@@ -132,8 +132,10 @@ def test_resume_of_a_finished_run_trains_nothing(tmp_path, caplog):
     job = _job(tmp_path, "run", steps=2)
     main(load_config(job))
     before = _exports(tmp_path / "run")
+    caplog.clear()  # the first run's lines, where an earlier test left INFO on
     with caplog.at_level(logging.INFO, logger="megatron_lorafusion.train"):
         main(load_config(job, ["logging.log_every=3", "train.keep_last=5"]))
+    assert "adapter sort:" in caplog.text, "the rerun's lines are captured"
     assert "exported to" not in caplog.text, "done adapters are neither trained nor exported"
     _assert_same(_exports(tmp_path / "run"), before, "a rerun of a finished run")
 
@@ -233,12 +235,12 @@ def _exports_of(tmp_path, out: str):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("parallel", "nproc"),
-    [({"tp": 2}, 2), ({"pp": 2}, 2), ({"pp": 2}, 4)],
-    ids=["tp2", "pp2", "pp2xdp2"],
+    [({"tp": 2}, 2), ({"pp": 2}, 2)],
+    ids=["tp2", "pp2"],
 )
 def test_resume_under_torchrun_equals_the_uninterrupted_run(tmp_path, parallel, nproc):
-    """Every TP/PP shard writes its part (one writer per shard, whatever the DP size); the
-    adapters cut back to their step-2 checkpoints resume there and end where they ended."""
+    """Every TP/PP shard writes its part; the adapters cut back to their step-2 checkpoints
+    resume there and end where they ended."""
     path = _job(tmp_path, "run")
     raw = yaml.safe_load(open(path).read())
     raw["model"]["num_layers"] = 2  # one layer per stage
