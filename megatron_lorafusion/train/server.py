@@ -158,6 +158,8 @@ class _Server:
 
             agree_min = _collectives(self.sizes, self.run.device)[0]
             outcome = restore_job(aj, store, load, shared, agree_min=agree_min)
+            if self.sizes["dp_rank"] == 0:  # one writer per shard: its half-written saves
+                store.clean_leftovers()
             self.run.optimizer.steps[slot] = aj.step
         except (DataError, ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
             self._fail(name, f"not admitted: {err}")
@@ -234,6 +236,7 @@ class _Server:
         """A job left its row: its final status (its export is on its way)."""
         self.finished[job.name] = job.status
         writer = self.metrics.pop(job.name, None)
+        tokens = writer.tokens.get(job.name, 0) if writer is not None else None
         if writer is not None:
             writer.close()
         if self.rank0:
@@ -246,6 +249,7 @@ class _Server:
                     "total_steps": job.total_steps,
                     "loss": losses[-1] if losses else None,
                     "eval_loss": job.evals[-1][1] if job.evals else None,
+                    "tokens": tokens,
                     "reason": job.reason,
                     "export": str(self.root.job_dir(job.name) / "adapter")
                     if job.status != "failed"
@@ -254,7 +258,8 @@ class _Server:
                     "finished_at": time.time(),
                 },
             )
-        logger.info("job %s: %s after %d steps %s", job.name, job.status, job.step, job.reason)
+        reason = f" ({job.reason})" if job.reason else ""
+        logger.info("job %s: %s after %d steps%s", job.name, job.status, job.step, reason)
 
     # -- the loop ----------------------------------------------------------------------------
     def loop(self) -> None:

@@ -83,9 +83,16 @@ def test_checkpoint_without_its_state_file_is_never_listed(tmp_path):
     store = AdapterCheckpoints(tmp_path / "a", "a", Shard())
     _save(store, 2)
     (store.step_folder(2) / "shard_tp0_pp0.json").unlink()  # killed before the commit
-    assert store.steps() == []
+    (store.step_folder(2) / ".shard_tp0_pp0.json.tmp").write_text("{")  # mid-write
+    _save(store, 3)
+    (store.step_folder(3) / ".shard_tp0_pp1.safetensors.tmp").write_bytes(b"x")  # not ours
+    assert store.steps() == [3]
     store.clean_leftovers()
     assert not store.step_folder(2).exists(), "an uncommitted save is removed"
+    assert store.steps() == [3], "a complete checkpoint is kept"
+    assert (store.step_folder(3) / ".shard_tp0_pp1.safetensors.tmp").exists(), (
+        "another shard's files are its writer's"
+    )
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])

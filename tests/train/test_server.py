@@ -250,6 +250,9 @@ def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupte
         server.wait()
         server.stderr.close()
     assert _status(tmp_path, "add")["status"] == "queued"
+    half = tmp_path / "root" / "jobs" / "sort" / "checkpoints" / "step_00000029"
+    half.mkdir()  # a save the kill cut short
+    (half / ".shard_tp0_pp0.safetensors.tmp").write_bytes(b"\0" * 64)
     again = _serve(tmp_path, "server.max_adapters=1")
     try:
         for entry in entries:
@@ -257,6 +260,7 @@ def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupte
         _finish(again)
     finally:
         again.kill()
+    assert not half.exists(), "the half-written save is removed"
     for entry in entries:
         _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
 
