@@ -39,11 +39,27 @@ def test_config_shipped_yaml_parses(path, tmp_path, monkeypatch):
     """Shipped jobs parse; their dataset files are made by `synth-data`, so stub them here."""
     raw = yaml.safe_load(path.read_text())
     monkeypatch.chdir(tmp_path)
-    for adapter in raw["adapters"]:
+    for adapter in raw.get("adapters", []):  # a server's job has none
         Path(adapter["dataset"]["path"]).parent.mkdir(parents=True, exist_ok=True)
         Path(adapter["dataset"]["path"]).write_text('{"prompt": "p", "response": "r"}\n')
     cfg = load_config(path)
-    assert [a.name for a in cfg.adapters] == [a["name"] for a in raw["adapters"]]
+    assert [a.name for a in cfg.adapters] == [a["name"] for a in raw.get("adapters", [])]
+    assert (cfg.server is not None) == ("server" in raw)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "jobs").glob("*.yaml")), ids=str)
+def test_config_shipped_submissions_validate_against_the_demo_server(path, tmp_path, monkeypatch):
+    from megatron_lorafusion.config import load_submission
+
+    raw = yaml.safe_load(path.read_text())
+    monkeypatch.chdir(tmp_path)
+    for adapter in raw["adapters"]:
+        Path(adapter["dataset"]["path"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(adapter["dataset"]["path"]).write_text('{"prompt": "p", "response": "r"}\n')
+    server = load_config(REPO / "configs" / "serve_demo.yaml")
+    specs = load_submission(path, server)
+    assert [s.adapter.name for s in specs] == [a["name"] for a in raw["adapters"]]
+    assert all((s.steps is None) != (s.epochs is None) for s in specs), "each has a length"
 
 
 def test_config_valid_job_loads_with_preset_and_override(tmp_path):
