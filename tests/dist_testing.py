@@ -56,8 +56,11 @@ def gloo_world(
         dist.destroy_process_group()
 
 
-def torchrun_train(job_yaml: str, nproc: int = 2, timeout_s: float = 300.0) -> str:
-    """``torchrun --nproc-per-node nproc -m megatron_lorafusion train job_yaml``; its stderr.
+def torchrun_train(
+    job_yaml: str, nproc: int = 2, timeout_s: float = 300.0, command: str = "train"
+) -> str:
+    """``torchrun --nproc-per-node nproc -m megatron_lorafusion <command> job_yaml``; its
+    stderr (``command``: ``train`` or ``serve``).
 
     Raises:
         AssertionError: when torchrun fails (with the end of its stderr).
@@ -72,7 +75,7 @@ def torchrun_train(job_yaml: str, nproc: int = 2, timeout_s: float = 300.0) -> s
         str(nproc),
         "-m",
         "megatron_lorafusion",
-        "train",
+        command,
         str(job_yaml),
     ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)

@@ -94,6 +94,7 @@ class _Server:
     def __init__(self, cfg: JobConfig, run: Run, session: Session, sizes: dict, root: ServerRoot):
         self.cfg, self.run, self.session, self.sizes, self.root = cfg, run, session, sizes, root
         self.rank0 = sizes["rank"] == 0
+        self.agree_min = _collectives(sizes, run.device)[0]
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
         self.queue: list[tuple[str, dict]] = []  # (name, job.json) in arrival order
         self.started: dict[str, tuple[float, int]] = {}  # name -> (time, step) at admission
@@ -156,8 +157,7 @@ class _Server:
             def load(entry: dict) -> None:
                 self.run.load_table(slot, entry["table"], entry["tensors"])
 
-            agree_min = _collectives(self.sizes, self.run.device)[0]
-            outcome = restore_job(aj, store, load, shared, agree_min=agree_min)
+            outcome = restore_job(aj, store, load, shared, agree_min=self.agree_min)
             if self.sizes["dp_rank"] == 0:  # one writer per shard: its half-written saves
                 store.clean_leftovers()
             self.run.optimizer.steps[slot] = aj.step
@@ -262,31 +262,61 @@ class _Server:
         logger.info("job %s: %s after %d steps%s", job.name, job.status, job.step, reason)
 
     # -- the loop ----------------------------------------------------------------------------
+    def row_wanted(self) -> bool:
+        """A queued job would start in a row freed now (the same on every rank)."""
+        return bool(self.queue) and self.cfg.server.policy == "online"
+
+    def rank0_says(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank: a decision read from a clock must be one decision."""
+        if self.sizes["world"] == 1:
+            return flag
+        return self.agree_min(int(flag) if self.rank0 else 1) == 1
+
+    def pause(self, poll_at: float) -> bool:
+        """Whether training pauses after this segment.
+
+        It does when a queued job can start, or when the inbox is due (rank 0's clock past
+        ``poll_at``).
+        """
+        if self.row_wanted() and self.admissible() > 0:
+            return True
+        return self.rank0_says(time.perf_counter() >= poll_at)
+
     def loop(self) -> None:
-        """Admit, train, retire, until idle for ``server.idle_timeout_s`` (0: forever)."""
+        """Admit, train, retire, until idle for ``server.idle_timeout_s`` (0: forever).
+
+        The inbox is read every ``server.poll_s``; a queued job starts as soon as the policy
+        lets it: training pauses when a job ends while another waits (`Session.row_wanted`).
+        """
         s = self.cfg.server
-        idle_since, last_poll = time.perf_counter(), -float("inf")
+        idle_since = last_poll = time.perf_counter()
+        poll = True
         while True:
-            if time.perf_counter() - last_poll >= s.poll_s or not self.session.jobs:
+            if poll:
                 last_poll = time.perf_counter()
                 news, cancels = self.poll()
                 self.queue += [(name, job) for name, job in news]
                 for name in cancels:
                     self.cancel(name)
-                for _ in range(min(self.admissible(), len(self.queue))):
-                    self.admit(*self.queue.pop(0))
+            starting = min(self.admissible(), len(self.queue))
+            for _ in range(starting):
+                self.admit(*self.queue.pop(0))
+            if poll or starting:
                 self.write_statuses()
             if not self.session.jobs:
-                if s.idle_timeout_s and time.perf_counter() - idle_since > s.idle_timeout_s:
+                idle = time.perf_counter() - idle_since
+                if s.idle_timeout_s and self.rank0_says(idle > s.idle_timeout_s):
                     logger.info("no job for %.0f s: the server exits", s.idle_timeout_s)
                     return
                 time.sleep(min(s.poll_s, 1.0))
+                poll = True
                 continue
-            poll_at = last_poll + s.poll_s
+            at = last_poll + s.poll_s
             start = time.perf_counter()
-            self.session.train(until=lambda at=poll_at: time.perf_counter() >= at)
+            self.session.train(until=lambda at=at: self.pause(at))
             self.busy_s += time.perf_counter() - start
             idle_since = time.perf_counter()
+            poll = not self.session.jobs or self.rank0_says(time.perf_counter() >= at)
 
     def cancel(self, name: str) -> None:
         """A cancel request: a queued job leaves the queue, a running one stops and exports."""
@@ -399,6 +429,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
             writes=sizes["dp_rank"] == 0,
             single_shard=sizes["tp"] * sizes["pp"] == 1,
             cut_on_failure=sizes["world"] == 1,
+            cut_on_pause=sizes["world"] == 1,
         ),
         saver=saver,
         staging=StagingPool(int(cfg.train.save_buffer_gib * 2**30), pinned=device.type == "cuda"),
@@ -409,6 +440,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         agree_flags=agree_flags,
         on_retire=lambda job: holder["server"].retired(job),
         on_segment=None,
+        row_wanted=lambda: holder["server"].row_wanted(),
     )
     for slot in range(rows):  # no placeholder trains: every row waits for a job
         run.optimizer.stopped.add(slot)

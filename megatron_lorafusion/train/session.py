@@ -58,6 +58,9 @@ class SessionSettings:
         cut_on_failure: end a segment as soon as a job fails (one process: every rank must
             cut at the same microbatch, so a run of several ranks agrees on failures at its
             next cut instead).
+        cut_on_pause: end a segment as soon as ``until`` (`Session.train`) says stop, read
+            after every microbatch (one process, for the same reason: several ranks read it
+            between segments only).
     """
 
     save_every: int
@@ -70,6 +73,7 @@ class SessionSettings:
     writes: bool = True
     single_shard: bool = True
     cut_on_failure: bool = True
+    cut_on_pause: bool = False
 
 
 @dataclass
@@ -138,6 +142,10 @@ class Session:
         on_retire: called with each job once it is finished (a server frees its folder).
         on_segment: called with this rank's timed operations (`pipeline.ComputeEvent`) after
             each segment (a pipelined run's measured bubble); None: nothing is timed.
+        row_wanted: whether a freed row would be taken at once (a server's queue waits):
+            then the segment ends after the microbatch that ends a job's last global batch,
+            so the job retires and its row is free at that point. Read at the same point of
+            the stream on every rank, so it must give the same answer on every rank.
     """
 
     def __init__(
@@ -155,12 +163,13 @@ class Session:
         agree_flags: Callable[[torch.Tensor], None] = lambda flags: None,
         on_retire: Callable[[AdapterJob], None] = lambda job: None,
         on_segment: Callable[[list], None] | None = None,
+        row_wanted: Callable[[], bool] = lambda: False,
     ):
         self.run, self.stream, self.settings = run, stream, settings
         self.saver, self.staging, self.shared = saver, staging, shared
         self.loss_sums = eval_losses(self._pack_eval)
         self.metrics, self.bar, self.agree_flags = metrics, bar, agree_flags
-        self.on_retire, self.on_segment = on_retire, on_segment
+        self.on_retire, self.on_segment, self.row_wanted = on_retire, on_segment, row_wanted
         self.jobs: dict[int, AdapterJob] = {}  # slot -> running job
         self.known: dict[str, AdapterJob] = {}  # every job admitted, by name
         self.shared_of: dict[str, dict] = {}  # name -> the shared identity its saves record
@@ -173,6 +182,7 @@ class Session:
         self._slots_cache: dict[str, tuple] = {}
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
+        self._until: Callable[[], bool] = lambda: False  # `train`'s
         if settings.writes and settings.save_every:  # pinned before the loop, not in it
             staging.reserve((3, run.lora.weights.shape[1]), run.lora.num_adapters)
 
@@ -226,6 +236,7 @@ class Session:
         Raises:
             WriteError: when the disk refuses a save (earlier checkpoints stay usable).
         """
+        self._until = until
         while self.jobs and not until():
             if self._items is None:  # kept across calls: a paused chunk goes on where it was
                 self._items = iter(self.stream)
@@ -254,29 +265,41 @@ class Session:
         return self._until_cut(first, items)
 
     def _until_cut(self, first: Microbatch, items: Iterator) -> Iterator[Microbatch]:
-        """Microbatches up to the next cut: a plan switch, an evaluation, ``cut_every``."""
+        """Microbatches up to the next cut.
+
+        A plan switch, an evaluation, a job's last batch while a row is wanted, ``cut_every``,
+        a pause (`SessionSettings.cut_on_pause`).
+        """
         microbatch, count = first, 0
         while True:
             yield microbatch
             count += 1
-            if self._evaluated_after(microbatch):
+            if self._cut_after(microbatch):
                 return
             if self.settings.cut_every and count >= self.settings.cut_every:
                 return
             if self._failed_since_cut and self.settings.cut_on_failure:
                 return  # its samples leave the plan at once
+            if self.settings.cut_on_pause and self._until():
+                return
             microbatch = next(items, _END)
             if microbatch is _END or microbatch is CUT:
                 return
 
-    def _evaluated_after(self, microbatch: Microbatch) -> bool:
-        """Whether a job whose batch ``microbatch`` finishes is evaluated after that step."""
-        due = False
+    def _cut_after(self, microbatch: Microbatch) -> bool:
+        """Whether the segment ends after ``microbatch``.
+
+        It does when a job whose batch it finishes is evaluated then, or ends there while its
+        row is wanted; decided from the plan, so every rank ends it at the same microbatch.
+        """
+        cut = False
         for slot in microbatch.finishes:
             job = self.jobs[slot]
             self._yielded_steps[job.name] += 1
-            due |= job.eval_due(self._yielded_steps[job.name], self.settings.eval_every)
-        return due
+            step = self._yielded_steps[job.name]
+            cut |= job.eval_due(step, self.settings.eval_every)
+            cut |= step == job.total_steps and self.row_wanted()
+        return cut
 
     def _make_batch(self, microbatch: Microbatch, index: int):
         if self.timing.first_microbatch is None:

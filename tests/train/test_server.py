@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from dist_testing import torchrun_train
 from safetensors.torch import load_file
 
 from megatron_lorafusion.cli import main as cli_main
@@ -118,13 +120,14 @@ def _finish(server) -> str:
     return err
 
 
-def _trained(tmp_path, entry: dict) -> dict:
+def _trained(tmp_path, entry: dict, model: dict | None = None) -> dict:
     """The same adapter through `lorafusion train` (same seed, config and data)."""
     entry = dict(entry)
     steps = entry.pop("steps", 4)
     out = tmp_path / f"trained_{entry['name']}"
     job = {
         **SECTIONS,
+        **({"model": model} if model else {}),
         "adapters": [entry],
         "train": {"steps": steps, "device": "cpu", "output_dir": str(out)},
     }
@@ -186,6 +189,39 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
     assert "Traceback" not in err, err[-3000:]
     for entry in (sort, add, upper):
         _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
+@pytest.mark.slow
+def test_a_server_of_two_pipeline_stages_queues_and_exports_as_train(tmp_path):
+    """`torchrun` PP = 2 (gloo): three jobs wait in the inbox for a server of two rows, so
+    one starts when the first ends: the segment ends at that job's last batch on both
+    stages and the third job takes its row then (the inbox is read once: ``poll_s`` 600).
+    Every rank acts on rank 0's reads and clock (inbox, idle exit), and each export,
+    assembled from both stages' checkpoints, equals `train` of its adapter alone."""
+    model = {"preset": "tiny", "num_layers": 2}
+    entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
+    for entry in entries:
+        _submit(tmp_path, entry)  # no server yet: queued in the inbox
+    job = yaml.safe_load(Path(_server_yaml(tmp_path, idle_timeout_s=1, poll_s=600)).read_text())
+    job.update(model=model, parallel={"pp": 2})
+    (tmp_path / "server.yaml").write_text(yaml.safe_dump(job))
+    err = torchrun_train(str(tmp_path / "server.yaml"), command="serve")
+    assert "Traceback" not in err, err[-3000:]
+    started = {n: _status(tmp_path, n)["started_at"] for n in ("sort", "add", "upper")}
+    finished = {n: _status(tmp_path, n)["finished_at"] for n in ("sort", "add", "upper")}
+    assert started["upper"] >= min(finished["sort"], finished["add"]), (started, finished)
+    for entry in entries:
+        status = _status(tmp_path, entry["name"])
+        assert status["status"] == "done", status
+        assert status["step"] == entry["steps"], status
+        # PP = 2 packs other microbatches than one process: fp32 summation order only.
+        torch.testing.assert_close(
+            _served(tmp_path, entry["name"]),
+            _trained(tmp_path, entry, model),
+            atol=1e-4,
+            rtol=1e-4,
+            msg=entry["name"],
+        )
 
 
 def _wait_info(tmp_path, server, timeout_s: float = 120.0) -> None:
