@@ -102,30 +102,42 @@ class _Server:
         self.busy_s = 0.0  # time spent training (inside `Session.train`)
         self.metrics: dict[str, MetricsWriter] = {}
         self.finished: dict[str, str] = {}
+        self.poll_due = False  # the last `pause` found the inbox due
 
     # -- the root's files (rank 0 reads; every rank acts on what it broadcasts) -------------
     def restore(self) -> None:
-        """After a restart: jobs that ran are queued first (they resume), queued ones stay."""
-        running, queued = [], []
-        for name, job, status in self.root.known_jobs():
-            if status["status"] == "running":
-                running.append((name, job))
-            elif status["status"] == "queued":
-                queued.append((name, job))
-            else:
-                self.finished[name] = status["status"]
-        self.queue = running + queued
+        """After a restart: jobs that ran are queued first (they resume), queued ones stay.
+
+        Rank 0 reads the root and broadcasts what it found (another rank reading it could
+        see a job that rank 0's first poll is moving in, and queue it twice).
+        """
+        found = None
+        if self.rank0:
+            running, queued, finished = [], [], {}
+            for name, job, status in self.root.known_jobs():
+                if status["status"] == "running":
+                    running.append((name, job))
+                elif status["status"] == "queued":
+                    queued.append((name, job))
+                else:
+                    finished[name] = status["status"]
+            found = (running + queued, finished)
+        self.queue, self.finished = self.broadcast(found)
+
+    def broadcast(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank."""
+        if self.sizes["world"] == 1:
+            return value
+        import torch.distributed as dist
+
+        payload = [value]
+        dist.broadcast_object_list(payload, src=0)
+        return payload[0]
 
     def poll(self) -> tuple[list[tuple[str, dict]], list[str]]:
         """New jobs and cancel requests, the same on every rank."""
         news = (self.root.take_submissions(), self.root.take_cancels()) if self.rank0 else None
-        if self.sizes["world"] > 1:
-            import torch.distributed as dist
-
-            payload = [news]
-            dist.broadcast_object_list(payload, src=0)
-            news = payload[0]
-        return news
+        return self.broadcast(news)
 
     # -- admission ---------------------------------------------------------------------------
     def admissible(self) -> int:
@@ -139,7 +151,12 @@ class _Server:
         return free if not running else 0  # batch: only an empty server takes the queue
 
     def admit(self, name: str, job: dict) -> None:
-        """Start one job in a free row; a job the server cannot take fails with the reason."""
+        """Start one job in a free row; a job the server cannot take fails with the reason.
+
+        Every rank builds the job (its data read, its memory checked) and they agree on the
+        outcome before any collective of its resume: a job one rank cannot take fails on
+        every rank.
+        """
         try:
             adapter = job_from_dict({"adapters": [job["adapter"]]}).adapters[0]
             train = self.cfg.train
@@ -151,6 +168,14 @@ class _Server:
             aj = make_jobs(cfg, [adapter], self.tokenizer)[0]
             self.run.optimizer.bind(slot, adapter, aj.total_steps)
             self.run.runs[slot] = aj.run
+        except (DataError, ConfigError, NotImplementedError, ValueError, OSError) as err:
+            self.agree_min(0)
+            self._fail(name, f"not admitted: {err}")
+            return
+        if self.agree_min(1) == 0:
+            self._fail(name, "not admitted: another rank could not take it (see its log)")
+            return
+        try:
             store = self.store(name)
             shared = shared_identity(cfg)
 
@@ -161,13 +186,15 @@ class _Server:
             if self.sizes["dp_rank"] == 0:  # one writer per shard: its half-written saves
                 store.clean_leftovers()
             self.run.optimizer.steps[slot] = aj.step
-        except (DataError, ConfigError, CheckpointError, NotImplementedError, ValueError) as err:
+        except (CheckpointError, OSError) as err:
             self._fail(name, f"not admitted: {err}")
             return
         if outcome == "done":
             self.finished[name] = aj.status
             return
         self.session.admit(aj, slot, shared)
+        if aj.finished:  # nothing was left to train: exported and retired at once
+            return
         self.started[name] = (time.perf_counter(), aj.step)
         self.admitted_at[name] = time.time()
         self.metrics[name] = MetricsWriter(
@@ -273,14 +300,15 @@ class _Server:
         return self.agree_min(int(flag) if self.rank0 else 1) == 1
 
     def pause(self, poll_at: float) -> bool:
-        """Whether training pauses after this segment.
+        """Whether training pauses before another segment.
 
         It does when a queued job can start, or when the inbox is due (rank 0's clock past
-        ``poll_at``).
+        ``poll_at``; remembered in ``poll_due``).
         """
         if self.row_wanted() and self.admissible() > 0:
             return True
-        return self.rank0_says(time.perf_counter() >= poll_at)
+        self.poll_due = self.rank0_says(time.perf_counter() >= poll_at)
+        return self.poll_due
 
     def loop(self) -> None:
         """Admit, train, retire, until idle for ``server.idle_timeout_s`` (0: forever).
@@ -289,11 +317,10 @@ class _Server:
         lets it: training pauses when a job ends while another waits (`Session.row_wanted`).
         """
         s = self.cfg.server
-        idle_since = last_poll = time.perf_counter()
+        idle_since = next_poll = time.perf_counter()
         poll = True
         while True:
             if poll:
-                last_poll = time.perf_counter()
                 news, cancels = self.poll()
                 self.queue += [(name, job) for name, job in news]
                 for name in cancels:
@@ -303,6 +330,8 @@ class _Server:
                 self.admit(*self.queue.pop(0))
             if poll or starting:
                 self.write_statuses()
+            if poll:  # counted from here: slow admissions still leave time to train
+                next_poll = time.perf_counter() + s.poll_s
             if not self.session.jobs:
                 idle = time.perf_counter() - idle_since
                 if s.idle_timeout_s and self.rank0_says(idle > s.idle_timeout_s):
@@ -311,12 +340,12 @@ class _Server:
                 time.sleep(min(s.poll_s, 1.0))
                 poll = True
                 continue
-            at = last_poll + s.poll_s
             start = time.perf_counter()
-            self.session.train(until=lambda at=at: self.pause(at))
+            self.poll_due = False
+            self.session.train(until=lambda at=next_poll: self.pause(at))
             self.busy_s += time.perf_counter() - start
             idle_since = time.perf_counter()
-            poll = not self.session.jobs or self.rank0_says(time.perf_counter() >= at)
+            poll = not self.session.jobs or self.poll_due
 
     def cancel(self, name: str) -> None:
         """A cancel request: a queued job leaves the queue, a running one stops and exports."""

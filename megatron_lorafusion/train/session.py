@@ -192,7 +192,9 @@ class Session:
 
         The row must already hold the job's factors (built for it, bound, or loaded).
         ``shared`` is the job's own `resume.shared_identity` where it differs from the
-        session's (a served job of its own length); its checkpoints record it.
+        session's (a served job of its own length); its checkpoints record it. A job with
+        no step left (resumed from its last step's checkpoint: a kill came before its
+        export) is exported and retired at once.
         """
         slot = self.free[0] if slot is None else slot
         self.free.remove(slot)
@@ -204,6 +206,11 @@ class Session:
         self.shared_of[job.name] = self.shared if shared is None else shared
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
+        if job.step >= job.total_steps:  # resumed from its last step, killed before its export
+            job.status = "done"
+            if self.settings.writes:
+                self._commit(job, self._stage(job, slot, job.step, checkpoint=False))
+            self._retire(job)
         return slot
 
     def cancel(self, job: AdapterJob) -> None:

@@ -247,12 +247,13 @@ class JobStream:
             if chunk is None:
                 return
             for planned_mb in chunk:
+                if last_plan is not None and source is not last_plan and self.num_stages > 1:
+                    yield CUT  # before translating: jobs may leave or join at the cut
+                    last_plan = source
                 self._advance(self._cursors, source, [planned_mb])
                 microbatch = self._translate(source, planned_mb)
                 if microbatch is None:
                     continue
-                if last_plan is not None and source is not last_plan and self.num_stages > 1:
-                    yield CUT
                 last_plan = source
                 yield microbatch
             if self._switching:  # the chunk that hid the new plan's planning is done

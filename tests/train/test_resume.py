@@ -234,8 +234,9 @@ def _exports_of(tmp_path, out: str):
 
 @pytest.mark.slow
 def test_resume_under_torchrun_equals_the_uninterrupted_run(tmp_path):
-    """TP = 2 x PP = 2: every shard writes its part; the adapters cut back to their step-2
-    checkpoints resume there and end where they ended."""
+    """TP = 2 x PP = 2: every shard writes its part; sort, cut back to its step-2
+    checkpoints, resumes there and ends where it ended; add, killed after its last step's
+    checkpoint but before its export, is exported from it by the rerun."""
     parallel, nproc = {"tp": 2, "pp": 2}, 4
     path = _job(tmp_path, "run")
     raw = yaml.safe_load(open(path).read())
@@ -248,10 +249,11 @@ def test_resume_under_torchrun_equals_the_uninterrupted_run(tmp_path):
     shards = sorted(p.name for p in (out / "checkpoints" / "sort" / "step_00000002").iterdir())
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
     assert len(shards) == 2 * tp * pp, f"one tensor and one state file per shard: {shards}"
-    for name in ("sort", "add"):
-        _interrupt(out, name, after_step=2)
+    _interrupt(out, "sort", after_step=2)
+    _interrupt(out, "add", after_step=6)
     log = torchrun_train(path, nproc)
     assert "adapter sort: resumed at step 2" in log, "the rerun must resume, not start afresh"
+    assert "adapter add: resumed at step 6" in log, log[-3000:]
     _assert_same(_exports(out), full, f"resumed under {parallel}")
 
 

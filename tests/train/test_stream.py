@@ -1,6 +1,6 @@
 """`JobStream`: every sample of a running job exactly once, whole global batches marked where
 they finish, jobs joining and leaving at chunk boundaries (re-planned, mid-batch too), a cut
-at each plan switch of a pipelined run."""
+at each plan switch of a pipelined run, and no sample of a job gone at a cut after it."""
 
 import pytest
 
@@ -120,3 +120,27 @@ def test_stream_of_a_pipelined_run_cuts_at_plan_switches():
     _check_batches(jobs[0], per_job["a"], upto=16)
     _check_batches(jobs[1], per_job["b"], upto=16)
     assert len(cuts) == 1, f"one switch, one cut: {cuts}"
+
+
+def test_stream_of_a_pipelined_run_holds_no_sample_of_a_job_gone_at_its_cut():
+    """Jobs retired at a plan switch's cut (a server frees their rows there) have no sample
+    in any later microbatch: the microbatch after a cut is made after it."""
+    jobs = [_job("a", 16, 4), _job("b", 16, 4, seed=1), _job("c", 16, 4, seed=2)]
+    stream = _stream(num_stages=2)
+    stream.jobs.update({0: jobs[0], 1: jobs[1]})
+    seen, cuts, after_cut = 0, 0, []
+    for item in stream:
+        if item is CUT:
+            cuts += 1
+            stream.jobs.pop(1, None)  # b and c leave at the first cut: a trains on alone
+            stream.jobs.pop(2, None)
+            continue
+        seen += 1
+        if cuts:
+            after_cut.append(item)
+        if seen == 2:
+            stream.jobs[2] = jobs[2]  # joins: the next chunk switches plans, with a cut
+    assert cuts, "the join must have caused a cut"
+    assert after_cut, "a must train on after the cut"
+    assert all(s.adapter == 0 for mb in after_cut for s in mb.samples), after_cut[:2]
+    assert all(mb.finishes in ((), (0,)) for mb in after_cut), after_cut[:2]
