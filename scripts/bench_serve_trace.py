@@ -9,7 +9,8 @@
    and writes each job's data (byte tokenizer: one token per byte).
 2. Trains every job of the trace as one static `lorafusion train` job: its training
    tokens/s ``R`` sets the arrival rate (offered load ``--load`` × R) and is the bar for
-   the server's tokens/s while jobs join and leave.
+   the server's tokens/s while jobs join and leave (``--static-tokens-per-s R`` reuses an
+   earlier run's, so that policies can run as separate commands on the same trace).
 3. For each policy (``online``: a job starts when a row is free; ``fifo``: one at a time,
    what users do without a server; ``batch``: static batches) starts `lorafusion serve`,
    submits the jobs at their arrival times with `lorafusion submit`'s code, and reads each
@@ -192,6 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", default=["online", "fifo", "batch"])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--static-tokens-per-s",
+        type=float,
+        default=None,
+        help="skip step 2: the static job's training tokens/s from an earlier run of this trace",
+    )
     parser.add_argument("--dir", default="runs/bench_trace")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "4")
@@ -207,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for job in draft:
         write_lengths(folder / "data" / f"{job.name}.jsonl", list(job.lengths), seed=job.seed)
-    rate = _static(args, draft, folder)
+    rate = args.static_tokens_per_s or _static(args, draft, folder)
     jobs = make_trace(  # the same jobs, arriving at the offered load of the measured rate
         args.jobs,
         seed=args.seed,

@@ -192,19 +192,20 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_server_of_two_pipeline_stages_queues_and_exports_as_train(tmp_path):
-    """`torchrun` PP = 2 (gloo): three jobs wait in the inbox for a server of two rows, so
-    one starts when the first ends: the segment ends at that job's last batch on both
-    stages and the third job takes its row then, while the other still trains (the inbox
-    is not read while jobs train: ``poll_s`` 600). Every rank acts on rank 0's reads and
-    clock (inbox, idle exit), and each export, assembled from both stages' checkpoints,
-    equals `train` of its adapter alone."""
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"tp": 2}], ids=["pp2", "tp2"])
+def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
+    """`torchrun` PP = 2 or TP = 2 (gloo): three jobs wait in the inbox for a server of two
+    rows, so one starts when the first ends: the segment ends at that job's last batch on
+    both ranks and the third job takes its row then, while the other still trains (the
+    inbox is not read while jobs train: ``poll_s`` 600). Every rank acts on rank 0's reads
+    and clock (inbox, idle exit), and each export, assembled from both ranks' checkpoint
+    shards, equals `train` of its adapter alone."""
     model = {"preset": "tiny", "num_layers": 2}
     entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
     for entry in entries:
         _submit(tmp_path, entry)  # no server yet: queued in the inbox
     job = yaml.safe_load(Path(_server_yaml(tmp_path, idle_timeout_s=1, poll_s=600)).read_text())
-    job.update(model=model, parallel={"pp": 2})
+    job.update(model=model, parallel=parallel)
     (tmp_path / "server.yaml").write_text(yaml.safe_dump(job))
     err = torchrun_train(str(tmp_path / "server.yaml"), command="serve")
     assert "Traceback" not in err, err[-3000:]
@@ -216,7 +217,7 @@ def test_a_server_of_two_pipeline_stages_queues_and_exports_as_train(tmp_path):
         status = _status(tmp_path, entry["name"])
         assert status["status"] == "done", status
         assert status["step"] == entry["steps"], status
-        # PP = 2 packs other microbatches than one process: fp32 summation order only.
+        # PP = 2 packs other microbatches, TP = 2 splits sums over H: summation order only.
         torch.testing.assert_close(
             _served(tmp_path, entry["name"]),
             _trained(tmp_path, entry, model),
