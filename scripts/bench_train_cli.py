@@ -4,7 +4,8 @@
         --global-batch 8 32                        # issue 33's matrix (4096 samples)
     python -m scripts.bench_train_cli --presets llama3.1-8b --adapters 64 --samples 2048 \
         --save-every 0 2                          # issue 31: saves off, then on
-    python -m scripts.bench_train_cli --device cpu --presets tiny --adapters 2 --samples 64
+    python -m scripts.bench_train_cli --device cpu --presets tiny --adapters 2 --samples 64 \
+        --max-seq-length 1024                     # the tiny preset's positions
 
 Each cell writes the workload (XSum-like byte lengths lognormal(6.2, 0.55) clipped to
 [64, 2000], 85 % prompt, split evenly over the adapters; byte tokenizer, so one token per

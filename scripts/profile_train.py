@@ -1,7 +1,7 @@
 """Where a microbatch's time goes in the real `lorafusion train` loop: host phases and GPU.
 
     python -m scripts.profile_train --preset llama3.2-1b --adapters 1 --global-batch 8
-    python -m scripts.profile_train --device cpu --preset tiny --samples 64
+    python -m scripts.profile_train --device cpu --preset tiny --samples 64 --max-seq-length 1024
 
 Runs `train.main` in this process on the issue 33 workload (`bench_train_cli`'s job) and
 times, per microbatch after a warm-up: the host's time in packing (`Session._make_batch`),
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--adapters", type=int, default=1)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--max-seq-length", type=int, default=2048)
     parser.add_argument("--warmup", type=int, default=20, help="microbatches not timed")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dir", default="runs/profile_train")
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
         samples=args.samples,
         rank=16,
         capacity=8192,
-        max_seq_length=2048,
+        max_seq_length=args.max_seq_length,
         keep_last=1,
         save_buffer_gib=8.0,
         device=args.device,
