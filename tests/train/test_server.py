@@ -192,14 +192,14 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", [{"pp": 2}, {"tp": 2}], ids=["pp2", "tp2"])
+@pytest.mark.parametrize("parallel", [{"pp": 2}, {"tp": 2}, {}], ids=["pp2", "tp2", "dp2"])
 def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
-    """`torchrun` PP = 2 or TP = 2 (gloo): three jobs wait in the inbox for a server of two
-    rows, so one starts when the first ends: the segment ends at that job's last batch on
-    both ranks and the third job takes its row then, while the other still trains (the
-    inbox is not read while jobs train: ``poll_s`` 600). Every rank acts on rank 0's reads
-    and clock (inbox, idle exit), and each export, assembled from both ranks' checkpoint
-    shards, equals `train` of its adapter alone."""
+    """`torchrun` PP = 2, TP = 2 or DP = 2 (gloo): three jobs wait in the inbox for a server
+    of two rows, so one starts when the first ends: the segment ends at that job's last
+    batch on both ranks and the third job takes its row then, while the other still trains
+    (the inbox is not read while jobs train: ``poll_s`` 600). Every rank acts on rank 0's
+    reads and clock (inbox, idle exit), and each export (assembled from both ranks' shards
+    at PP and TP) equals `train` of its adapter alone."""
     model = {"preset": "tiny", "num_layers": 2}
     entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
     for entry in entries:
@@ -217,7 +217,8 @@ def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
         status = _status(tmp_path, entry["name"])
         assert status["status"] == "done", status
         assert status["step"] == entry["steps"], status
-        # PP = 2 packs other microbatches, TP = 2 splits sums over H: summation order only.
+        # PP = 2 packs other microbatches, TP = 2 splits sums over H, DP = 2 over samples:
+        # fp32 summation order only.
         torch.testing.assert_close(
             _served(tmp_path, entry["name"]),
             _trained(tmp_path, entry, model),
