@@ -152,7 +152,7 @@ class AdapterAdamW:
         Its gradients must be zero (a row between global batches) and its factors set by
         `LoRAContext.bind` or loaded.
         """
-        self._wait_fence(adapter_id)
+        self.wait_fence(adapter_id)
         self.adapters[adapter_id] = adapter
         self.total_steps[adapter_id] = total_steps
         self.exp_avg[adapter_id].zero_()
@@ -161,7 +161,11 @@ class AdapterAdamW:
         self.last_lr[adapter_id] = 0.0
         self.stopped.discard(adapter_id)
 
-    def _wait_fence(self, adapter_id: int) -> None:
+    def wait_fence(self, adapter_id: int) -> None:
+        """Make the current stream wait for a copy of ``adapter_id``'s rows on its way (a save).
+
+        Called before anything writes the row: its next step, a new job's bind.
+        """
         done = self._fences.pop(adapter_id, None)
         if done is not None:  # the copy of its rows runs on a side stream (a save)
             torch.cuda.current_stream(self.lora.weights.device).wait_event(done)
@@ -224,7 +228,7 @@ class AdapterAdamW:
         self.check()
         ids = tuple(adapter_ids)
         for a in ids:
-            self._wait_fence(a)
+            self.wait_fence(a)
             if a in self.stopped:
                 self.lora.grads[a].zero_()
         stepping = [a for a in ids if a not in self.stopped]

@@ -26,7 +26,7 @@ from megatron_lorafusion.train.checkpoint import (
 )
 from megatron_lorafusion.train.job import AdapterJob
 
-__all__ = ["identity_changes", "restore_job", "shared_identity"]
+__all__ = ["check_restorable", "identity_changes", "restore_job", "shared_identity"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,23 @@ def _check_identity(job: AdapterJob, state: dict, shared: dict, where: str) -> N
             + "\n(rename the adapter to train it anew beside the old one, set "
             "train.resume: never, or choose another train.output_dir)"
         )
+
+
+def check_restorable(job: AdapterJob, store: AdapterCheckpoints, shared: dict) -> None:
+    """Raise what `restore_job` would raise for ``job``'s files on this shard.
+
+    Reads only the small state files, with no collective: ranks agree on this first.
+
+    Raises:
+        CheckpointError: as `restore_job` does, for its ``done.json`` or any complete step.
+    """
+    done = store.read_done()
+    if done is not None:
+        _check_identity(job, done, shared, f"{store.folder / 'done.json'}")
+        return
+    for step in store.steps():
+        if store.is_complete(step):
+            _check_identity(job, store.read_state(step), shared, str(store.step_folder(step)))
 
 
 def restore_job(

@@ -49,7 +49,7 @@ from megatron_lorafusion.train.main import (
 )
 from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar
 from megatron_lorafusion.train.recipe import Run, build_run
-from megatron_lorafusion.train.resume import restore_job, shared_identity
+from megatron_lorafusion.train.resume import check_restorable, restore_job, shared_identity
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
 from megatron_lorafusion.train.stream import JobStream
@@ -157,38 +157,46 @@ class _Server:
         outcome before any collective of its resume: a job one rank cannot take fails on
         every rank.
         """
+        slot = self.session.free[0]
+        self.run.optimizer.wait_fence(slot)  # its last job's final rows may still be copied out
         try:
             adapter = job_from_dict({"adapters": [job["adapter"]]}).adapters[0]
             train = self.cfg.train
             if job["steps"] or job["epochs"]:  # its own length, else the server's
                 train = dataclasses.replace(train, steps=job["steps"], epochs=job["epochs"])
             cfg = dataclasses.replace(self.cfg, train=train, adapters=[adapter])
-            slot = self.session.free[0]
             self.run.lora.bind(slot, adapter, cfg.train.seed)
             aj = make_jobs(cfg, [adapter], self.tokenizer)[0]
             self.run.optimizer.bind(slot, adapter, aj.total_steps)
             self.run.runs[slot] = aj.run
-        except (DataError, ConfigError, NotImplementedError, ValueError, OSError) as err:
-            self.agree_min(0)
-            self._fail(name, f"not admitted: {err}")
-            return
-        if self.agree_min(1) == 0:
-            self._fail(name, "not admitted: another rank could not take it (see its log)")
-            return
-        try:
             store = self.store(name)
             shared = shared_identity(cfg)
-
-            def load(entry: dict) -> None:
-                self.run.load_table(slot, entry["table"], entry["tensors"])
-
-            outcome = restore_job(aj, store, load, shared, agree_min=self.agree_min)
-            if self.sizes["dp_rank"] == 0:  # one writer per shard: its half-written saves
-                store.clean_leftovers()
-            self.run.optimizer.steps[slot] = aj.step
-        except (CheckpointError, OSError) as err:
-            self._fail(name, f"not admitted: {err}")
+            check_restorable(aj, store, shared)  # what resuming it would refuse, on this shard
+        except (
+            DataError,
+            ConfigError,
+            CheckpointError,
+            NotImplementedError,
+            ValueError,
+            OSError,
+        ) as err:
+            self.agree_min(0)
+            self._fail(name, f"not admitted: {err}", slot)
             return
+        if self.agree_min(1) == 0:
+            self._fail(name, "not admitted: another rank could not take it (see its log)", slot)
+            return
+
+        def load(entry: dict) -> None:
+            self.run.load_table(slot, entry["table"], entry["tensors"])
+
+        outcome = restore_job(aj, store, load, shared, agree_min=self.agree_min)
+        if self.sizes["dp_rank"] == 0:  # one writer per shard: its half-written saves
+            try:
+                store.clean_leftovers()
+            except OSError as err:  # harmless leftovers: never a reason to split the ranks
+                logger.warning("job %s: half-written checkpoint files left: %s", name, err)
+        self.run.optimizer.steps[slot] = aj.step
         if outcome == "done":
             self.finished[name] = aj.status
             return
@@ -206,8 +214,10 @@ class _Server:
             "job %s: admitted into row %d (%s, %d steps)", name, slot, outcome, aj.total_steps
         )
 
-    def _fail(self, name: str, reason: str) -> None:
+    def _fail(self, name: str, reason: str, slot: int | None = None) -> None:
         logger.error("job %s: %s", name, reason)
+        if slot is not None:  # a row it was bound to steps no more (it stays free)
+            self.run.optimizer.stopped.add(slot)
         self.finished[name] = "failed"
         if self.rank0:
             self.root.write_status(name, {"status": "failed", "reason": reason})

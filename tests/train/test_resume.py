@@ -23,9 +23,11 @@ from safetensors.torch import load_file
 
 from megatron_lorafusion.cli import main as cli_main
 from megatron_lorafusion.config import load_config
-from megatron_lorafusion.data import write_task
+from megatron_lorafusion.data import load_tokenizer, write_task
 from megatron_lorafusion.train import writer as writer_module
-from megatron_lorafusion.train.main import JobsFailedError, main
+from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, CheckpointError, Shard
+from megatron_lorafusion.train.main import JobsFailedError, main, make_jobs
+from megatron_lorafusion.train.resume import check_restorable, shared_identity
 from megatron_lorafusion.train.writer import WriteError
 
 # A resumed run plans its remaining samples anew (other microbatches, other fp32 summation
@@ -160,6 +162,28 @@ def test_resume_with_a_changed_setting_exits_2_naming_it_and_writes_nothing(
     assert "Changed keys" in err, err
     assert "Traceback" not in err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == files, "nothing may change"
+
+
+def test_check_restorable_refuses_what_resume_refuses_reading_only_state_files(tmp_path):
+    """A server's ranks agree on `check_restorable` before `restore_job`'s collectives: it
+    passes the adapter's own checkpoints, done or cut back, and refuses another config's."""
+    job = _job(tmp_path, "run", steps=4)
+    main(load_config(job))
+    store = AdapterCheckpoints(tmp_path / "run" / "checkpoints" / "sort", "sort", Shard())
+
+    def check(*overrides: str) -> None:
+        cfg = load_config(job, list(overrides))
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
+        sort = make_jobs(cfg, cfg.adapters, tokenizer)[0]
+        check_restorable(sort, store, shared_identity(cfg))
+
+    check()  # done: its done.json
+    with pytest.raises(CheckpointError, match="rank"):
+        check("adapters.0.rank=8")
+    _interrupt(tmp_path / "run", "sort", after_step=2)
+    check()  # cut back: its step-2 state file
+    with pytest.raises(CheckpointError, match="rank"):
+        check("adapters.0.rank=8")
 
 
 def test_resume_adds_a_new_adapter_and_leaves_a_removed_one(tmp_path, caplog):
