@@ -343,11 +343,12 @@ class _Server:
             if poll:  # counted from here: slow admissions still leave time to train
                 next_poll = time.perf_counter() + s.poll_s
             if not self.session.jobs:
-                idle = time.perf_counter() - idle_since
-                if s.idle_timeout_s and self.rank0_says(idle > s.idle_timeout_s):
-                    logger.info("no job for %.0f s: the server exits", s.idle_timeout_s)
-                    return
-                time.sleep(min(s.poll_s, 1.0))
+                if not self.queue:  # else the next pass admits (an admission failed)
+                    idle = time.perf_counter() - idle_since
+                    if s.idle_timeout_s and self.rank0_says(idle > s.idle_timeout_s):
+                        logger.info("no job for %.0f s: the server exits", s.idle_timeout_s)
+                        return
+                    time.sleep(min(s.poll_s, 1.0))
                 poll = True
                 continue
             start = time.perf_counter()
