@@ -95,6 +95,14 @@ def _check_identity(job: AdapterJob, state: dict, shared: dict, where: str) -> N
         )
 
 
+def _checked_done(job: AdapterJob, store: AdapterCheckpoints, shared: dict) -> dict | None:
+    """``job``'s ``done.json`` once its identity is checked, or None when it has none."""
+    done = store.read_done()
+    if done is not None:
+        _check_identity(job, done, shared, f"{store.folder / 'done.json'}")
+    return done
+
+
 def check_restorable(job: AdapterJob, store: AdapterCheckpoints, shared: dict) -> None:
     """Raise what `restore_job` would raise for ``job``'s files on this shard.
 
@@ -103,9 +111,7 @@ def check_restorable(job: AdapterJob, store: AdapterCheckpoints, shared: dict) -
     Raises:
         CheckpointError: as `restore_job` does, for its ``done.json`` or any complete step.
     """
-    done = store.read_done()
-    if done is not None:
-        _check_identity(job, done, shared, f"{store.folder / 'done.json'}")
+    if _checked_done(job, store, shared) is not None:
         return
     for step in store.steps():
         if store.is_complete(step):
@@ -137,9 +143,8 @@ def restore_job(
         CheckpointError: for a checkpoint of another config (named keys), a foreign one, or
             one written by another TP × PP layout.
     """
-    done = store.read_done()
+    done = _checked_done(job, store, shared)
     if done is not None:
-        _check_identity(job, done, shared, f"{store.folder / 'done.json'}")
         job.restore(done["job"])
         job.status = done["job"]["status"]
         return "done"

@@ -272,9 +272,9 @@ class _Server:
     def retired(self, job: AdapterJob) -> None:
         """A job left its row: its final status (its export is on its way)."""
         self.finished[job.name] = job.status
-        writer = self.metrics.pop(job.name, None)
-        tokens = writer.tokens.get(job.name, 0) if writer is not None else None
+        writer, tokens = self.metrics.pop(job.name, None), None
         if writer is not None:
+            tokens = writer.tokens.get(job.name, 0)
             writer.close()
         if self.rank0:
             losses = [x for x in job.run.losses if x == x]

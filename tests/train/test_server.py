@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -61,9 +60,11 @@ def _entry(tmp_path, name: str, task: str | None = None, **keys) -> dict:
     }
 
 
-def _server_yaml(tmp_path, **server) -> str:
+def _server_yaml(tmp_path, sections: dict | None = None, **server) -> str:
+    """The server's job file: the tests' sections, then ``sections``, then ``server`` keys."""
     job = {
         **SECTIONS,
+        **(sections or {}),
         "train": {"steps": 4, "device": "cpu", "save_every": 2, "keep_last": 0},
         "server": {
             "root": str(tmp_path / "root"),
@@ -204,10 +205,9 @@ def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
     entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
     for entry in entries:
         _submit(tmp_path, entry)  # no server yet: queued in the inbox
-    job = yaml.safe_load(Path(_server_yaml(tmp_path, idle_timeout_s=1, poll_s=600)).read_text())
-    job.update(model=model, parallel=parallel)
-    (tmp_path / "server.yaml").write_text(yaml.safe_dump(job))
-    err = torchrun_train(str(tmp_path / "server.yaml"), command="serve")
+    sections = {"model": model, "parallel": parallel}
+    job = _server_yaml(tmp_path, sections, idle_timeout_s=1, poll_s=600)
+    err = torchrun_train(job, command="serve")
     assert "Traceback" not in err, err[-3000:]
     started = {n: _status(tmp_path, n)["started_at"] for n in ("sort", "add", "upper")}
     finished = {n: _status(tmp_path, n)["finished_at"] for n in ("sort", "add", "upper")}
