@@ -52,10 +52,11 @@ _GEMMS = ("auto", "cublas", "scaled_mm", "triton")
 
 
 def _resolve_fp8_gemm(gemm: str, x: torch.Tensor, weight: Fp8Weight) -> str:
-    """`resolve_gemm` for an FP8 weight: ``"auto"`` is ``"scaled_mm"``; ``"cublas"`` refused.
+    """`resolve_gemm` for an FP8 weight: ``"auto"`` is Triton on Hopper, ``"cublas"`` refused.
 
-    ``"auto"`` takes the vendor's scaled GEMM until the FP8 tile of `lora_gemm` is measured
-    against it on the H200 (`scripts.bench_fp8` prints both).
+    ``"auto"`` is ``"scaled_mm"`` elsewhere. On the H200 the op with `lora_gemm`'s FP8 tile
+    ran 4-10 % faster than with ``torch._scaled_mm`` on each 8B projection (forward +
+    backward, 4 adapters r 16, T = 8192; `scripts.bench_fp8 --sections op`, docs/fp8.md).
     """
     if gemm == "cublas":
         raise ValueError(
@@ -68,7 +69,9 @@ def _resolve_fp8_gemm(gemm: str, x: torch.Tensor, weight: Fp8Weight) -> str:
             f"built there), got {torch.cuda.get_device_name(x.device)}; use gemm='scaled_mm' "
             f"or 'auto'"
         )
-    return "scaled_mm" if gemm == "auto" else gemm
+    if gemm == "auto":
+        return "triton" if x.is_cuda and _utils.is_hopper(x.device) else "scaled_mm"
+    return gemm
 
 
 def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> str:
@@ -78,7 +81,8 @@ def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -
     the H200 (docs/kernels.md). ``"cublas"`` elsewhere: the Triton GEMM's tiles were measured
     on Hopper only (on the H200 its pointer-load predecessor ran 25-35 % behind cuBLAS).
 
-    With an `Fp8Weight`, ``"auto"`` is ``"scaled_mm"`` and ``"cublas"`` is refused.
+    With an `Fp8Weight`, ``"auto"`` is ``"triton"`` on Hopper (else ``"scaled_mm"``) and
+    ``"cublas"`` is refused.
 
     Raises:
         ValueError: for ``"triton"`` on a GPU other than Hopper, or on strides TMA cannot

@@ -431,6 +431,11 @@ def test_fused_lora_linear_fp8_refuses_gemms_that_cannot_take_it(device, make_la
         fused_lora_linear(x, weight, *args, gemm="cublas")
     with pytest.raises(ValueError, match="gemm='scaled_mm' is the GEMM of FP8 weights"):
         fused_lora_linear(x, weight.dequantize(), *args, gemm="scaled_mm")
+    hopper = device == "cuda" and torch.cuda.get_device_capability()[0] == 9
+    module = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+    assert module.resolve_gemm("auto", x, weight) == ("triton" if hopper else "scaled_mm"), (
+        "FP8 'auto' is the Triton op on Hopper (measured faster), scaled_mm elsewhere"
+    )
     narrow = Fp8Weight(weight.data[:, :40].contiguous(), weight.scale)  # H = 40: not 16·k
     with pytest.raises(ValueError, match="multiples of 16"):
         fused_lora_linear(x[:, :40].contiguous(), narrow, *args)
