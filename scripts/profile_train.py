@@ -10,13 +10,24 @@ step (metrics, progress, saves: `Session._on_step`), the wall time per microbatc
 GPU time of its forward, backward and step (CUDA events on the compute stream, the runner's
 ``record_events``). If the host's sum is near the wall time and the GPU's well below, the
 loop is host-bound there. Prints one markdown table (medians over the timed microbatches).
+
+``--cprofile FILE`` also profiles the host's Python over the timed microbatches (cProfile,
+saved to FILE, top functions printed); ``--sync-sites`` lists, for the timed microbatches,
+every call site that made the host wait for the GPU (torch's sync debug mode, CUDA only).
 """
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
+import traceback
+import warnings
+from collections import Counter
 from pathlib import Path
+
+import torch
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.pipeline import runner as runner_module
@@ -48,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=20, help="microbatches not timed")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dir", default="runs/profile_train")
+    parser.add_argument("--cprofile", help="save a cProfile of the timed microbatches here")
+    parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
     args = parser.parse_args(argv)
     bench = argparse.Namespace(
         samples=args.samples,
@@ -69,6 +82,28 @@ def main(argv: list[str] | None = None) -> dict:
     walls, events = [], []
     real_run = runner_module._Runner.run
 
+    profiler = cProfile.Profile() if args.cprofile else None
+    sync_sites: Counter = Counter()
+
+    def on_warning(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            frames = [
+                f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                for f in traceback.extract_stack()[:-1]
+                if "megatron_lorafusion" in f.filename
+            ]
+            sync_sites[" <- ".join(reversed(frames[-4:]))] += 1
+
+    def watch(on: bool) -> None:  # the timed window: cProfile and the sync sites
+        if profiler is not None:
+            profiler.enable() if on else profiler.disable()
+        if args.sync_sites and args.device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn" if on else "default")
+            warnings.simplefilter("always" if on else "default")
+            warnings.showwarning = on_warning if on else real_showwarning
+
+    real_showwarning = warnings.showwarning
+
     def run(self, actions):  # time every microbatch (wall) and keep the GPU events
         self.record_events = args.device == "cuda"
         last = [time.perf_counter()]
@@ -80,8 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
                     now = time.perf_counter()
                     walls.append(now - last[0])
                     last[0] = now
+                    if len(walls) == args.warmup:
+                        watch(True)
 
-        real_run(self, marked())
+        try:
+            real_run(self, marked())
+        finally:
+            watch(False)
         events.extend(self.state.events)
 
     runner_module._Runner.run = run
@@ -105,6 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     print("| " + " | ".join(result) + " |")
     print("|" + "---|" * len(result))
     print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
+    if profiler is not None:
+        profiler.dump_stats(args.cprofile)
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profiler).sort_stats(order).print_stats(40)
+    if args.sync_sites:
+        print(f"host-GPU syncs in the timed microbatches ({len(walls) - w}):")
+        for site, count in sync_sites.most_common():
+            print(f"{count:6d}  {site}")
     return result
 
 
