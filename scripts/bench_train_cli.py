@@ -89,16 +89,16 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     job = _job(args, folder, preset, adapters, gbs, save_every)
     start = time.perf_counter()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "megatron_lorafusion", "train", str(job)],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    peak = 0
-    while child.poll() is None:  # the run folder's peak size on disk
-        peak = max(peak, _size(folder / "run"))
-        time.sleep(0.5)
-    err = child.stderr.read()
+    log = folder / "train.log"  # a file, not a pipe: a full pipe would stall the run
+    with log.open("w") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "megatron_lorafusion", "train", str(job)], stderr=stderr
+        )
+        peak = 0
+        while child.poll() is None:  # the run folder's peak size on disk
+            peak = max(peak, _size(folder / "run"))
+            time.sleep(0.5)
+    err = log.read_text(encoding="utf-8", errors="replace")
     wall = time.perf_counter() - start
     row = {"preset": preset, "adapters": adapters, "gbs": gbs, "save_every": save_every}
     if child.returncode != 0:
@@ -122,6 +122,8 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
             "wall_s": wall,
             "ckpt_gb_per_save": sum(per_save) / max(len(per_save), 1) / 1e9,
             "saves_kept": len(per_save),
+            "checkpoints_written": err.count("saved checkpoint of adapter"),
+            "save_wait_s": run.get("save_wait_s", math.nan),
             "peak_disk_gb": peak / 1e9,
         }
     )
@@ -137,7 +139,9 @@ def _table(rows: list[dict]) -> str:
     head = (
         "| preset | adapters | gbs | save_every | microbatches | fill | train tok/s | start-up s "
         "| first step s | train s | after last step s | first mb→last export / training | "
-        "ckpt GB per adapter save | peak disk GB |\n" + "|---" * 14 + "|"
+        "checkpoints written | GB per checkpoint | waited for saves s | peak disk GB |\n"
+        + "|---" * 16
+        + "|"
     )
     lines = [head]
     for r in rows:
@@ -151,7 +155,8 @@ def _table(rows: list[dict]) -> str:
             f"| {r['preset']} | {r['adapters']} | {r['gbs']} | {r['save_every']} | "
             f"{r['microbatches']} | {100 * r['fill']:.0f}% | {r['train_tok_s']:,.0f} | "
             f"{r['startup_s']:.1f} | {r['first_step_s']:.1f} | {r['train_s']:.1f} | "
-            f"{r['end_s']:.1f} | {r['export_ratio']:.2f} | {r['ckpt_gb_per_save']:.3f} | "
+            f"{r['end_s']:.1f} | {r['export_ratio']:.2f} | {r['checkpoints_written']} | "
+            f"{r['ckpt_gb_per_save']:.3f} | {r['save_wait_s']:.1f} | "
             f"{r['peak_disk_gb']:.1f} |"
         )
     return "\n".join(lines)

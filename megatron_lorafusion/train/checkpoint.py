@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from megatron_lorafusion.train.writer import write_file
+from megatron_lorafusion.train.writer import DIRECT_ALIGN, write_file
 
 if TYPE_CHECKING:
     from megatron_lorafusion.mcore.context import SlotView
@@ -41,9 +41,12 @@ __all__ = [
     "TABLES",
     "AdapterCheckpoints",
     "CheckpointError",
+    "RowPacking",
     "Shard",
     "full_adapter_tensors",
     "non_finite_tensors",
+    "pack_rows",
+    "row_packing",
     "rows_to_tensors",
     "table_tensors",
 ]
@@ -85,28 +88,82 @@ class Shard:
         return [f"shard_tp{t}_pp{p}" for p in range(self.pp_size) for t in range(self.tp_size)]
 
 
-def rows_to_tensors(rows: torch.Tensor, slots: Sequence[SlotView]) -> dict[str, torch.Tensor]:
-    """Named tensors of one adapter from its table rows (what a checkpoint file holds).
+@dataclass(frozen=True)
+class RowPacking:
+    """Where one adapter's checkpoint lies in a row of the tables, packed without zeros.
+
+    A save gathers ``columns`` of each table's row into a (len(TABLES), K) buffer (on the
+    GPU, so only K values per table cross to the host) and writes that buffer as it is: the
+    checkpoint file's fp32 tensors are consecutive slices of it, table after table.
+
+    Attributes:
+        columns: (K,) int64 columns of a row, factor after factor (a per-projection ``B``'s
+            live entries only).
+        factors: ``(name, offset, shape)`` of each factor within the K packed columns.
+        live: ``name -> (N_local, rank)`` uint8 live masks of per-projection ``B`` s, views
+            of one buffer (they follow the fp32 data in the file).
+    """
+
+    columns: torch.Tensor
+    factors: tuple[tuple[str, int, tuple[int, ...]], ...]
+    live: dict[str, torch.Tensor]
+
+    @property
+    def width(self) -> int:
+        """K: packed values per table."""
+        return int(self.columns.numel())
+
+
+def row_packing(slots: Sequence[SlotView], row_width: int) -> RowPacking:
+    """The `RowPacking` of an adapter whose factors lie at ``slots`` in rows of ``row_width``."""
+    positions = torch.arange(row_width, dtype=torch.int64)
+    columns, factors, offset = [], [], 0
+    live_masks = []
+    for slot in slots:
+        cols = slot.view(positions)
+        if slot.live is not None:
+            cols = cols[slot.live]
+            live_masks.append((slot.name, slot.live.to(torch.uint8)))
+        factors.append((slot.name, offset, tuple(cols.shape)))
+        columns.append(cols.reshape(-1))
+        offset += cols.numel()
+    flat = torch.cat([m.reshape(-1) for _, m in live_masks]) if live_masks else None
+    live, start = {}, 0
+    for name, mask in live_masks:
+        live[name] = flat[start : start + mask.numel()].view(mask.shape)
+        start += mask.numel()
+    empty = torch.zeros(0, dtype=torch.int64)
+    return RowPacking(torch.cat(columns) if columns else empty, tuple(factors), live)
+
+
+def pack_rows(rows: torch.Tensor, packing: RowPacking) -> torch.Tensor:
+    """(len(TABLES), K) packed values of (len(TABLES), S) full rows (a copy)."""
+    return rows.index_select(1, packing.columns)
+
+
+def rows_to_tensors(packed: torch.Tensor, packing: RowPacking) -> dict[str, torch.Tensor]:
+    """Named tensors of one adapter from its packed rows (what a checkpoint file holds).
 
     Args:
-        rows: (len(TABLES), S) fp32 host rows: weights, exp_avg, exp_avg_sq.
-        slots: the adapter's `SlotView` s.
+        packed: (len(TABLES), K) fp32 host rows (weights, exp_avg, exp_avg_sq), packed by
+            ``packing`` (`pack_rows`, or a staging buffer the GPU gathered into).
+        packing: the adapter's `RowPacking`.
 
     Returns:
-        ``"<table>/<factor name>"`` fp32 tensors (a per-projection ``B`` flattened to its live
-        entries: its off-block zeros are not stored) and, for those, ``"live/<factor name>"``
-        (N_local, rank) uint8, the live mask (a byte per entry, a twelfth of B's three
-        dense fp32 tables).
+        ``"<table>/<factor name>"`` fp32 tensors, views of ``packed`` in its memory order
+        (a per-projection ``B`` flattened to its live entries: its off-block zeros are not
+        stored), then ``"live/<factor name>"`` (N_local, rank) uint8, the live mask of
+        those (a byte per entry, a twelfth of B's three dense fp32 tables).
     """
     out: dict[str, torch.Tensor] = {}
-    for slot in slots:
-        if slot.live is not None:
-            out[f"live/{slot.name}"] = slot.live.to(torch.uint8)
-        for table, row in zip(TABLES, rows, strict=True):
-            tensor = slot.view(row)
-            if slot.live is not None:
-                tensor = tensor[slot.live]
-            out[f"{table}/{slot.name}"] = tensor.contiguous()
+    for table, row in zip(TABLES, packed, strict=True):
+        for name, offset, shape in packing.factors:
+            size = 1
+            for dim in shape:
+                size *= dim
+            out[f"{table}/{name}"] = row[offset : offset + size].view(shape)
+    for name, mask in packing.live.items():
+        out[f"live/{name}"] = mask
     return out
 
 
@@ -133,22 +190,38 @@ def table_tensors(tensors: Mapping[str, torch.Tensor], table: str) -> dict[str, 
 
 
 def _header(tensors: Mapping[str, torch.Tensor]) -> tuple[bytes, list[memoryview]]:
-    """The safetensors header and the tensors' bytes (views of host memory, not copies)."""
+    """The safetensors header and the tensors' bytes (views of host memory, not copies).
+
+    Tensors that lie back to back in one buffer (as `rows_to_tensors` returns them) come out
+    as one chunk: a save writes and hashes a few large chunks, not thousands of small ones.
+    """
     meta: dict[str, Any] = {}
-    chunks, offset = [], 0
+    runs: list[list] = []  # [storage, first byte, bytes] of consecutive memory
+    offset = 0
     for name, tensor in tensors.items():
         if tensor.dtype not in _DTYPES:
             raise TypeError(f"{name}: checkpoints hold fp32 or uint8 tensors, got {tensor.dtype}")
-        data = memoryview(tensor.contiguous().numpy()).cast("B")
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage()
+        first = tensor.storage_offset() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
         meta[name] = {
             "dtype": _DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
+            "data_offsets": [offset, offset + nbytes],
         }
-        chunks.append(data)
-        offset += len(data)
+        offset += nbytes
+        last = runs[-1] if runs else None
+        if last and last[0].data_ptr() == storage.data_ptr() and last[1] + last[2] == first:
+            last[2] += nbytes
+        else:
+            runs.append([storage, first, nbytes])
+    chunks = [
+        memoryview(torch.empty(0, dtype=torch.uint8).set_(storage, first, (nbytes,)).numpy())
+        for storage, first, nbytes in runs
+    ]
     text = json.dumps(meta, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    text += b" " * (-(8 + len(text)) % DIRECT_ALIGN)  # the data starts 4096-byte aligned
     return struct.pack("<Q", len(text)) + text, chunks
 
 

@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
-# Files of two adapters written and hashed at once; their Python work shares the GIL with the
-# training loop, so more threads are not free.
-_WRITER_THREADS = 2
+# Files of four adapters written, hashed and synced at once (enough to keep a disk busy): a
+# save is a few calls on one packed buffer, so the threads hardly take the GIL from training.
+_WRITER_THREADS = 4
 
 
 class JobsFailedError(RuntimeError):
@@ -407,6 +407,8 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
     capacity = session.settings.capacity
     record["fill"] = session.timing.tokens / max(record["microbatches"] * capacity, 1)
     record["replans"] = session.stream.replans
+    record["saved_gb"] = session.saver.writer.bytes_written / 1e9
+    record["save_wait_s"] = session.staging.waited_s  # training waiting for staging memory
     metrics.log_run(sum(job.step for job in jobs), record)
     metrics.close()
     for job in jobs:
@@ -426,7 +428,7 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
     logger.info(
         "training %.1fk tok/s over %.1f s | start-up %.1f s, first step %.1f s (Triton "
         "compilation on a cold cache), evaluation %.1f s, after the last step %.1f s "
-        "(saves and exports) | wall %.1f s",
+        "(saves and exports) | wall %.1f s | %.1f GB saved, training waited %.1f s for it",
         rate / 1e3,
         record.get("train_s", 0.0),
         record["startup_s"],
@@ -434,6 +436,8 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
         record["eval_s"],
         record.get("end_s", 0.0),
         record["wall_s"],
+        record["saved_gb"],
+        record["save_wait_s"],
     )
     failed = [job for job in jobs if job.status == "failed"]
     if failed:

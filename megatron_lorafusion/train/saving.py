@@ -13,15 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from megatron_lorafusion.config import AdapterConfig, ModelConfig
 from megatron_lorafusion.train.checkpoint import (
     TABLES,
     AdapterCheckpoints,
     CheckpointError,
+    RowPacking,
     full_adapter_tensors,
     non_finite_tensors,
     rows_to_tensors,
@@ -45,8 +48,8 @@ class SaveRequest:
         name: the adapter.
         config: its config (the export's).
         step: its optimizer steps when the rows were copied.
-        rows: the staged rows (weights, exp_avg, exp_avg_sq).
-        slots: where its factors lie in a row (`LoRAContext.adapter_slots`).
+        rows: the staged rows (weights, exp_avg, exp_avg_sq), packed by ``packing``.
+        packing: where its factors lie in the packed rows (`checkpoint.RowPacking`).
         sharding: per factor name, its TP split (`LoRAContext.sharding`).
         state: the job's state and identity at ``step`` (JSON).
         checkpoint: write a checkpoint of these rows.
@@ -59,7 +62,7 @@ class SaveRequest:
     config: AdapterConfig
     step: int
     rows: HostRows
-    slots: Sequence
+    packing: RowPacking
     sharding: dict
     state: dict
     checkpoint: bool = False
@@ -130,8 +133,11 @@ class Saver:
                 return 0  # an adapter that failed: its later rows are not worth keeping
             if request.export_step is None and request.name in self._exporting:
                 return 0  # superseded by its export
-            tensors = rows_to_tensors(request.rows.wait(), request.slots)
-            bad = non_finite_tensors(table_tensors(tensors, TABLES[0]), request.name)
+            rows = request.rows.wait()
+            tensors = rows_to_tensors(rows, request.packing)
+            bad = []
+            if not bool(torch.isfinite(rows[0]).all()):  # one pass; names the factor only then
+                bad = non_finite_tensors(table_tensors(tensors, TABLES[0]), request.name)
             if bad:
                 self._fail(
                     request.name,

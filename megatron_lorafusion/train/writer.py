@@ -1,8 +1,9 @@
 """Saving in the background: pinned staging buffers and writer threads.
 
-A save copies one adapter's rows of the fp32 tables (weights and both AdamW moments) into a
-host buffer, on a side CUDA stream that waits for the optimizer step (`StagingPool`), and a
-writer thread turns them into files while training goes on (`BackgroundWriter`). The
+A save gathers one adapter's values of the fp32 tables (weights and both AdamW moments,
+without zero blocks) and copies them into a host buffer, on a side CUDA stream that waits for
+the optimizer step (`StagingPool`), and a writer thread turns them into files while training
+goes on (`BackgroundWriter`). The
 training loop waits only when every staging byte is taken (a disk slower than the saves),
 and says so in a warning. A task that fails (disk full, permission denied) is re-raised by
 the next `BackgroundWriter.check`, naming the path and the bytes it needed.
@@ -20,9 +21,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-__all__ = ["BackgroundWriter", "HostRows", "StagingPool", "WriteError", "write_file"]
+__all__ = [
+    "DIRECT_ALIGN",
+    "BackgroundWriter",
+    "HostRows",
+    "StagingPool",
+    "WriteError",
+    "direct_bytes",
+    "write_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +43,21 @@ class WriteError(RuntimeError):
     """A file could not be written (disk full, no permission, ...): names path and bytes."""
 
 
+DIRECT_ALIGN = 4096
+"""Alignment of memory, file offset and length for a write that bypasses the page cache."""
+_DIRECT_MIN = 1 << 20  # smaller pieces go through the page cache
+_direct = {"ok": hasattr(os, "O_DIRECT"), "bytes": 0}  # off after a file system refuses it
+_direct_lock = threading.Lock()
+
+
 def write_file(path: Path, chunks: list[memoryview | bytes], digest=None) -> int:
     """Write ``chunks`` to ``path`` atomically (a hidden temporary sibling, fsync, rename).
+
+    A chunk that starts at a 4096-aligned address and file offset (a checkpoint's packed
+    values: `StagingPool` buffers are aligned, its header is padded) is written with
+    ``O_DIRECT`` up to its last whole 4096 bytes: no copy into the page cache, and the
+    disk's direct rate (1.3 against 1.0 GB/s buffered on the H200 machine's disk). The rest
+    goes through the page cache; a file system that refuses ``O_DIRECT`` gets it all there.
 
     Args:
         path: the final file.
@@ -51,13 +74,16 @@ def write_file(path: Path, chunks: list[memoryview | bytes], digest=None) -> int
     total = sum(len(c) for c in chunks)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            offset = 0
             for chunk in chunks:
-                f.write(chunk)
                 if digest is not None:
                     digest.update(chunk)
-            f.flush()
-            os.fsync(f.fileno())
+                offset = _write_at(fd, tmp, memoryview(chunk).cast("B"), offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -74,18 +100,55 @@ def write_file(path: Path, chunks: list[memoryview | bytes], digest=None) -> int
     return total
 
 
+def _write_at(fd: int, path: Path, view: memoryview, offset: int) -> int:
+    """Write ``view`` at ``offset`` of ``fd`` (its aligned part direct); returns the end."""
+    direct = 0
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data if len(view) else 0
+    aligned = offset % DIRECT_ALIGN == 0 and address % DIRECT_ALIGN == 0
+    if _direct["ok"] and aligned and len(view) >= _DIRECT_MIN:
+        direct = len(view) - len(view) % DIRECT_ALIGN
+        try:
+            direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            try:
+                _pwrite_all(direct_fd, view[:direct], offset)
+            finally:
+                os.close(direct_fd)
+            with _direct_lock:
+                _direct["bytes"] += direct
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            _direct["ok"], direct = False, 0  # this file system has no O_DIRECT
+            logger.info("%s: no O_DIRECT on this file system; writing through the page cache", path)
+    _pwrite_all(fd, view[direct:], offset + direct)
+    return offset + len(view)
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while len(view):
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def direct_bytes() -> int:
+    """Bytes this process wrote with ``O_DIRECT`` so far (0 where the file system refuses)."""
+    return _direct["bytes"]
+
+
 @dataclass
 class HostRows:
-    """One adapter's rows of the fp32 tables, on their way to the host.
+    """One adapter's packed rows of the fp32 tables, on their way to the host.
 
     Attributes:
-        rows: (3, S) fp32 host tensor: weights, exp_avg, exp_avg_sq (a staging buffer).
+        rows: (3, K) fp32 host tensor: weights, exp_avg, exp_avg_sq, packed by the
+            adapter's `checkpoint.RowPacking` (a view of a staging buffer).
         done: the side stream's event after the copy (None on CPU: already copied).
     """
 
     rows: torch.Tensor
     done: torch.cuda.Event | None = None
     _pool: StagingPool | None = field(default=None, repr=False)
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
 
     def wait(self) -> torch.Tensor:
         """The rows, once copied (blocks the calling thread, never the GPU)."""
@@ -97,56 +160,73 @@ class HostRows:
     def release(self) -> None:
         """Give the buffer back to its pool (the rows must no longer be read)."""
         if self._pool is not None:
-            self._pool.release(self.rows)
-            self._pool = None
+            self._pool.release(self._buffer)
+            self._pool = self._buffer = None
 
 
 class StagingPool:
-    """Host buffers for adapter rows, at most ``capacity_bytes`` in use at once.
+    """Flat fp32 host buffers for staged rows, about ``capacity_bytes`` in use at once.
 
-    On CUDA the buffers are pinned (so the device-to-host copy is asynchronous) and reused by
-    size; `acquire` blocks while the pool is full, the only point where saving can stall the
-    training loop, and warns with the wait.
+    On CUDA the buffers are pinned (so the device-to-host copy is asynchronous) and reused:
+    a request takes the smallest free buffer that holds it. `acquire` blocks while the pool
+    is full, the only point where saving can stall the training loop, and warns with the
+    wait. Free buffers are unpinned when new ones of another size would pass the capacity.
 
     Args:
         capacity_bytes: most bytes handed out at once (one buffer is always allowed, however
-            large).
+            large), and most bytes kept pinned.
         pinned: allocate pinned memory (CUDA runs).
     """
 
     def __init__(self, capacity_bytes: int, *, pinned: bool):
         self.capacity = capacity_bytes
         self.pinned = pinned
-        self.in_use = 0
+        self.in_use = 0  # bytes handed out
+        self.allocated = 0  # bytes of every buffer, free or handed out
         self.waited_s = 0.0
-        self._free: dict[tuple[int, ...], list[torch.Tensor]] = {}
+        self._free: list[torch.Tensor] = []  # smallest first
         self._cond = threading.Condition()
         self._warned = -_WARN_EVERY_S
 
-    def reserve(self, shape: tuple[int, ...], count: int) -> int:
-        """Allocate up to ``count`` (shape) buffers now, within the capacity; returns how many.
+    def _new(self, numel: int) -> torch.Tensor:
+        """A new buffer; frees unused ones first where it would pass the capacity (locked)."""
+        while self._free and self.allocated + 4 * numel > self.capacity:
+            self.allocated -= 4 * self._free.pop(0).numel()
+        self.allocated += 4 * numel
+        pad = DIRECT_ALIGN // 4  # start it on a 4096-byte boundary: written with O_DIRECT
+        raw = torch.empty(numel + pad, dtype=torch.float32, pin_memory=self.pinned)
+        skip = (-raw.data_ptr() % DIRECT_ALIGN) // 4
+        return raw[skip : skip + numel]
+
+    def _put(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+        self._free.sort(key=torch.Tensor.numel)
+
+    def reserve(self, numel: int, count: int) -> int:
+        """Allocate up to ``count`` more buffers of ``numel`` now, within the capacity.
 
         Pinning host memory takes time (and the first saves would pay it in the training
-        loop): a run reserves the buffers of one save of every adapter at start-up.
-        """
-        nbytes = 4 * int(torch.Size(shape).numel())
-        count = max(0, min(count, self.capacity // max(nbytes, 1)))
-        with self._cond:
-            free = self._free.setdefault(tuple(shape), [])
-            while len(free) < count:
-                free.append(torch.empty(shape, dtype=torch.float32, pin_memory=self.pinned))
-        return count
+        loop): a run reserves each adapter's buffer when it admits the adapter.
 
-    def acquire(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A (shape) fp32 host buffer; waits while handing it out would pass the capacity."""
-        nbytes = 4 * int(torch.Size(shape).numel())
+        Returns:
+            How many were allocated.
+        """
+        made = 0
+        with self._cond:
+            while made < count and self.allocated + 4 * numel <= self.capacity:
+                self._put(self._new(numel))
+                made += 1
+        return made
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A flat fp32 host buffer of >= ``numel``; waits while the pool is full."""
         start = time.perf_counter()
         with self._cond:
-            while self.in_use and self.in_use + nbytes > self.capacity:
+            while self.in_use and self.in_use + 4 * numel > self.capacity:
                 self._cond.wait(timeout=1.0)
-            self.in_use += nbytes
-            free = self._free.get(tuple(shape))
-            buf = free.pop() if free else None
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+            buf = self._free.pop(fits[0]) if fits else self._new(numel)
+            self.in_use += 4 * buf.numel()
         waited = time.perf_counter() - start
         self.waited_s += waited
         if waited > 0.5 and time.perf_counter() - self._warned > _WARN_EVERY_S:
@@ -157,38 +237,48 @@ class StagingPool:
                 waited,
                 self.capacity / 1e9,
             )
-        if buf is None:
-            buf = torch.empty(shape, dtype=torch.float32, pin_memory=self.pinned)
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         """Return ``buf`` for reuse and wake a waiting `acquire`."""
         with self._cond:
             self.in_use -= 4 * buf.numel()
-            self._free.setdefault(tuple(buf.shape), []).append(buf)
+            self._put(buf)
             self._cond.notify_all()
 
-    def copy_rows(self, tables: tuple[torch.Tensor, ...], row: int, stream=None) -> HostRows:
-        """Queue the copy of row ``row`` of each (A, S) table into a staging buffer.
+    def copy_rows(
+        self, tables: tuple[torch.Tensor, ...], row: int, columns: torch.Tensor, stream=None
+    ) -> HostRows:
+        """Queue the copy of ``columns`` of row ``row`` of each (A, S) table to the host.
 
-        On CUDA the copy runs on ``stream`` once the current stream's work queued so far
-        (the optimizer step) is done; the caller must keep the rows unchanged until the
-        returned rows' ``done`` event (the optimizer waits for it before its next step).
+        The gather runs on the tables' device, so only the packed values cross. On CUDA it
+        runs on ``stream`` once the current stream's work queued so far (the optimizer step)
+        is done; the caller must keep the rows unchanged until the returned rows' ``done``
+        event (the optimizer waits for it before its next step).
+
+        Args:
+            tables: the (A, S) fp32 tables (weights, then the moments).
+            row: the adapter's row.
+            columns: (K,) int32 or int64 columns to keep, on the tables' device
+                (`checkpoint.RowPacking.columns`).
+            stream: the side CUDA stream of the copies (None on CPU).
         """
-        buf = self.acquire((len(tables), tables[0].shape[1]))
+        width = columns.numel()
+        buf = self.acquire(len(tables) * width)
+        rows = buf[: len(tables) * width].view(len(tables), width)
         if tables[0].device.type != "cuda":
             for i, table in enumerate(tables):
-                buf[i].copy_(table[row].detach())
-            return HostRows(buf, None, self)
+                torch.index_select(table[row].detach(), 0, columns, out=rows[i])
+            return HostRows(rows, None, self, buf)
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
             for i, table in enumerate(tables):
-                buf[i].copy_(table[row].detach(), non_blocking=True)
+                rows[i].copy_(table[row].detach().index_select(0, columns), non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        return HostRows(buf, done, self)
+        return HostRows(rows, done, self, buf)
 
 
 class BackgroundWriter:

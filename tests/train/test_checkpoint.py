@@ -12,7 +12,10 @@ from megatron_lorafusion.train.checkpoint import (
     AdapterCheckpoints,
     CheckpointError,
     Shard,
+    _header,
     full_adapter_tensors,
+    pack_rows,
+    row_packing,
     rows_to_tensors,
     table_tensors,
 )
@@ -43,6 +46,7 @@ _SLOTS = [
     _Slot("decoder.layers.0.mlp.linear_fc2.lora_B", 12, 5, 2, "lora_B", 2, _LIVE),
 ]
 _WIDTH = 22
+_PACKING = row_packing(_SLOTS, _WIDTH)
 
 
 def _rows(seed: int = 0) -> torch.Tensor:
@@ -56,16 +60,21 @@ def _state(step: int) -> dict:
     return {"job": {"step": step}, "identity": {"name": "a"}, "sharding": {}}
 
 
+def _tensors(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    return rows_to_tensors(pack_rows(rows, _PACKING), _PACKING)
+
+
 def _save(store: AdapterCheckpoints, step: int, seed: int = 0) -> torch.Tensor:
     rows = _rows(seed)
-    store.save(step, rows_to_tensors(rows, _SLOTS), _state(step))
+    store.save(step, _tensors(rows), _state(step))
     return rows
 
 
 def test_checkpoint_round_trip_stores_b_without_zero_blocks(tmp_path):
     store = AdapterCheckpoints(tmp_path / "a", "a", Shard())
     rows = _save(store, 3)
-    tensors = rows_to_tensors(rows, _SLOTS)
+    tensors = _tensors(rows)
+    assert _PACKING.width == 2 * 4 + int(_LIVE.sum()), "A's rank rows, B's live entries"
     b_name = f"weight/{_SLOTS[1].name}"
     assert tensors[b_name].shape == (int(_LIVE.sum()),), "B must be stored as its live entries"
     loaded, state = store.load(3)
@@ -77,6 +86,12 @@ def test_checkpoint_round_trip_stores_b_without_zero_blocks(tmp_path):
             torch.testing.assert_close(
                 got[slot.name], slot.view(row), atol=0, rtol=0, msg=f"{table} {slot.name}"
             )
+
+
+def test_packed_rows_are_written_as_two_chunks():
+    """A save's fp32 values are one buffer and its live masks another: two writes."""
+    _, chunks = _header(_tensors(_rows()))
+    assert [len(c) for c in chunks] == [4 * 3 * _PACKING.width, _LIVE.numel()]
 
 
 def test_checkpoint_without_its_state_file_is_never_listed(tmp_path):
@@ -125,7 +140,7 @@ def test_checkpoint_with_non_finite_values_is_refused(tmp_path):
     store = AdapterCheckpoints(tmp_path / "a", "a", Shard())
     rows = _rows()
     rows[1, 0] = float("nan")  # an exp_avg entry
-    store.save(5, rows_to_tensors(rows, _SLOTS), _state(5))
+    store.save(5, _tensors(rows), _state(5))
     with pytest.raises(CheckpointError, match="NaN or infinite"):
         store.load(5)
 

@@ -1,15 +1,23 @@
 """The background writer: atomic files, a full disk named with path and bytes, tasks of one
 adapter in order, failures re-raised in the training thread, staging memory that blocks only
-when full."""
+when full, packed values written past the page cache where the file system allows."""
 
 import errno
+import os
 import threading
 
 import pytest
 import torch
 
 from megatron_lorafusion.train import writer as writer_module
-from megatron_lorafusion.train.writer import BackgroundWriter, StagingPool, WriteError, write_file
+from megatron_lorafusion.train.writer import (
+    DIRECT_ALIGN,
+    BackgroundWriter,
+    StagingPool,
+    WriteError,
+    direct_bytes,
+    write_file,
+)
 
 
 def _disk_full(monkeypatch):
@@ -79,19 +87,77 @@ def test_writer_skips_an_adapters_tasks_after_its_failure():
 
 
 def test_staging_pool_blocks_only_when_full_and_reuses_buffers():
-    pool = StagingPool(capacity_bytes=3 * 4 * 10, pinned=False)  # room for one (3, 10) buffer
+    pool = StagingPool(capacity_bytes=3 * 4 * 10, pinned=False)  # room for 30 values
     table = torch.arange(30, dtype=torch.float32).view(3, 10)
-    first = pool.copy_rows((table, table, table), 1, None)
-    torch.testing.assert_close(first.wait()[0], table[1], atol=0, rtol=0, msg="row copied")
+    columns = torch.tensor([7, 0, 3], dtype=torch.int32)
+    first = pool.copy_rows((table, 2 * table, 3 * table), 1, columns, None)
+    want = torch.stack([k * table[1, [7, 0, 3]] for k in (1, 2, 3)])
+    torch.testing.assert_close(first.wait(), want, atol=0, rtol=0, msg="the packed columns")
+    pool.release(pool.acquire(20))  # fits beside the first: not a wait
     got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire((3, 10))))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(25)))
     waiter.start()
     waiter.join(0.3)
-    assert waiter.is_alive(), "a second buffer must wait while the pool is full"
-    buf = first.rows
+    assert waiter.is_alive(), "a buffer must wait while the pool would pass its capacity"
     first.release()
     waiter.join(5)
     assert got, "the waiting acquire must return once a buffer is released"
-    assert got[0] is buf, "the released buffer is handed out again"
+    assert got[0].numel() == 25, "no free buffer held 25 values: a new one, the others unpinned"
+    assert pool.allocated == 4 * 25, "buffers that would pass the capacity are freed"
     pool.release(got[0])
-    assert pool.in_use == 0
+    assert pool.acquire(9).numel() == 25, "the smallest free buffer that fits is reused"
+    assert pool.reserve(5, 3) == 1, "a reservation makes only what fits in the capacity"
+
+
+def _direct_supported(folder) -> bool:
+    """Whether ``folder``'s file system takes O_DIRECT writes (tmpfs and some others do not)."""
+    probe = folder / ".probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        os.close(fd)
+        return True
+    except (OSError, AttributeError):
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _staged_chunks() -> tuple[list, bytes]:
+    """A padded header, an aligned staging buffer of 1.5 MiB + 100 bytes, a small tail."""
+    pool = StagingPool(capacity_bytes=8 << 20, pinned=False)
+    values = pool.acquire((3 << 19) // 4 + 25)
+    values.copy_(torch.arange(values.numel(), dtype=torch.float32))
+    assert values.data_ptr() % DIRECT_ALIGN == 0, "staging buffers start 4096-byte aligned"
+    data = memoryview(values.numpy()).cast("B")
+    chunks = [b"h" * DIRECT_ALIGN, data, b"tail"]
+    return chunks, b"".join(bytes(c) for c in chunks)
+
+
+def test_write_file_writes_aligned_values_direct_and_the_rest_through_the_cache(tmp_path):
+    chunks, want = _staged_chunks()
+    before = direct_bytes()
+    assert write_file(tmp_path / "f", chunks) == len(want)
+    assert (tmp_path / "f").read_bytes() == want
+    if _direct_supported(tmp_path) and writer_module._direct["ok"]:
+        aligned = len(chunks[1]) - len(chunks[1]) % DIRECT_ALIGN
+        assert direct_bytes() - before == aligned, "the aligned whole blocks go direct"
+
+
+def test_write_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("this platform has no O_DIRECT")
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    monkeypatch.setitem(writer_module._direct, "ok", True)
+    chunks, want = _staged_chunks()
+    before = direct_bytes()
+    write_file(tmp_path / "f", chunks)
+    assert (tmp_path / "f").read_bytes() == want, "a refused O_DIRECT write goes buffered"
+    assert direct_bytes() == before
+    assert writer_module._direct["ok"] is False, "not tried again on this file system"
