@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import time
 from dataclasses import asdict
@@ -35,6 +36,8 @@ from megatron_lorafusion.config import (
 )
 
 __all__ = ["ServerBusyError", "ServerRoot", "submit_job"]
+
+logger = logging.getLogger(__name__)
 
 STATUSES = ("queued", "running", "done", "stopped", "cancelled", "failed")
 
@@ -114,6 +117,9 @@ class ServerRoot:
     def take_submissions(self) -> list[tuple[str, dict]]:
         """New jobs in arrival order, moved from the inbox to their folders.
 
+        A file that cannot be moved now (a full or failing disk) stays in the inbox, with a
+        warning, for the next read.
+
         Returns:
             ``(name, job)`` per submitted job (``job.json``'s contents).
         """
@@ -125,8 +131,19 @@ class ServerRoot:
             if job is None:  # a half-written file of another writer: read it next time
                 continue
             name = job["adapter"]["name"]
-            _write_json(self.job_dir(name) / "job.json", job)
-            path.unlink(missing_ok=True)
+            moved = self.job_dir(name) / "job.json"
+            try:
+                _write_json(moved, job)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError:
+                    moved.unlink(missing_ok=True)  # taken once: it stays in the inbox
+                    raise
+            except OSError as err:
+                logger.warning(
+                    "%s: not taken from the inbox now (%s); tried again later", path, err
+                )
+                continue
             taken.append((name, job))
         return taken
 
@@ -137,7 +154,10 @@ class ServerRoot:
         names = []
         for path in sorted(self.cancels.iterdir()):
             names.append(path.name)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as err:  # read again next time: a second cancel is a no-op
+                logger.warning("%s: could not remove the cancel request (%s)", path, err)
         return names
 
     def write_status(self, name: str, status: dict) -> None:

@@ -103,6 +103,7 @@ class _Server:
         self.metrics: dict[str, MetricsWriter] = {}
         self.finished: dict[str, str] = {}
         self.poll_due = False  # the last `pause` found the inbox due
+        self._warned_at = -60.0  # the last warning of a status file the disk refused
 
     # -- the root's files (rank 0 reads; every rank acts on what it broadcasts) -------------
     def restore(self) -> None:
@@ -219,8 +220,7 @@ class _Server:
         if slot is not None:  # a row it was bound to steps no more (it stays free)
             self.run.optimizer.stopped.add(slot)
         self.finished[name] = "failed"
-        if self.rank0:
-            self.root.write_status(name, {"status": "failed", "reason": reason})
+        self._write_status(name, {"status": "failed", "reason": reason})
 
     def store(self, name: str) -> AdapterCheckpoints:
         """The job's checkpoints on this rank's shard."""
@@ -233,6 +233,31 @@ class _Server:
         )
 
     # -- status ------------------------------------------------------------------------------
+    def _write_status(self, name: str, status: dict | None = None, info: dict | None = None):
+        """Rank 0 writes a job's ``status.json`` (or ``server.json``: ``info``).
+
+        Status files only report: one the disk refuses is a warning (at most one a minute),
+        never an exception on rank 0 alone, which would leave the other ranks waiting in
+        their next collective.
+        """
+        if not self.rank0:
+            return
+        try:
+            if info is not None:
+                self.root.write_server_info(info)
+            else:
+                self.root.write_status(name, status)
+        except OSError as err:
+            if time.perf_counter() - self._warned_at > 60.0:
+                self._warned_at = time.perf_counter()
+                logger.warning(
+                    "server %s: could not write the status of %s (%s); training goes on, "
+                    "statuses may be stale",
+                    self.root.root,
+                    name,
+                    err,
+                )
+
     def write_statuses(self) -> None:
         """Every running and queued job's ``status.json``, and the server's stats (rank 0)."""
         if not self.rank0:
@@ -244,13 +269,13 @@ class _Server:
             "busy_s": self.busy_s,
             "tokens_per_busy_s": tokens / max(self.busy_s, 1e-9),
         }
-        self.root.write_server_info(info)
+        self._write_status("the server", info=info)
         for job in self.session.jobs.values():
             since, step0 = self.started.get(job.name, (time.perf_counter(), job.step))
             rate = (job.step - step0) / max(time.perf_counter() - since, 1e-9)
             eta = (job.total_steps - job.step) / rate if rate > 0 else None
             losses = [x for x in job.run.losses if x == x]
-            self.root.write_status(
+            self._write_status(
                 job.name,
                 {
                     "status": "running",
@@ -265,7 +290,7 @@ class _Server:
                 },
             )
         for position, (name, _) in enumerate(self.queue):
-            self.root.write_status(
+            self._write_status(
                 name, {"status": "queued", "queue_position": position + 1, "step": 0}
             )
 
@@ -278,7 +303,7 @@ class _Server:
             writer.close()
         if self.rank0:
             losses = [x for x in job.run.losses if x == x]
-            self.root.write_status(
+            self._write_status(
                 job.name,
                 {
                     "status": job.status,
@@ -364,10 +389,9 @@ class _Server:
             if queued == name:
                 self.queue.pop(i)
                 self.finished[name] = "cancelled"
-                if self.rank0:
-                    self.root.write_status(
-                        name, {"status": "cancelled", "reason": "cancelled before it started"}
-                    )
+                self._write_status(
+                    name, {"status": "cancelled", "reason": "cancelled before it started"}
+                )
                 return
         for job in list(self.session.jobs.values()):
             if job.name == name:

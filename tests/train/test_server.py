@@ -344,3 +344,45 @@ def test_submit_refuses_a_bad_job_naming_every_problem_and_queues_nothing(tmp_pa
     assert "adapters.0.rank must be <= the server's max_rank 8" in err, err
     assert "adapters.1.use_dora must be false on a server" in err, err
     assert "Traceback" not in err
+
+
+def test_a_submission_the_disk_refuses_stays_in_the_inbox(tmp_path, monkeypatch, caplog):
+    """rank 0 alone reads the inbox: a file it cannot move is a warning and is read again
+    later (an exception there would leave the other ranks in their next collective)."""
+    from megatron_lorafusion import inbox
+
+    root = inbox.ServerRoot(tmp_path / "root")
+    root.inbox.mkdir(parents=True)
+    (root.inbox / "0001-a.json").write_text(json.dumps({"adapter": {"name": "a"}}))
+    real_write = inbox._write_json
+
+    def full_disk(path, payload):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(inbox, "_write_json", full_disk)
+    assert root.take_submissions() == []
+    assert "not taken from the inbox now" in caplog.text
+    assert (root.inbox / "0001-a.json").is_file(), "the submission is kept"
+    monkeypatch.setattr(inbox, "_write_json", real_write)
+    assert [name for name, _ in root.take_submissions()] == ["a"]
+    assert not (root.inbox / "0001-a.json").exists()
+    assert (root.job_dir("a") / "job.json").is_file()
+
+
+def test_a_status_file_the_disk_refuses_is_a_warning(tmp_path, caplog):
+    from megatron_lorafusion.train.server import _Server
+
+    class RefusingRoot:
+        root = tmp_path
+
+        def write_status(self, *args):
+            raise OSError(28, "No space left on device")
+
+        write_server_info = write_status
+
+    server = _Server.__new__(_Server)  # only what `_write_status` reads
+    server.rank0, server.root, server._warned_at = True, RefusingRoot(), -60.0
+    server._write_status("a", {"status": "running"})
+    server._write_status("the server", info={})
+    assert caplog.text.count("could not write the status of") == 1, "one warning a minute"
+    assert "could not write the status of a (" in caplog.text
