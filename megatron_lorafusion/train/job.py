@@ -171,7 +171,13 @@ class AdapterJob:
         }
 
     def restore(self, state: dict) -> None:
-        """Take the state `state` gave (a resumed job; its rows and order are rebuilt)."""
+        """Take the state `state` gave (a resumed job; its rows and order are rebuilt).
+
+        A checkpoint taken where the job stopped early or was cancelled keeps that status:
+        the job trains no more, its export is what is left (a kill came before it).
+        """
+        if state.get("status") in ("stopped", "cancelled"):
+            self.status, self.reason = state["status"], state.get("reason")
         self.run.losses[:] = [math.nan if x is None else float(x) for x in state["losses"]]
         self.run.pending_loss = 0.0
         self.evals = [(int(s), float(x)) for s, x in state["evals"]]

@@ -202,18 +202,25 @@ def _collectives(sizes: dict[str, int], device: torch.device):
     return agree_min, agree_flags
 
 
-def _resume(cfg: JobConfig, jobs, stores, run: Run, agree_min) -> None:
-    """Every job at its own newest usable checkpoint (policy ``train.resume``)."""
+def _resume(cfg: JobConfig, jobs, stores, run: Run, agree_min) -> set[str]:
+    """Every job at its own newest usable checkpoint (policy ``train.resume``).
+
+    Returns:
+        The names of the jobs that ended and were exported (``done.json``).
+    """
     if cfg.train.resume == "never":
-        return
+        return set()
     shared = shared_identity(cfg)
+    exported = set()
     for slot, job in enumerate(jobs):
 
         def load(entry: dict, slot: int = slot) -> None:
             run.load_table(slot, entry["table"], entry["tensors"])
 
-        restore_job(job, stores[job.name], load, shared, agree_min=agree_min)
+        if restore_job(job, stores[job.name], load, shared, agree_min=agree_min) == "done":
+            exported.add(job.name)
         run.optimizer.steps[slot] = job.step
+    return exported
 
 
 def _eval_losses(cfg: JobConfig, run: Run, sizes: dict[str, int]):
@@ -325,7 +332,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         for job in jobs
     }
     agree_min, agree_flags = _collectives(sizes, device)
-    _resume(cfg, jobs, stores, run, agree_min)  # refusals leave the folder as it was
+    exported = _resume(cfg, jobs, stores, run, agree_min)  # refusals leave the folder as is
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
     writes = sizes["dp_rank"] == 0  # one writer per tensor/pipeline shard
@@ -383,7 +390,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
     )
     session.timing.start = start
     for slot, job in enumerate(jobs):
-        if not job.finished:
+        if job.name not in exported:  # an ended job without its export gets it here
             session.admit(job, slot)
     run.model.train()
     try:

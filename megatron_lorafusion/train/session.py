@@ -194,12 +194,16 @@ class Session:
         The row must already hold the job's factors (built for it, bound, or loaded).
         ``shared`` is the job's own `resume.shared_identity` where it differs from the
         session's (a served job of its own length); its checkpoints record it. A job with
-        no step left (resumed from its last step's checkpoint: a kill came before its
-        export) is exported and retired at once.
+        no step left (resumed from its last step's checkpoint, or from the one where it
+        stopped early or was cancelled: a kill came before its export) is exported and
+        retired at once, its status kept.
         """
         slot = self.free[0] if slot is None else slot
         self.free.remove(slot)
-        job.slot, job.status = slot, "running"
+        ended = job.finished  # resumed where it stopped early or was cancelled
+        job.slot = slot
+        if not ended:
+            job.status = "running"
         self.run.runs[slot] = job.run
         self.run.global_batch_sizes[slot] = job.global_batch_size  # its loss denominators
         self.jobs[slot] = job
@@ -209,8 +213,8 @@ class Session:
         self._yielded_steps[job.name] = job.step
         if self.settings.writes and self.settings.save_every:  # pinned now, not in the loop
             self.staging.reserve(len(TABLES) * self._packing(job, slot)[0].width, 1)
-        if job.step >= job.total_steps:  # resumed from its last step, killed before its export
-            job.status = "done"
+        if ended or job.step >= job.total_steps:  # resumed, killed before its export
+            job.status = job.status if ended else "done"
             if self.settings.writes:
                 self._commit(job, self._stage(job, slot, job.step, checkpoint=False))
             self._retire(job)

@@ -19,7 +19,7 @@ from megatron_lorafusion.train.main import main
 STEPS = 6
 
 
-def _job(tmp_path):
+def _job(tmp_path, **train):
     # "wild" steps at lr 1.0: its eval loss rises after its first step, so it stops early.
     adapters = [
         {
@@ -37,7 +37,7 @@ def _job(tmp_path):
             "early_stopping_patience": 1,
         },
     ]
-    return eval_job(tmp_path, adapters, STEPS, seed=4, eval_every=1)
+    return eval_job(tmp_path, adapters, STEPS, seed=4, eval_every=1, **train)
 
 
 def test_early_stopping_stops_one_adapter_and_exports_its_best(tmp_path):
@@ -73,3 +73,30 @@ def test_early_stopping_stops_one_adapter_and_exports_its_best(tmp_path):
     assert exported.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(exported[key], value), f"exported {key} is not the best weights"
+
+
+def test_a_kill_between_the_stop_checkpoint_and_the_export_resumes_to_the_export(tmp_path):
+    """wild stops early at a step that also saves (save_every 1); a kill after that checkpoint
+    and before the export (its done.json and PEFT folder gone) resumes to the export alone:
+    no step more, status and weights as the uninterrupted run's."""
+    cfg = _job(tmp_path, save_every=1)
+    losses = main(cfg)
+    out = tmp_path / "out"
+    stopped_at = len(losses["wild"])
+    assert stopped_at < STEPS, "wild must stop early"
+    first = load_file(str(out / "adapters" / "wild" / "adapter_model.safetensors"))
+    store = AdapterCheckpoints(out / "checkpoints" / "wild", "wild", Shard())
+    assert store.steps()[0] == stopped_at, "the stop step saved a checkpoint"
+    (out / "checkpoints" / "wild" / "done.json").unlink()
+    for path in (out / "adapters" / "wild").iterdir():
+        path.unlink()
+    (out / "adapters" / "wild").rmdir()
+
+    again = main(cfg)
+    assert len(again["wild"]) == stopped_at, "no step after the one that stopped it"
+    done = store.read_done()
+    assert done["job"]["status"] == "stopped", done["job"]
+    second = load_file(str(out / "adapters" / "wild" / "adapter_model.safetensors"))
+    assert second.keys() == first.keys()
+    for key, value in first.items():
+        assert torch.equal(second[key], value), f"exported {key} differs from the first run's"
