@@ -70,6 +70,7 @@ class MetricsWriter:
         self.tokens: dict[str, int] = {}  # trained tokens per adapter in this process
         self._file = None
         self._tb = None
+        self._write_failed = False
         if not enabled:
             return
         out = Path(output_dir)
@@ -85,8 +86,13 @@ class MetricsWriter:
         return torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()  # a user may tail the file while the run goes on
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()  # a user may tail the file while the run goes on
+        except OSError as err:  # one rank writes metrics: never a reason to split the ranks
+            if not self._write_failed:
+                logger.warning("%s: a metrics record was not written (%s)", self._file.name, err)
+            self._write_failed = True
 
     def log_step(
         self,

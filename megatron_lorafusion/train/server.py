@@ -109,6 +109,9 @@ class _Server:
     def restore(self) -> None:
         """After a restart: jobs that ran are queued first (they resume), queued ones stay.
 
+        A job whose status says it ended but whose export never completed (no ``done.json``:
+        the kill came while the writer had it queued) resumes too, to its export.
+
         Rank 0 reads the root and broadcasts what it found (another rank reading it could
         see a job that rank 0's first poll is moving in, and queue it twice).
         """
@@ -116,8 +119,10 @@ class _Server:
         if self.rank0:
             running, queued, finished = [], [], {}
             for name, job, status in self.root.known_jobs():
-                if status["status"] == "running":
-                    running.append((name, job))
+                ended = status["status"] in ("done", "stopped", "cancelled")
+                exported = (self.root.job_dir(name) / "checkpoints" / "done.json").is_file()
+                if status["status"] == "running" or (ended and not exported):
+                    running.append((name, job))  # a kill came before its export: resumed
                 elif status["status"] == "queued":
                     queued.append((name, job))
                 else:

@@ -16,6 +16,7 @@ checkpoint stays, the others train on, and the run ends with exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -181,8 +182,9 @@ class Session:
         self._held: dict[str, SaveRequest] = {}  # saves waiting for their evaluation
         self._yielded_steps: dict[str, int] = {}  # steps whose batches the stream finished
         self._side = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
-        self._packings: dict[str, tuple] = {}  # name -> (RowPacking, columns key, sharding)
-        self._columns: dict[tuple, torch.Tensor] = {}  # key -> the columns, on the device
+        self._packings: dict[str, tuple] = {}  # name -> its layout's key
+        self._layouts: dict[tuple, list] = {}  # key -> [RowPacking on the device, jobs]
+        self._sharding: dict | None = None
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
         self._until: Callable[[], bool] = lambda: False  # `train`'s
@@ -212,7 +214,7 @@ class Session:
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
         if self.settings.writes and self.settings.save_every:  # pinned now, not in the loop
-            self.staging.reserve(len(TABLES) * self._packing(job, slot)[0].width, 1)
+            self.staging.reserve(len(TABLES) * self._packing(job, slot).width, 1)
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
@@ -240,6 +242,7 @@ class Session:
         held = self._held.pop(job.name, None)
         if held is not None and job.status == "failed":
             held.rows.release()
+        self._forget_packing(job)
         job.slot = None
         self.on_retire(job)
 
@@ -366,6 +369,7 @@ class Session:
         last_export = final and self.settings.single_shard
         request = self._stage(job, slot, step, checkpoint=saved and not last_export)
         if evaluated:
+            request.rows.hold(True)  # never waited for: only this thread releases it
             self._held[job.name] = request  # committed once its evaluation is in
         else:
             self._commit(job, request)
@@ -374,31 +378,45 @@ class Session:
         """Copy ``slot``'s rows out (side stream; its next step waits for the copy)."""
         run = self.run
         tables = (run.lora.weights, run.optimizer.exp_avg, run.optimizer.exp_avg_sq)
-        packing, key, sharding = self._packing(job, slot)
-        rows = self.staging.copy_rows(tables, slot, self._columns[key], self._side)
+        packing = self._packing(job, slot)
+        rows = self.staging.copy_rows(tables, slot, packing.columns, self._side)
         run.optimizer.fence(slot, rows.done)
+        if self._sharding is None:
+            self._sharding = run.lora.sharding()
         return SaveRequest(
-            job.name, job.config, step, rows, packing, sharding, {}, checkpoint=checkpoint
+            job.name, job.config, step, rows, packing, self._sharding, {}, checkpoint=checkpoint
         )
 
-    def _packing(self, job: AdapterJob, slot: int) -> tuple[RowPacking, tuple, dict]:
-        """The job's `RowPacking`, its columns' key on the device, the TP sharding (cached).
+    def _packing(self, job: AdapterJob, slot: int) -> RowPacking:
+        """The job's `RowPacking`, its columns on the device (int32), shared by its layout.
 
-        Jobs of one layout (rank, targets) share the device's copy of the columns (int32,
-        4 bytes per value a save keeps: 143 MB at Llama-3.1-8B, r 16, default targets).
+        Jobs of one layout (rank, targets) share one copy of the columns, 4 bytes per value a
+        save keeps (143 MB at Llama-3.1-8B, r 16, default targets), freed when the last of
+        them retires.
         """
         if job.name not in self._packings:
-            run = self.run
-            packing = row_packing(run.lora.adapter_slots(slot), run.lora.weights.shape[1])
-            masks = b"".join(m.numpy().tobytes() for m in packing.live.values())
-            key = (packing.factors, hashlib.sha1(masks).hexdigest())
-            if key not in self._columns:
-                self._columns[key] = packing.columns.to(run.device, torch.int32)
-            self._packings[job.name] = (packing, key, run.lora.sharding())
-        return self._packings[job.name]
+            slots = self.run.lora.adapter_slots(slot)
+            masks = b"".join(s.live.numpy().tobytes() for s in slots if s.live is not None)
+            shape = tuple((s.name, s.start, s.rows, s.cols, s.kind, s.rank) for s in slots)
+            key = (shape, hashlib.sha1(masks).hexdigest())
+            if key not in self._layouts:
+                packing = row_packing(slots, self.run.lora.weights.shape[1])
+                columns = packing.columns.to(self.run.device, torch.int32)
+                self._layouts[key] = [dataclasses.replace(packing, columns=columns), 0]
+            self._layouts[key][1] += 1
+            self._packings[job.name] = key
+        return self._layouts[self._packings[job.name]][0]
+
+    def _forget_packing(self, job: AdapterJob) -> None:
+        key = self._packings.pop(job.name, None)
+        if key is not None:
+            self._layouts[key][1] -= 1
+            if not self._layouts[key][1]:
+                del self._layouts[key]  # saves still queued keep their own reference
 
     def _commit(self, job: AdapterJob, request: SaveRequest) -> None:
         """Hand ``request`` to the writer with the job's state now (its evaluation included)."""
+        request.rows.hold(False)
         request.state = {
             "job": job.state(),
             "identity": job.identity(),

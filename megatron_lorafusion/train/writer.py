@@ -57,7 +57,8 @@ def write_file(path: Path, chunks: list[memoryview | bytes], digest=None) -> int
     values: `StagingPool` buffers are aligned, its header is padded) is written with
     ``O_DIRECT`` up to its last whole 4096 bytes: no copy into the page cache, and the
     disk's direct rate (1.3 against 1.0 GB/s buffered on the H200 machine's disk). The rest
-    goes through the page cache; a file system that refuses ``O_DIRECT`` gets it all there.
+    goes through the page cache; where a direct write fails for any reason but a full disk
+    or quota, this process writes everything through the page cache from then on.
 
     Args:
         path: the final file.
@@ -116,10 +117,10 @@ def _write_at(fd: int, path: Path, view: memoryview, offset: int) -> int:
             with _direct_lock:
                 _direct["bytes"] += direct
         except OSError as err:
-            if err.errno != errno.EINVAL:
+            if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            _direct["ok"], direct = False, 0  # this file system has no O_DIRECT
-            logger.info("%s: no O_DIRECT on this file system; writing through the page cache", path)
+            _direct["ok"], direct = False, 0  # no O_DIRECT here (EINVAL, EOPNOTSUPP, ...)
+            logger.info("%s: O_DIRECT refused (%s); writing through the page cache", path, err)
     _pwrite_all(fd, view[direct:], offset + direct)
     return offset + len(view)
 
@@ -149,6 +150,7 @@ class HostRows:
     done: torch.cuda.Event | None = None
     _pool: StagingPool | None = field(default=None, repr=False)
     _buffer: torch.Tensor | None = field(default=None, repr=False)
+    _held: bool = field(default=False, repr=False)
 
     def wait(self) -> torch.Tensor:
         """The rows, once copied (blocks the calling thread, never the GPU)."""
@@ -157,9 +159,20 @@ class HostRows:
             self.done = None
         return self.rows
 
+    def hold(self, held: bool) -> None:
+        """Mark the rows held by the training thread (a save waiting for its evaluation).
+
+        `StagingPool.acquire` never waits for held buffers: only the thread that would be
+        waiting can release them.
+        """
+        if self._pool is not None and held != self._held:
+            self._pool._count_held(self._buffer, held)
+            self._held = held
+
     def release(self) -> None:
         """Give the buffer back to its pool (the rows must no longer be read)."""
         if self._pool is not None:
+            self.hold(False)
             self._pool.release(self._buffer)
             self._pool = self._buffer = None
 
@@ -182,6 +195,7 @@ class StagingPool:
         self.capacity = capacity_bytes
         self.pinned = pinned
         self.in_use = 0  # bytes handed out
+        self.held = 0  # of those, bytes held by the training thread (`HostRows.hold`)
         self.allocated = 0  # bytes of every buffer, free or handed out
         self.waited_s = 0.0
         self._free: list[torch.Tensor] = []  # smallest first
@@ -222,7 +236,8 @@ class StagingPool:
         """A flat fp32 host buffer of >= ``numel``; waits while the pool is full."""
         start = time.perf_counter()
         with self._cond:
-            while self.in_use and self.in_use + 4 * numel > self.capacity:
+            # Wait only while a writer will free something: held buffers wait for this thread.
+            while self.in_use > self.held and self.in_use + 4 * numel > self.capacity:
                 self._cond.wait(timeout=1.0)
             fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
             buf = self._free.pop(fits[0]) if fits else self._new(numel)
@@ -238,6 +253,10 @@ class StagingPool:
                 self.capacity / 1e9,
             )
         return buf
+
+    def _count_held(self, buf: torch.Tensor, held: bool) -> None:
+        with self._cond:
+            self.held += (4 if held else -4) * buf.numel()
 
     def release(self, buf: torch.Tensor) -> None:
         """Return ``buf`` for reuse and wake a waiting `acquire`."""

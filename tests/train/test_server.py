@@ -386,3 +386,23 @@ def test_a_status_file_the_disk_refuses_is_a_warning(tmp_path, caplog):
     server._write_status("the server", info={})
     assert caplog.text.count("could not write the status of") == 1, "one warning a minute"
     assert "could not write the status of a (" in caplog.text
+
+
+def test_a_restart_resumes_a_job_that_ended_before_its_export(tmp_path):
+    """status.json says done as the job leaves its row; a kill before the writer exported it
+    leaves no done.json: the restart resumes it (to its export), and only it."""
+    from megatron_lorafusion import inbox
+    from megatron_lorafusion.train.server import _Server
+
+    root = inbox.ServerRoot(tmp_path / "root")
+    for name, status in (("cut", "done"), ("whole", "done"), ("late", "stopped")):
+        root.job_dir(name).mkdir(parents=True)
+        (root.job_dir(name) / "job.json").write_text(json.dumps({"adapter": {"name": name}}))
+        root.write_status(name, {"status": status})
+    (root.job_dir("whole") / "checkpoints").mkdir()
+    (root.job_dir("whole") / "checkpoints" / "done.json").write_text("{}")
+    server = _Server.__new__(_Server)  # only what `restore` reads
+    server.rank0, server.root, server.sizes = True, root, {"world": 1}
+    server.restore()
+    assert sorted(name for name, _ in server.queue) == ["cut", "late"]
+    assert server.finished == {"whole": "done"}

@@ -5,6 +5,7 @@ when full, packed values written past the page cache where the file system allow
 import errno
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -143,14 +144,15 @@ def test_write_file_writes_aligned_values_direct_and_the_rest_through_the_cache(
         assert direct_bytes() - before == aligned, "the aligned whole blocks go direct"
 
 
-def test_write_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+@pytest.mark.parametrize("refusal", [errno.EINVAL, errno.EOPNOTSUPP, errno.EFAULT])
+def test_write_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch, refusal):
     if not hasattr(os, "O_DIRECT"):
         pytest.skip("this platform has no O_DIRECT")
     real_open = os.open
 
     def refusing_open(path, flags, *args):
         if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
+            raise OSError(refusal, os.strerror(refusal))
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
@@ -161,3 +163,44 @@ def test_write_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
     assert (tmp_path / "f").read_bytes() == want, "a refused O_DIRECT write goes buffered"
     assert direct_bytes() == before
     assert writer_module._direct["ok"] is False, "not tried again on this file system"
+
+
+def test_a_full_disk_on_a_direct_write_is_a_write_error(tmp_path, monkeypatch):
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("this platform has no O_DIRECT")
+    real_open = os.open
+
+    def full_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", full_open)
+    monkeypatch.setitem(writer_module._direct, "ok", True)
+    chunks, _ = _staged_chunks()
+    with pytest.raises(WriteError, match="No space left on device"):
+        write_file(tmp_path / "f", chunks)
+    assert not list(tmp_path.iterdir()), "nothing half-written is left"
+
+
+def test_held_rows_never_make_the_training_thread_wait():
+    """A save held for its evaluation is released by the training thread only: an acquire
+    that waited for it would wait forever."""
+    pool = StagingPool(capacity_bytes=4 * 30, pinned=False)  # one (3, 10) buffer
+    table = torch.zeros(3, 10)
+    held = pool.copy_rows((table, table, table), 0, torch.arange(10), None)
+    held.hold(True)
+    start = time.perf_counter()
+    extra = pool.acquire(30)  # the pool is full, of held rows only
+    assert time.perf_counter() - start < 0.5, "no wait for rows only this thread releases"
+    pool.release(extra)
+    held.hold(False)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(30)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), "once handed to a writer, the rows are waited for again"
+    held.release()
+    waiter.join(5)
+    assert got, "released by the writer's side: the wait ends"
+    assert pool.held == 0
