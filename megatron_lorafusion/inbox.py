@@ -147,6 +147,13 @@ class ServerRoot:
             taken.append((name, job))
         return taken
 
+    def has_news(self) -> bool:
+        """Whether a submission or a cancel request waits (names listed, nothing read)."""
+        for folder, pattern in ((self.inbox, "*.json"), (self.cancels, "*")):
+            if folder.is_dir() and next(folder.glob(pattern), None) is not None:
+                return True
+        return False
+
     def take_cancels(self) -> list[str]:
         """Names of the jobs asked to stop, each request consumed."""
         if not self.cancels.is_dir():

@@ -102,7 +102,8 @@ class _Server:
         self.busy_s = 0.0  # time spent training (inside `Session.train`)
         self.metrics: dict[str, MetricsWriter] = {}
         self.finished: dict[str, str] = {}
-        self.poll_due = False  # the last `pause` found the inbox due
+        self.poll_due = False  # the last `pause` found news in the inbox
+        self.next_poll = 0.0  # rank 0 reads the inbox again from then on
         self._warned_at = -60.0  # the last warning of a status file the disk refused
 
     # -- the root's files (rank 0 reads; every rank acts on what it broadcasts) -------------
@@ -339,15 +340,26 @@ class _Server:
             return flag
         return self.agree_min(int(flag) if self.rank0 else 1) == 1
 
-    def pause(self, poll_at: float) -> bool:
+    def pause(self) -> bool:
         """Whether training pauses before another segment.
 
-        It does when a queued job can start, or when the inbox is due (rank 0's clock past
-        ``poll_at``; remembered in ``poll_due``).
+        It does when a queued job can start, or when rank 0's clock passed ``next_poll`` and
+        a submission or a cancel request waits (remembered in ``poll_due``). An inbox read
+        with nothing new does not pause: rank 0 refreshes the status files and training goes
+        on.
         """
         if self.row_wanted() and self.admissible() > 0:
             return True
-        self.poll_due = self.rank0_says(time.perf_counter() >= poll_at)
+        news = False
+        if self.rank0 and time.perf_counter() >= self.next_poll:
+            try:
+                news = self.root.has_news()
+            except OSError as err:  # read it at the next pause: never a split of the ranks
+                logger.warning("server %s: the inbox cannot be read (%s)", self.root.root, err)
+            if not news:
+                self.write_statuses()
+                self.next_poll = time.perf_counter() + self.cfg.server.poll_s
+        self.poll_due = self.rank0_says(news)
         return self.poll_due
 
     def loop(self) -> None:
@@ -357,7 +369,7 @@ class _Server:
         lets it: training pauses when a job ends while another waits (`Session.row_wanted`).
         """
         s = self.cfg.server
-        idle_since = next_poll = time.perf_counter()
+        idle_since = self.next_poll = time.perf_counter()
         poll = True
         while True:
             if poll:
@@ -371,7 +383,7 @@ class _Server:
             if poll or starting:
                 self.write_statuses()
             if poll:  # counted from here: slow admissions still leave time to train
-                next_poll = time.perf_counter() + s.poll_s
+                self.next_poll = time.perf_counter() + s.poll_s
             if not self.session.jobs:
                 if not self.queue:  # else the next pass admits (an admission failed)
                     idle = time.perf_counter() - idle_since
@@ -383,7 +395,7 @@ class _Server:
                 continue
             start = time.perf_counter()
             self.poll_due = False
-            self.session.train(until=lambda at=next_poll: self.pause(at))
+            self.session.train(until=self.pause)
             self.busy_s += time.perf_counter() - start
             idle_since = time.perf_counter()
             poll = not self.session.jobs or self.poll_due

@@ -369,6 +369,22 @@ def test_a_submission_the_disk_refuses_stays_in_the_inbox(tmp_path, monkeypatch,
     assert (root.job_dir("a") / "job.json").is_file()
 
 
+def test_the_inbox_has_news_only_when_a_submission_or_cancel_waits(tmp_path):
+    from megatron_lorafusion import inbox
+
+    root = inbox.ServerRoot(tmp_path / "root")
+    assert not root.has_news(), "no folders yet"
+    root.inbox.mkdir(parents=True)
+    root.cancels.mkdir(parents=True)
+    (root.inbox / ".0001-a.json.tmp").write_text("{")  # a submission still being written
+    assert not root.has_news()
+    (root.inbox / "0001-a.json").write_text("{}")
+    assert root.has_news()
+    (root.inbox / "0001-a.json").unlink()
+    (root.cancels / "a").write_text("")
+    assert root.has_news()
+
+
 def test_a_status_file_the_disk_refuses_is_a_warning(tmp_path, caplog):
     from megatron_lorafusion.train.server import _Server
 
