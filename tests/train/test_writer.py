@@ -204,3 +204,24 @@ def test_held_rows_never_make_the_training_thread_wait():
     waiter.join(5)
     assert got, "released by the writer's side: the wait ends"
     assert pool.held == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_staged_rows_are_written_direct(tmp_path):
+    """The CUDA path end to end: the GPU gathers into a pinned buffer, which the writer
+    hands to O_DIRECT (pinned pages are ordinary locked pages for the kernel)."""
+    pool = StagingPool(capacity_bytes=64 << 20, pinned=True)
+    table = torch.randn(2, 1 << 20, device="cuda")
+    columns = torch.arange(0, 1 << 20, 2, device="cuda", dtype=torch.int32)
+    staged = pool.copy_rows((table, table, table), 1, columns, torch.cuda.Stream())
+    rows = staged.wait()
+    assert rows.is_pinned()
+    torch.testing.assert_close(rows[0], table[1, ::2].cpu(), atol=0, rtol=0)
+    before = direct_bytes()
+    data = memoryview(rows.numpy()).cast("B")
+    write_file(tmp_path / "f", [b"h" * DIRECT_ALIGN, data])
+    assert (tmp_path / "f").read_bytes()[DIRECT_ALIGN:] == bytes(data)
+    if _direct_supported(tmp_path):
+        assert direct_bytes() > before, "pinned staging buffers go through O_DIRECT"
+    staged.release()
