@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,7 +46,6 @@ __all__ = [
     "Shard",
     "full_adapter_tensors",
     "non_finite_tensors",
-    "pack_rows",
     "row_packing",
     "rows_to_tensors",
     "table_tensors",
@@ -136,17 +136,12 @@ def row_packing(slots: Sequence[SlotView], row_width: int) -> RowPacking:
     return RowPacking(torch.cat(columns) if columns else empty, tuple(factors), live)
 
 
-def pack_rows(rows: torch.Tensor, packing: RowPacking) -> torch.Tensor:
-    """(len(TABLES), K) packed values of (len(TABLES), S) full rows (a copy)."""
-    return rows.index_select(1, packing.columns)
-
-
 def rows_to_tensors(packed: torch.Tensor, packing: RowPacking) -> dict[str, torch.Tensor]:
     """Named tensors of one adapter from its packed rows (what a checkpoint file holds).
 
     Args:
         packed: (len(TABLES), K) fp32 host rows (weights, exp_avg, exp_avg_sq), packed by
-            ``packing`` (`pack_rows`, or a staging buffer the GPU gathered into).
+            ``packing`` (the staging buffer the GPU gathered its ``columns`` into).
         packing: the adapter's `RowPacking`.
 
     Returns:
@@ -158,10 +153,7 @@ def rows_to_tensors(packed: torch.Tensor, packing: RowPacking) -> dict[str, torc
     out: dict[str, torch.Tensor] = {}
     for table, row in zip(TABLES, packed, strict=True):
         for name, offset, shape in packing.factors:
-            size = 1
-            for dim in shape:
-                size *= dim
-            out[f"{table}/{name}"] = row[offset : offset + size].view(shape)
+            out[f"{table}/{name}"] = row[offset : offset + math.prod(shape)].view(shape)
     for name, mask in packing.live.items():
         out[f"live/{name}"] = mask
     return out

@@ -207,8 +207,13 @@ class StagingPool:
         while self._free and self.allocated + 4 * numel > self.capacity:
             self.allocated -= 4 * self._free.pop(0).numel()
         self.allocated += 4 * numel
-        pad = DIRECT_ALIGN // 4  # start it on a 4096-byte boundary: written with O_DIRECT
-        raw = torch.empty(numel + pad, dtype=torch.float32, pin_memory=self.pinned)
+        # Buffers start on a 4096-byte boundary (written with O_DIRECT). Pinned memory is
+        # page-aligned: no pad there, which could double a buffer torch rounds up to a power
+        # of two. Other memory is padded when it is not aligned.
+        buf = torch.empty(numel, dtype=torch.float32, pin_memory=self.pinned)
+        if buf.data_ptr() % DIRECT_ALIGN == 0:
+            return buf
+        raw = torch.empty(numel + DIRECT_ALIGN // 4, dtype=torch.float32, pin_memory=self.pinned)
         skip = (-raw.data_ptr() % DIRECT_ALIGN) // 4
         return raw[skip : skip + numel]
 

@@ -14,7 +14,6 @@ from megatron_lorafusion.train.checkpoint import (
     Shard,
     _header,
     full_adapter_tensors,
-    pack_rows,
     row_packing,
     rows_to_tensors,
     table_tensors,
@@ -61,7 +60,7 @@ def _state(step: int) -> dict:
 
 
 def _tensors(rows: torch.Tensor) -> dict[str, torch.Tensor]:
-    return rows_to_tensors(pack_rows(rows, _PACKING), _PACKING)
+    return rows_to_tensors(rows.index_select(1, _PACKING.columns), _PACKING)
 
 
 def _save(store: AdapterCheckpoints, step: int, seed: int = 0) -> torch.Tensor:

@@ -87,6 +87,22 @@ def test_writer_skips_an_adapters_tasks_after_its_failure():
     writer.close()
 
 
+def _acquire_waits(pool: StagingPool, numel: int, why: str):
+    """Start ``pool.acquire(numel)`` on a thread and check it waits; returns a function that
+    gives what it acquired (``[buffer]``, or ``[]`` if it still waits 5 s later)."""
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(numel)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive(), why
+
+    def result() -> list:
+        waiter.join(5)
+        return got
+
+    return result
+
+
 def test_staging_pool_blocks_only_when_full_and_reuses_buffers():
     pool = StagingPool(capacity_bytes=3 * 4 * 10, pinned=False)  # room for 30 values
     table = torch.arange(30, dtype=torch.float32).view(3, 10)
@@ -95,17 +111,12 @@ def test_staging_pool_blocks_only_when_full_and_reuses_buffers():
     want = torch.stack([k * table[1, [7, 0, 3]] for k in (1, 2, 3)])
     torch.testing.assert_close(first.wait(), want, atol=0, rtol=0, msg="the packed columns")
     pool.release(pool.acquire(20))  # fits beside the first: not a wait
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(25)))
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "a buffer must wait while the pool would pass its capacity"
+    got = _acquire_waits(pool, 25, "a buffer must wait while the pool would pass its capacity")
     first.release()
-    waiter.join(5)
-    assert got, "the waiting acquire must return once a buffer is released"
-    assert got[0].numel() == 25, "no free buffer held 25 values: a new one, the others unpinned"
+    assert got(), "the waiting acquire must return once a buffer is released"
+    assert got()[0].numel() == 25, "no free buffer held 25 values: a new one, the others unpinned"
     assert pool.allocated == 4 * 25, "buffers that would pass the capacity are freed"
-    pool.release(got[0])
+    pool.release(got()[0])
     assert pool.acquire(9).numel() == 25, "the smallest free buffer that fits is reused"
     assert pool.reserve(5, 3) == 1, "a reservation makes only what fits in the capacity"
 
@@ -195,14 +206,9 @@ def test_held_rows_never_make_the_training_thread_wait():
     assert time.perf_counter() - start < 0.5, "no wait for rows only this thread releases"
     pool.release(extra)
     held.hold(False)
-    got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(30)))
-    waiter.start()
-    waiter.join(0.3)
-    assert waiter.is_alive(), "once handed to a writer, the rows are waited for again"
+    got = _acquire_waits(pool, 30, "once handed to a writer, the rows are waited for again")
     held.release()
-    waiter.join(5)
-    assert got, "released by the writer's side: the wait ends"
+    assert got(), "released by the writer's side: the wait ends"
     assert pool.held == 0
 
 
