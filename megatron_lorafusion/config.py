@@ -417,11 +417,14 @@ class TrainConfig:
     """Checkpoint each adapter every this many of its own optimizer steps, right after the
     step, in the background (training goes on); 0: none. Each adapter is exported as soon
     as it is done, whatever this is. At most 10^7."""
-    save_buffer_gib: float = 8.0
+    save_buffer_gib: float | None = None
     """Host memory for saves in flight, in GiB: a save copies the adapter's rows here and a
     writer thread writes them; training waits only when it is full (a disk slower than the
-    saves, which a warning reports). On CUDA it is pinned, one buffer per adapter, and
-    torch pins each buffer rounded up to a power of two (0.428 GB at 8B r 16 takes 0.5 GiB)."""
+    saves, which a warning reports). None (default): two saves of every adapter trained at
+    once, at most a quarter of the machine's memory split over its ranks (at 8B r 16, 64
+    adapters: 55 GB wanted, 32 GiB on a 128 GiB machine). On CUDA it is pinned, one buffer
+    per adapter, and torch pins each buffer rounded up to a power of two (0.428 GB at 8B
+    r 16 takes 0.5 GiB)."""
     resume: Literal["auto", "never"] = "auto"
     """``auto``: each adapter continues from its own newest usable checkpoint in output_dir
     (a damaged one is skipped with a warning), and adapters already done are not trained

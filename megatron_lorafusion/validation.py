@@ -431,7 +431,7 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.keep_last must be >= 0, got {t.keep_last}")
     if t.eval_every < 0:
         p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
-    if not t.save_buffer_gib > 0:
+    if t.save_buffer_gib is not None and not t.save_buffer_gib > 0:
         p.append(f"train.save_buffer_gib must be > 0 GiB, got {t.save_buffer_gib}")
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")

@@ -173,7 +173,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--capacity", type=int, default=8192)
     parser.add_argument("--max-seq-length", type=int, default=2048)
     parser.add_argument("--keep-last", type=int, default=1)
-    parser.add_argument("--save-buffer-gib", type=float, default=16.0)
+    parser.add_argument(
+        "--save-buffer-gib", type=float, default=None, help="default: sized to the job"
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--runs-dir", default="runs/bench_cli")
     parser.add_argument("--keep-runs", action="store_true")

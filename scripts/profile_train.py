@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
         capacity=8192,
         max_seq_length=args.max_seq_length,
         keep_last=1,
-        save_buffer_gib=8.0,
+        save_buffer_gib=None,
         device=args.device,
     )
     folder = Path(args.dir)

@@ -30,7 +30,7 @@ from megatron_lorafusion.train.resume import restore_job, shared_identity
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
 from megatron_lorafusion.train.stream import JobStream
-from megatron_lorafusion.train.writer import BackgroundWriter, StagingPool
+from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
 from megatron_lorafusion.validation import planned_samples_problems
 
 __all__ = ["JobsFailedError", "main", "make_jobs", "prepare_problem"]
@@ -380,7 +380,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         stream,
         settings,
         saver=saver,
-        staging=StagingPool(int(cfg.train.save_buffer_gib * 2**30), pinned=device.type == "cuda"),
+        staging=staging_pool(cfg.train.save_buffer_gib, pinned=device.type == "cuda"),
         eval_losses=_eval_losses(cfg, run, sizes),
         shared=shared_identity(cfg),
         metrics=lambda job: metrics,

@@ -53,7 +53,7 @@ from megatron_lorafusion.train.resume import check_restorable, restore_job, shar
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
 from megatron_lorafusion.train.stream import JobStream
-from megatron_lorafusion.train.writer import BackgroundWriter, StagingPool
+from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
 
 __all__ = ["serve"]
 
@@ -513,7 +513,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
             cut_on_pause=sizes["world"] == 1,
         ),
         saver=saver,
-        staging=StagingPool(int(cfg.train.save_buffer_gib * 2**30), pinned=device.type == "cuda"),
+        staging=staging_pool(cfg.train.save_buffer_gib, pinned=device.type == "cuda"),
         eval_losses=_eval_losses(cfg, run, sizes),
         shared=shared_identity(cfg),
         metrics=metrics_of,

@@ -184,6 +184,7 @@ class Session:
         self._side = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
         self._packings: dict[str, tuple] = {}  # name -> its layout's key
         self._layouts: dict[tuple, list] = {}  # key -> [RowPacking on the device, jobs]
+        self._staging_numel: dict[str, int] = {}  # name -> values per save, while admitted
         self._sharding: dict | None = None
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
@@ -213,8 +214,10 @@ class Session:
         self.shared_of[job.name] = self.shared if shared is None else shared
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
-        if self.settings.writes and self.settings.save_every:  # pinned now, not in the loop
-            self.staging.reserve(len(TABLES) * self._packing(job, slot).width, 1)
+        if self.settings.writes:  # its saves' staging memory, pinned now if it saves early
+            numel = len(TABLES) * self._packing(job, slot).width
+            self._staging_numel[job.name] = numel
+            self.staging.add_job(numel, pin_now=bool(self.settings.save_every))
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
@@ -243,6 +246,9 @@ class Session:
         if held is not None and job.status == "failed":
             held.rows.release()
         self._forget_packing(job)
+        numel = self._staging_numel.pop(job.name, None)
+        if numel is not None:
+            self.staging.remove_job(numel)
         job.slot = None
         self.on_retire(job)
 

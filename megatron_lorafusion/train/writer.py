@@ -26,11 +26,14 @@ import torch
 
 __all__ = [
     "DIRECT_ALIGN",
+    "SAVES_IN_FLIGHT",
     "BackgroundWriter",
     "HostRows",
     "StagingPool",
     "WriteError",
     "direct_bytes",
+    "host_staging_limit",
+    "staging_pool",
     "write_file",
 ]
 
@@ -41,6 +44,36 @@ _WARN_EVERY_S = 30.0  # at most one "saving is behind" warning per this many sec
 
 class WriteError(RuntimeError):
     """A file could not be written (disk full, no permission, ...): names path and bytes."""
+
+
+SAVES_IN_FLIGHT = 2
+"""Saves of each job a pool sized to the jobs holds: at 8B with 64 adapters saving every
+step, room for 1.25 saves each kept training at its saves-off rate, 0.63 did not (0.88x;
+docs/throughput.md)."""
+
+
+def host_staging_limit(local_ranks: int) -> int:
+    """A quarter of this machine's memory (or of its cgroup's limit), split over its ranks.
+
+    Pinned buffers are rounded up to a power of two by torch, so at most half the memory is
+    pinned for saves, whatever the jobs.
+    """
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text.isdigit():
+            total = min(total, int(text))
+    except OSError:
+        pass
+    return total // 4 // max(1, local_ranks)
+
+
+def staging_pool(save_buffer_gib: float | None, *, pinned: bool) -> StagingPool:
+    """The run's pool: ``train.save_buffer_gib`` GiB, or sized to its jobs when None."""
+    if save_buffer_gib is not None:
+        return StagingPool(int(save_buffer_gib * 2**30), pinned=pinned)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return StagingPool(None, pinned=pinned, limit_bytes=host_staging_limit(local_ranks))
 
 
 DIRECT_ALIGN = 4096
@@ -185,14 +218,22 @@ class StagingPool:
     is full, the only point where saving can stall the training loop, and warns with the
     wait. Free buffers are unpinned when new ones of another size would pass the capacity.
 
+    Sized to the jobs (``capacity_bytes=None``), the capacity is `SAVES_IN_FLIGHT` saves of
+    every job trained at once (`add_job`, `remove_job`) at their largest total, at most
+    ``limit_bytes``.
+
     Args:
         capacity_bytes: most bytes handed out at once (one buffer is always allowed, however
-            large), and most bytes kept pinned.
+            large), and most bytes kept pinned; None: sized to the jobs.
         pinned: allocate pinned memory (CUDA runs).
+        limit_bytes: the most a pool sized to the jobs grows to.
     """
 
-    def __init__(self, capacity_bytes: int, *, pinned: bool):
-        self.capacity = capacity_bytes
+    def __init__(self, capacity_bytes: int | None, *, pinned: bool, limit_bytes: int | None = None):
+        self.sized_to_jobs = capacity_bytes is None
+        self.capacity = 0 if capacity_bytes is None else capacity_bytes
+        self.limit = limit_bytes
+        self._wanted = 0  # a pool sized to the jobs: the bytes its jobs would like
         self.pinned = pinned
         self.in_use = 0  # bytes handed out
         self.held = 0  # of those, bytes held by the training thread (`HostRows.hold`)
@@ -224,9 +265,6 @@ class StagingPool:
     def reserve(self, numel: int, count: int) -> int:
         """Allocate up to ``count`` more buffers of ``numel`` now, within the capacity.
 
-        Pinning host memory takes time (and the first saves would pay it in the training
-        loop): a run reserves each adapter's buffer when it admits the adapter.
-
         Returns:
             How many were allocated.
         """
@@ -236,6 +274,32 @@ class StagingPool:
                 self._put(self._new(numel))
                 made += 1
         return made
+
+    def add_job(self, numel: int, *, pin_now: bool) -> None:
+        """A job whose saves take ``numel`` values each joins; ``pin_now`` pins one buffer.
+
+        Pinning host memory takes time (the first saves would pay it in the training loop):
+        a run pins a job's buffer as it admits the job when the job saves before its end.
+        """
+        with self._cond:
+            if self.sized_to_jobs:
+                self._wanted += SAVES_IN_FLIGHT * 4 * numel
+                wanted = min(self._wanted, self.limit) if self.limit else self._wanted
+                self.capacity = max(self.capacity, wanted)
+                self._cond.notify_all()
+        if pin_now:
+            self.reserve(numel, 1)
+
+    def remove_job(self, numel: int) -> None:
+        """A job added with ``numel`` left (its last save may still be staged).
+
+        The capacity never shrinks: it stays at its jobs' largest total, so the last saves of
+        jobs ending together have the room they had, and a server's next jobs reuse the
+        buffers.
+        """
+        with self._cond:
+            if self.sized_to_jobs:
+                self._wanted -= SAVES_IN_FLIGHT * 4 * numel
 
     def acquire(self, numel: int) -> torch.Tensor:
         """A flat fp32 host buffer of >= ``numel``; waits while the pool is full."""

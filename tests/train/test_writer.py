@@ -13,10 +13,13 @@ import torch
 from megatron_lorafusion.train import writer as writer_module
 from megatron_lorafusion.train.writer import (
     DIRECT_ALIGN,
+    SAVES_IN_FLIGHT,
     BackgroundWriter,
     StagingPool,
     WriteError,
     direct_bytes,
+    host_staging_limit,
+    staging_pool,
     write_file,
 )
 
@@ -119,6 +122,40 @@ def test_staging_pool_blocks_only_when_full_and_reuses_buffers():
     pool.release(got()[0])
     assert pool.acquire(9).numel() == 25, "the smallest free buffer that fits is reused"
     assert pool.reserve(5, 3) == 1, "a reservation makes only what fits in the capacity"
+
+
+def test_staging_pool_sized_to_its_jobs_grows_to_their_largest_total_and_its_limit():
+    pool = StagingPool(None, pinned=False, limit_bytes=4 * 100)
+    assert pool.capacity == 0
+    pool.add_job(10, pin_now=True)
+    assert pool.capacity == SAVES_IN_FLIGHT * 4 * 10, "two saves of the one job"
+    assert pool.allocated == 4 * 10, "pin_now makes the job's buffer at admission"
+    pool.add_job(20, pin_now=False)
+    assert pool.capacity == SAVES_IN_FLIGHT * 4 * 30
+    assert pool.allocated == 4 * 10, "a job that saves only at its end pins nothing yet"
+    pool.remove_job(10)
+    pool.remove_job(20)
+    assert pool.capacity == SAVES_IN_FLIGHT * 4 * 30, "the last saves keep their room"
+    pool.add_job(40, pin_now=False)
+    assert pool.capacity == 4 * 80, "the jobs of now (40 values) want less than the largest"
+    pool.add_job(30, pin_now=False)
+    assert pool.capacity == 4 * 100, "at most the limit"
+    fixed = StagingPool(4 * 7, pinned=False)
+    fixed.add_job(50, pin_now=True)
+    assert fixed.capacity == 4 * 7, "a set capacity stays"
+    assert fixed.allocated == 0, "no room for the job's buffer: nothing pinned"
+
+
+def test_host_staging_limit_is_a_quarter_of_the_memory_split_over_local_ranks(monkeypatch):
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    one = host_staging_limit(1)
+    assert 0 < one <= total // 4
+    assert host_staging_limit(4) == one // 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    pool = staging_pool(None, pinned=False)
+    assert pool.sized_to_jobs
+    assert pool.limit == one // 2
+    assert staging_pool(0.5, pinned=False).capacity == 2**29
 
 
 def _direct_supported(folder) -> bool:
