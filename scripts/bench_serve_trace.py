@@ -17,9 +17,10 @@
    job's admission and finish times from its ``status.json``. A job's time alone is its
    run time under ``fifo`` (it ran alone there); its slowdown is its completion time over it.
 4. Prints per job and per policy: arrival, start, finish, job completion time, queue delay,
-   slowdown; makespan, mean / p50 / p95 JCT, busy share, tokens/s while training, and the
-   simulator's figures for the same trace (`sim.trace.simulate_trace` with the measured R
-   and R alone).
+   slowdown; makespan, mean / p50 / p95 JCT, busy share, tokens/s while training, where a
+   job's time went (queued, admission to its first optimizer step, first to last step, last
+   step to its end), and the simulator's figures for the same trace
+   (`sim.trace.simulate_trace` with the measured R and R alone).
 """
 
 import argparse
@@ -144,7 +145,7 @@ def _serve(args, jobs, folder: Path, policy: str) -> dict:
         time.sleep(0.1)
     child.terminate()
     child.wait(timeout=120)
-    out = {}
+    out, steps = {}, {}
     for job in jobs:
         status = json.loads((files.job_dir(job.name) / "status.json").read_text())
         out[job.name] = (
@@ -153,7 +154,36 @@ def _serve(args, jobs, folder: Path, policy: str) -> dict:
             status["finished_at"] - t0,
             status["status"],
         )
-    return {"jobs": out, "stats": (files.server_info() or {}).get("stats", {})}
+        steps[job.name] = _step_times(files.job_dir(job.name) / "metrics.jsonl")
+    return {"jobs": out, "steps": steps, "stats": (files.server_info() or {}).get("stats", {})}
+
+
+def _step_times(path: Path) -> tuple[float, float] | None:
+    """Seconds from a job's admission to its first and to its last optimizer step.
+
+    A served job's metrics writer starts at its admission, so its step records' ``time_s``
+    count from there.
+    """
+    if not path.is_file():
+        return None
+    times = [r["time_s"] for r in map(json.loads, path.open()) if "time_s" in r]
+    return (min(times), max(times)) if times else None
+
+
+def _where_time_went(run: dict) -> dict[str, float]:
+    """Mean seconds per job: queued, admission to first step, first to last step, last step
+    to its end (retired), over the jobs whose steps were recorded."""
+    parts = {"queued": [], "to first step": [], "first to last step": [], "after last step": []}
+    for name, (arrival, start, finish, _) in run["jobs"].items():
+        got = run["steps"].get(name)
+        if got is None:
+            continue
+        first, last = got
+        parts["queued"].append(start - arrival)
+        parts["to first step"].append(first)
+        parts["first to last step"].append(last - first)
+        parts["after last step"].append(finish - start - last)
+    return {k: statistics.mean(v) if v else float("nan") for k, v in parts.items()}
 
 
 def _summary(jobs, run: dict, alone: dict[str, float]) -> dict:
@@ -250,6 +280,13 @@ def main(argv: list[str] | None = None) -> dict:
             f"{s['p95_jct_s']:.1f} | {s['mean_queue_s']:.1f} | {s['mean_slowdown']:.2f} | "
             f"{100 * s['busy']:.0f}% | {s['tokens_per_busy_s']:,.0f} | {s['failed']} |"
         )
+    print("\nwhere a job's time went (mean s per job; steps from its metrics.jsonl):")
+    print("| policy | queued | admission to first step | first to last step | after last step |")
+    print("|---|---|---|---|---|")
+    for policy, run in runs.items():
+        w = _where_time_went(run)
+        result["policies"][policy]["where_s"] = w
+        print(f"| {policy} | " + " | ".join(f"{v:.2f}" for v in w.values()) + " |")
     r_alone = tokens / max(sum(alone.values()), 1e-9) if alone else None
     print("\nsimulator, same trace (R measured, R alone from fifo):")
     for policy in args.policies:
