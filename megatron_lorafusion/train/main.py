@@ -416,6 +416,9 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
     record["replans"] = session.stream.replans
     record["saved_gb"] = session.saver.writer.bytes_written / 1e9
     record["save_wait_s"] = session.staging.waited_s  # training waiting for staging memory
+    device = session.run.device
+    if device.type == "cuda":
+        record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     metrics.log_run(sum(job.step for job in jobs), record)
     metrics.close()
     for job in jobs:
@@ -435,7 +438,7 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
     logger.info(
         "training %.1fk tok/s over %.1f s | start-up %.1f s, first step %.1f s (Triton "
         "compilation on a cold cache), evaluation %.1f s, after the last step %.1f s "
-        "(saves and exports) | wall %.1f s | %.1f GB saved, training waited %.1f s for it",
+        "(saves and exports) | wall %.1f s | %.1f GB saved, training waited %.1f s for it%s",
         rate / 1e3,
         record.get("train_s", 0.0),
         record["startup_s"],
@@ -445,6 +448,7 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
         record["wall_s"],
         record["saved_gb"],
         record["save_wait_s"],
+        f" | peak GPU memory {record['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in record else "",
     )
     failed = [job for job in jobs if job.status == "failed"]
     if failed:

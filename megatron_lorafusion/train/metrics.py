@@ -7,10 +7,10 @@ first TP/DP rank of a pipelined one). Each optimizer step of an adapter appends 
 go to TensorBoard as ``loss/<adapter>``, ``lr/<adapter>``, ``eval_loss/<adapter>``, ...
 (`torch.utils.tensorboard.SummaryWriter`, under ``<output_dir>/tensorboard/``). A resumed run
 appends: readers keep the last record of each (adapter, step, kind) (`read_metrics`).
-Run-wide records (``"adapter": null``: tokens/s, microbatches, fill, measured bubble, and
-where the time went: start-up, the first step (Triton compilation), training, waits for
-saves, the export tail) are written at the end (`MetricsWriter.log_run`; pipelined runs also
-log each segment's measured bubble).
+Run-wide records (``"adapter": null``: tokens/s, microbatches, fill, measured bubble, where
+the time went: start-up, the first step (Triton compilation), training, waits for saves, the
+export tail; the peak GPU memory of a CUDA run) are written at the end
+(`MetricsWriter.log_run`; pipelined runs also log each segment's measured bubble).
 
 It also holds what a run says on its first screen (`job_summary`, `plan_summary`) and the
 progress bar of every kind of run (`ProgressBar`).

@@ -40,6 +40,7 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
     assert 0 < runs[0]["fill"] <= 1, runs
     for key in ("startup_s", "first_step_s", "train_s", "train_tokens_per_s", "end_s"):
         assert runs[0][key] > 0, f"where the time went: {key} missing or 0 in {runs[0]}"
+    assert "peak_gpu_gib" not in runs[0], "a CPU run records no GPU memory peak"
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
