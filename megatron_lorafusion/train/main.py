@@ -115,21 +115,25 @@ def _sequence_shards(cfg: JobConfig, device: torch.device) -> int:
 _IN_PROCESS_SAMPLES = 4096  # smaller plans are made in the loop (~0.1 s), not in a worker
 
 
-def start_planner(cfg: JobConfig):
+def plans_in_process(samples: int) -> bool:
+    """Whether `start_planner` plans a problem of ``samples`` samples in this process."""
+    return samples <= _IN_PROCESS_SAMPLES
+
+
+def start_planner(cfg: JobConfig, rounds_per_chunk: int = 4):
     """``problem -> chunks`` of `JobStream`: a worker process for big problems, in-process else.
 
     A worker takes a process start (~1-2 s) before its first chunk, which a server would
     pay at every job that joins or leaves; a small problem is planned in this process faster.
+    The stream sees a change of its jobs between chunks of ``rounds_per_chunk`` rounds (one
+    global batch of every job each).
     """
+    limits = {"solver": cfg.planner.solver, "time_limit_s": cfg.planner.time_limit_s}
 
     def start(problem: PlanProblem):
-        if sum(len(x) for x in problem.lengths) <= _IN_PROCESS_SAMPLES:
-            return iter_plan_chunks(
-                problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
-            )
-        return BackgroundPlanner(
-            problem, solver=cfg.planner.solver, time_limit_s=cfg.planner.time_limit_s
-        )
+        if plans_in_process(sum(len(x) for x in problem.lengths)):
+            return iter_plan_chunks(problem, rounds_per_chunk, **limits)
+        return BackgroundPlanner(problem, rounds_per_chunk, **limits)
 
     return start
 
@@ -363,6 +367,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         seed=cfg.train.seed,
         start_planner=start_planner(cfg),
         on_plan=_on_plan(cfg, sizes, rank0),
+        plans_in_process=plans_in_process,
     )
     settings = SessionSettings(
         save_every=cfg.train.save_every,

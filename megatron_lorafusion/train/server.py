@@ -45,6 +45,7 @@ from megatron_lorafusion.train.main import (
     _sequence_shards,
     _writes_metrics,
     make_jobs,
+    plans_in_process,
     start_planner,
 )
 from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar
@@ -60,6 +61,7 @@ __all__ = ["serve"]
 logger = logging.getLogger(__name__)
 
 _CUT_EVERY = 16  # microbatches between inbox checks (a cut costs nothing at PP = 1)
+_ROUNDS_PER_CHUNK = 1  # a job admitted mid-chunk joins the plan at the chunk's end
 
 
 def _placeholders(cfg: JobConfig) -> list[AdapterConfig]:
@@ -490,7 +492,8 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         num_stages=cfg.parallel.pp,
         tile_height=cfg.planner.tile_height,
         seed=cfg.train.seed,
-        start_planner=start_planner(cfg),
+        start_planner=start_planner(cfg, _ROUNDS_PER_CHUNK),
+        plans_in_process=plans_in_process,
     )
 
     def metrics_of(job: AdapterJob) -> MetricsWriter:

@@ -84,6 +84,8 @@ class JobStream:
         start_planner: ``problem -> iterator of Plan chunks`` (a `BackgroundPlanner`).
         on_plan: called with each new plan's first chunk and its problem (summaries, and the
             ranks' agreement on it).
+        plans_in_process: ``samples -> bool``: whether ``start_planner`` plans a problem of
+            that many samples in this process (no worker to hide the planning behind).
 
     Attributes:
         jobs: slot -> job, the jobs that should train; change it between runner calls only
@@ -99,11 +101,13 @@ class JobStream:
         seed: int,
         start_planner: Callable[[PlanProblem], Iterator[Plan]],
         on_plan: Callable[[Plan, PlanProblem], None] | None = None,
+        plans_in_process: Callable[[int], bool] = lambda samples: False,
     ):
         self.capacity, self.num_stages, self.tile_height = capacity, num_stages, tile_height
         self.seed = seed
         self.start_planner = start_planner
         self.on_plan = on_plan
+        self.plans_in_process = plans_in_process
         self.jobs: dict[int, AdapterJob] = {}
         self.replans = 0  # plans made (the first included)
         self._cursors: dict[str, _Cursor] = {}
@@ -232,6 +236,10 @@ class JobStream:
                 cursor = cursors.setdefault(job.name, _Cursor(job.step))
                 cursor.take(taken.get(p, []), p in mb.finishes)
 
+    def _samples_left(self) -> int:
+        """Samples the jobs that should train have left (what a new plan would hold)."""
+        return sum(len(self._cursor(job).remaining(job)) for job in self.jobs.values())
+
     # -- the stream ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Microbatch | None]:
         """Microbatches in slots and training positions; `CUT` where a plan switch drains."""
@@ -262,12 +270,15 @@ class JobStream:
     def _switch(self) -> tuple[list[Microbatch] | None, _Planned | None]:
         """Re-plan for the current jobs: ``(chunk to run now, the plan it belongs to)``.
 
-        With an old plan, its next chunk runs while the new plan is made from what remains
-        after it (planned in the background meanwhile); without one, the new plan's first
-        chunk is waited for. ``(None, None)``: nothing is left to train.
+        Where the new plan needs a worker, the old plan's next chunk runs while the worker
+        plans what remains after it; a plan made in this process is waited for (it takes
+        less than a chunk, and a job that joins trains from the next microbatch on).
+        ``(None, None)``: nothing is left to train.
         """
         old = self._plan
-        chunk = self._chunk(old) if old is not None else None
+        chunk = None
+        if old is not None and not self.plans_in_process(self._samples_left()):
+            chunk = self._chunk(old)
         if old is not None and old.planner is not None:
             old.planner.close()
         if chunk is not None:

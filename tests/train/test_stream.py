@@ -21,13 +21,14 @@ def _job(name: str, samples: int, gbs: int, seed: int = 0) -> AdapterJob:
     )
 
 
-def _stream(num_stages: int = 1) -> JobStream:
+def _stream(num_stages: int = 1, in_process: bool = False) -> JobStream:
     return JobStream(
         capacity=64,
         num_stages=num_stages,
         tile_height=1,
         seed=3,
         start_planner=lambda problem: iter_plan_chunks(problem, rounds_per_chunk=1),
+        plans_in_process=lambda samples: in_process,
     )
 
 
@@ -110,6 +111,27 @@ def test_stream_admits_a_joining_job_mid_run(at):
     per_job, _, _ = _run(stream, {at: lambda: stream.jobs.__setitem__(1, jobs[1])})
     _check_batches(jobs[0], per_job["a"], upto=30)  # its partial batch continues across
     _check_batches(jobs[1], per_job["late"], upto=12)
+
+
+def test_a_job_joins_one_chunk_sooner_when_its_plan_is_made_in_process():
+    """A worker's plan is hidden behind the old plan's next chunk; a plan made in this
+    process is waited for, so the joining job's samples start right after the current chunk.
+    """
+    firsts = {}
+    for in_process in (False, True):
+        jobs = [_job("a", 40, 4), _job("late", 12, 4, seed=3)]
+        stream = _stream(in_process=in_process)
+        stream.jobs[0] = jobs[0]
+        order = []
+        for count, item in enumerate(stream):
+            if count == 1:
+                stream.jobs[1] = jobs[1]
+            order.append([s.adapter for s in item.samples])
+        firsts[in_process] = next(i for i, slots in enumerate(order) if 1 in slots)
+        for slot, job in enumerate(jobs):
+            trained = sum(slots.count(slot) for slots in order)
+            assert trained == len(job.order), (in_process, job.name, trained)
+    assert firsts[True] < firsts[False], firsts
 
 
 def test_stream_of_a_pipelined_run_cuts_at_plan_switches():
