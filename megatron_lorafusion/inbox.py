@@ -115,10 +115,12 @@ class ServerRoot:
             return None
 
     def take_submissions(self) -> list[tuple[str, dict]]:
-        """New jobs in arrival order, moved from the inbox to their folders.
+        """New jobs in arrival order, each written to its folder, then removed from the inbox.
 
-        A file that cannot be moved now (a full or failing disk) stays in the inbox, with a
-        warning, for the next read.
+        A file that cannot be written to its folder now (a full or failing disk) stays in the
+        inbox, with a warning, for the next read. One whose inbox file cannot be removed is
+        taken all the same (its ``job.json`` says so) and returned again by each later read
+        while the file stays: the server takes each name once.
 
         Returns:
             ``(name, job)`` per submitted job (``job.json``'s contents).
@@ -132,18 +134,18 @@ class ServerRoot:
                 continue
             name = job["adapter"]["name"]
             moved = self.job_dir(name) / "job.json"
-            try:
-                _write_json(moved, job)
+            if _read_json(moved) != job:  # else taken at an earlier read
                 try:
-                    path.unlink(missing_ok=True)
-                except OSError:
-                    moved.unlink(missing_ok=True)  # taken once: it stays in the inbox
-                    raise
+                    _write_json(moved, job)
+                except OSError as err:
+                    logger.warning(
+                        "%s: not taken from the inbox now (%s); tried again later", path, err
+                    )
+                    continue
+            try:
+                path.unlink(missing_ok=True)
             except OSError as err:
-                logger.warning(
-                    "%s: not taken from the inbox now (%s); tried again later", path, err
-                )
-                continue
+                logger.warning("%s: taken, but left in the inbox (%s)", path, err)
             taken.append((name, job))
         return taken
 

@@ -149,6 +149,14 @@ class _Server:
         return self.broadcast(news)
 
     # -- admission ---------------------------------------------------------------------------
+    def knows(self, name: str) -> bool:
+        """Whether job ``name`` is queued, running or finished on this server already."""
+        return (
+            name in self.finished
+            or name in self.session.known
+            or any(queued == name for queued, _ in self.queue)
+        )
+
     def admissible(self) -> int:
         """How many queued jobs may start now (the policy, given the free rows)."""
         free, running = len(self.session.free), len(self.session.jobs)
@@ -376,7 +384,7 @@ class _Server:
         while True:
             if poll:
                 news, cancels = self.poll()
-                self.queue += [(name, job) for name, job in news]
+                self.queue += [(name, job) for name, job in news if not self.knows(name)]
                 for name in cancels:
                     self.cancel(name)
             starting = min(self.admissible(), len(self.queue))

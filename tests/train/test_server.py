@@ -369,6 +369,45 @@ def test_a_submission_the_disk_refuses_stays_in_the_inbox(tmp_path, monkeypatch,
     assert (root.job_dir("a") / "job.json").is_file()
 
 
+def test_a_submission_whose_inbox_file_stays_is_taken_once(tmp_path, monkeypatch, caplog):
+    """A file written to its job folder but not removed from the inbox (a failing unlink) is
+    taken: each later read returns it again while it stays, and the server queues a name
+    it knows (queued, running or finished, restored after a restart too) never again."""
+    from types import SimpleNamespace
+
+    from megatron_lorafusion import inbox
+    from megatron_lorafusion.train.server import _Server
+
+    root = inbox.ServerRoot(tmp_path / "root")
+    root.inbox.mkdir(parents=True)
+    path = root.inbox / "0001-a.json"
+    path.write_text(json.dumps({"adapter": {"name": "a"}}))
+    real_unlink = type(path).unlink
+
+    def refuse(self, missing_ok=False):
+        if self.parent == root.inbox:
+            raise OSError(5, "Input/output error")
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(type(path), "unlink", refuse)
+    assert [name for name, _ in root.take_submissions()] == ["a"]
+    assert "taken, but left in the inbox" in caplog.text
+    assert json.loads((root.job_dir("a") / "job.json").read_text()) == {"adapter": {"name": "a"}}
+    assert [name for name, _ in root.take_submissions()] == ["a"], "returned while it stays"
+    assert [name for name, _, _ in root.known_jobs()] == ["a"], "a restart queues it once"
+    monkeypatch.setattr(type(path), "unlink", real_unlink)
+    assert [name for name, _ in root.take_submissions()] == ["a"]
+    assert not path.exists()
+    assert root.take_submissions() == []
+
+    server = SimpleNamespace(finished={"done": "done"}, session=SimpleNamespace(known={}))
+    server.queue = [("a", {})]
+    for name, known in (("a", True), ("done", True), ("new", False)):
+        assert _Server.knows(server, name) is known, name
+    server.session.known["running"] = object()
+    assert _Server.knows(server, "running")
+
+
 def test_the_inbox_has_news_only_when_a_submission_or_cancel_waits(tmp_path):
     from megatron_lorafusion import inbox
 
