@@ -39,7 +39,8 @@ __all__ = ["ServerBusyError", "ServerRoot", "submit_job"]
 
 logger = logging.getLogger(__name__)
 
-STATUSES = ("queued", "running", "done", "stopped", "cancelled", "failed")
+FINISHED = ("done", "stopped", "cancelled", "failed")
+"""Statuses of a job that will not train again."""
 
 
 class ServerBusyError(RuntimeError):
@@ -236,7 +237,7 @@ class ServerRoot:
         )
         if not self.job_dir(name).exists() and not in_inbox:
             raise ValueError(f"server root {str(self.root)!r} has no job named {name!r}")
-        if status in ("done", "stopped", "cancelled", "failed"):
+        if status in FINISHED:
             raise ValueError(f"job {name!r} is already {status}")
         self.cancels.mkdir(parents=True, exist_ok=True)
         (self.cancels / name).touch()

@@ -17,12 +17,10 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.data import TokenizedSample
+from megatron_lorafusion.inbox import FINISHED
 from megatron_lorafusion.pipeline import AdapterRun
 
 __all__ = ["FINISHED", "AdapterJob", "batch_token_counts", "sample_key"]
-
-FINISHED = ("done", "stopped", "cancelled", "failed")
-"""Statuses of a job that will not train again."""
 
 
 def sample_key(seed: int, name: str, position: int) -> int:

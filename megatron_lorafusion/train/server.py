@@ -31,7 +31,7 @@ from megatron_lorafusion.config import (
     job_from_dict,
 )
 from megatron_lorafusion.data import DataError, load_tokenizer
-from megatron_lorafusion.inbox import ServerRoot
+from megatron_lorafusion.inbox import FINISHED, ServerRoot
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, CheckpointError, Shard
 from megatron_lorafusion.train.job import AdapterJob
 from megatron_lorafusion.train.main import (
@@ -122,7 +122,7 @@ class _Server:
         if self.rank0:
             running, queued, finished = [], [], {}
             for name, job, status in self.root.known_jobs():
-                ended = status["status"] in ("done", "stopped", "cancelled")
+                ended = status["status"] in FINISHED and status["status"] != "failed"
                 exported = (self.root.job_dir(name) / "checkpoints" / "done.json").is_file()
                 if status["status"] == "running" or (ended and not exported):
                     running.append((name, job))  # a kill came before its export: resumed
