@@ -397,6 +397,16 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
     for slot, job in enumerate(jobs):
         if job.name not in exported:  # an ended job without its export gets it here
             session.admit(job, slot)
+    if settings.writes:
+        staging = session.staging
+        size = staging.capacity / 2**30
+        logger.info(
+            "saves: staged in up to %s of host memory (train.save_buffer_gib%s)",
+            f"{size:.1f} GiB" if size >= 1 else f"{size * 1024:.1f} MiB",
+            ": two saves of every adapter, at most a quarter of this machine's memory"
+            if staging.sized_to_jobs
+            else "",
+        )
     run.model.train()
     try:
         session.train()

@@ -62,3 +62,6 @@ def test_train_start_has_no_third_party_lines(tmp_path):
     foreign = [line for line in lines if "megatron_lorafusion" not in line]
     assert not foreign, f"third-party lines on stderr: {foreign}"
     assert not [line for line in lines if "Warning" in line], lines
+    staging = [line for line in lines if "saves: staged in up to" in line]
+    assert staging, "the run says how much host memory its saves may take"
+    assert "two saves of every adapter" in staging[0], staging
