@@ -512,7 +512,12 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         if value is None and type(None) in options:
             return None
         (inner,) = [t for t in options if t is not type(None)]
-        return _convert(value, inner, where, problems)
+        before = len(problems)
+        converted = _convert(value, inner, where, problems)
+        plain = not dataclasses.is_dataclass(inner) and typing.get_origin(inner) is not list
+        if plain and len(problems) > before:  # the key's own value: say that unset is valid
+            problems[before] = problems[before].replace(" must be ", " must be null or ", 1)
+        return converted
     if origin is Literal:
         if value not in typing.get_args(tp):
             problems.append(f"{where} must be {_type_name(tp)}, got {value!r}")

@@ -688,3 +688,17 @@ def test_config_plan_larger_than_free_memory_is_refused_naming_the_limit(tmp_pat
         "samples take ~1.9 GiB of host memory to plan (~1024 bytes apiece), and 1.0 GiB is "
         "free (the test's limit); got 1000 × 2000"
     )
+
+
+def test_config_save_buffer_gib_is_a_size_or_null_sized_to_the_job(tmp_path):
+    job = _job(tmp_path)
+    job["train"]["save_buffer_gib"] = "auto"
+    assert "train.save_buffer_gib must be null or of type float, got 'auto'" in _errors(
+        tmp_path, job
+    )
+    job["train"]["save_buffer_gib"] = 0
+    assert "train.save_buffer_gib must be > 0 GiB, got 0.0" in _errors(tmp_path, job)
+    job["train"]["save_buffer_gib"] = None
+    assert load_config(_write(tmp_path, job)).train.save_buffer_gib is None
+    job["train"]["save_buffer_gib"] = 2
+    assert load_config(_write(tmp_path, job)).train.save_buffer_gib == 2.0
