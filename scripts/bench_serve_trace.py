@@ -39,6 +39,7 @@ from megatron_lorafusion.config import load_submission
 from megatron_lorafusion.data import write_lengths
 from megatron_lorafusion.inbox import ServerRoot
 from megatron_lorafusion.sim.trace import make_trace, simulate_trace, summarize
+from megatron_lorafusion.train.metrics import read_metrics
 
 
 def _sections(args) -> dict:
@@ -154,19 +155,21 @@ def _serve(args, jobs, folder: Path, policy: str) -> dict:
             status["finished_at"] - t0,
             status["status"],
         )
-        steps[job.name] = _step_times(files.job_dir(job.name) / "metrics.jsonl")
+        steps[job.name] = _step_times(files.job_dir(job.name))
     return {"jobs": out, "steps": steps, "stats": (files.server_info() or {}).get("stats", {})}
 
 
-def _step_times(path: Path) -> tuple[float, float] | None:
+def _step_times(job_dir: Path) -> tuple[float, float] | None:
     """Seconds from a job's admission to its first and to its last optimizer step.
 
     A served job's metrics writer starts at its admission, so its step records' ``time_s``
     count from there.
     """
-    if not path.is_file():
+    try:
+        records = read_metrics(job_dir)
+    except FileNotFoundError:
         return None
-    times = [r["time_s"] for r in map(json.loads, path.open()) if "time_s" in r]
+    times = [r["time_s"] for r in records if "time_s" in r]
     return (min(times), max(times)) if times else None
 
 

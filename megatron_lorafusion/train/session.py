@@ -184,7 +184,6 @@ class Session:
         self._side = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
         self._packings: dict[str, tuple] = {}  # name -> its layout's key
         self._layouts: dict[tuple, list] = {}  # key -> [RowPacking on the device, jobs]
-        self._staging_numel: dict[str, int] = {}  # name -> values per save, while admitted
         self._sharding: dict | None = None
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
@@ -215,9 +214,8 @@ class Session:
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
         if self.settings.writes:  # its saves' staging memory, pinned now if it saves early
-            numel = len(TABLES) * self._packing(job, slot).width
-            self._staging_numel[job.name] = numel
-            self.staging.add_job(numel, pin_now=bool(self.settings.save_every))
+            pin_now = bool(self.settings.save_every)
+            self.staging.add_job(self._save_numel(job, slot), pin_now=pin_now)
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
@@ -245,10 +243,9 @@ class Session:
         held = self._held.pop(job.name, None)
         if held is not None and job.status == "failed":
             held.rows.release()
+        if self.settings.writes:
+            self.staging.remove_job(self._save_numel(job, slot))
         self._forget_packing(job)
-        numel = self._staging_numel.pop(job.name, None)
-        if numel is not None:
-            self.staging.remove_job(numel)
         job.slot = None
         self.on_retire(job)
 
@@ -412,6 +409,10 @@ class Session:
             self._layouts[key][1] += 1
             self._packings[job.name] = key
         return self._layouts[self._packings[job.name]][0]
+
+    def _save_numel(self, job: AdapterJob, slot: int) -> int:
+        """Values of one save of ``job`` (its packed weights and moments)."""
+        return len(TABLES) * self._packing(job, slot).width
 
     def _forget_packing(self, job: AdapterJob) -> None:
         key = self._packings.pop(job.name, None)
