@@ -433,6 +433,26 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
     if t.save_buffer_gib is not None and not t.save_buffer_gib > 0:
         p.append(f"train.save_buffer_gib must be > 0 GiB, got {t.save_buffer_gib}")
+    if t.cuda_graphs:
+        why_not = [
+            reason
+            for reason, applies in (
+                ("train.device is cpu", t.device == "cpu"),
+                (f"parallel.tp is {cfg.parallel.tp}", cfg.parallel.tp > 1),
+                (f"parallel.pp is {cfg.parallel.pp}", cfg.parallel.pp > 1),
+                ("train.recompute is 'full'", t.recompute == "full"),
+                (f"train.precision is '{t.precision}'", t.precision == "fp32"),
+                ("an adapter uses DoRA", any(a.use_dora for a in cfg.adapters)),
+                ("a server trains eagerly (lorafusion serve)", cfg.server is not None),
+            )
+            if applies
+        ]
+        if why_not:
+            p.append(
+                "train.cuda_graphs: true needs one process on a GPU in bf16, without full "
+                "recompute or DoRA adapters, but "
+                f"{', '.join(why_not)} (set it to false)"
+            )
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
     elif cfg.server is None and (problem := _output_dir_problem(cfg)) is not None:

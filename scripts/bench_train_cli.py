@@ -1,7 +1,7 @@
 """What users get: `lorafusion train` itself, timed on the issues' workloads, cell by cell.
 
     python -m scripts.bench_train_cli --presets llama3.2-1b --adapters 1 4 16 64 \
-        --global-batch 8 32                        # issue 33's matrix (4096 samples)
+        --global-batch 8 32 --cuda-graphs on off  # issue 33's matrix (4096 samples)
     python -m scripts.bench_train_cli --presets llama3.1-8b --adapters 64 --samples 2048 \
         --save-every 0 2                          # issue 31: saves off, then on
     python -m scripts.bench_train_cli --device cpu --presets tiny --adapters 2 --samples 64 \
@@ -39,7 +39,9 @@ def _lengths(count: int, seed: int) -> list[int]:
     return [min(max(round(rng.lognormvariate(6.2, 0.55)), 64), 2000) for _ in range(count)]
 
 
-def _job(args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int) -> Path:
+def _job(
+    args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int, graphs: str = "off"
+) -> Path:
     per = args.samples // adapters
     entries = []
     for a in range(adapters):
@@ -72,6 +74,7 @@ def _job(args, folder: Path, preset: str, adapters: int, gbs: int, save_every: i
             "save_every": save_every,
             "keep_last": args.keep_last,
             "save_buffer_gib": args.save_buffer_gib,
+            "cuda_graphs": graphs == "on",
         },
         "logging": {"progress_bar": False, "log_every": 10**6},
     }
@@ -84,10 +87,10 @@ def _size(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
 
-def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
-    folder = Path(args.runs_dir) / f"{preset}-a{adapters}-g{gbs}-s{save_every}"
+def _cell(args, preset: str, adapters: int, gbs: int, save_every: int, graphs: str) -> dict:
+    folder = Path(args.runs_dir) / f"{preset}-a{adapters}-g{gbs}-s{save_every}-{graphs}"
     shutil.rmtree(folder, ignore_errors=True)
-    job = _job(args, folder, preset, adapters, gbs, save_every)
+    job = _job(args, folder, preset, adapters, gbs, save_every, graphs)
     start = time.perf_counter()
     log = folder / "train.log"  # a file, not a pipe: a full pipe would stall the run
     with log.open("w") as stderr:
@@ -100,7 +103,13 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
             time.sleep(0.5)
     err = log.read_text(encoding="utf-8", errors="replace")
     wall = time.perf_counter() - start
-    row = {"preset": preset, "adapters": adapters, "gbs": gbs, "save_every": save_every}
+    row = {
+        "preset": preset,
+        "adapters": adapters,
+        "gbs": gbs,
+        "save_every": save_every,
+        "graphs": graphs,
+    }
     if child.returncode != 0:
         lines = err.strip().splitlines()
         row["error"] = lines[-1] if lines else f"exit {child.returncode}"
@@ -125,6 +134,7 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
             "checkpoints_written": err.count("saved checkpoint of adapter"),
             "save_wait_s": run.get("save_wait_s", math.nan),
             "peak_disk_gb": peak / 1e9,
+            "graph_replays": run.get("graph_replays", 0),
         }
     )
     phase = row["first_step_s"] + row["train_s"]
@@ -137,10 +147,11 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int) -> dict:
 
 def _table(rows: list[dict]) -> str:
     head = (
-        "| preset | adapters | gbs | save_every | microbatches | fill | train tok/s | start-up s "
+        "| preset | adapters | gbs | save_every | CUDA graphs | microbatches (replayed) | fill "
+        "| train tok/s | start-up s "
         "| first step s | train s | after last step s | first mb→last export / training | "
         "checkpoints written | GB per checkpoint | waited for saves s | peak disk GB |\n"
-        + "|---" * 16
+        + "|---" * 17
         + "|"
     )
     lines = [head]
@@ -148,12 +159,13 @@ def _table(rows: list[dict]) -> str:
         if "error" in r:
             lines.append(
                 f"| {r['preset']} | {r['adapters']} | {r['gbs']} | {r['save_every']} "
-                f"| error: {r['error']} |"
+                f"| {r['graphs']} | error: {r['error']} |"
             )
             continue
         lines.append(
             f"| {r['preset']} | {r['adapters']} | {r['gbs']} | {r['save_every']} | "
-            f"{r['microbatches']} | {100 * r['fill']:.0f}% | {r['train_tok_s']:,.0f} | "
+            f"{r['graphs']} | {r['microbatches']} ({r['graph_replays']}) | "
+            f"{100 * r['fill']:.0f}% | {r['train_tok_s']:,.0f} | "
             f"{r['startup_s']:.1f} | {r['first_step_s']:.1f} | {r['train_s']:.1f} | "
             f"{r['end_s']:.1f} | {r['export_ratio']:.2f} | {r['checkpoints_written']} | "
             f"{r['ckpt_gb_per_save']:.3f} | {r['save_wait_s']:.1f} | "
@@ -168,6 +180,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument("--global-batch", nargs="+", type=int, default=[8])
     parser.add_argument("--save-every", nargs="+", type=int, default=[0])
+    parser.add_argument(
+        "--cuda-graphs",
+        nargs="+",
+        choices=("on", "off"),
+        default=["off"],
+        help="train.cuda_graphs of each cell (on: true, off: false)",
+    )
     parser.add_argument("--samples", type=int, default=4096, help="in all, split evenly")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--capacity", type=int, default=8192)
@@ -182,11 +201,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "4")
     rows = [
-        _cell(args, preset, adapters, gbs, save_every)
+        _cell(args, preset, adapters, gbs, save_every, graphs)
         for preset in args.presets
         for adapters in args.adapters
         for gbs in args.global_batch
         for save_every in args.save_every
+        for graphs in args.cuda_graphs
     ]
     print(_table(rows))
     return rows

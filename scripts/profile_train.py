@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default="runs/profile_train")
     parser.add_argument("--cprofile", help="save a cProfile of the timed microbatches here")
     parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
+    parser.add_argument(
+        "--cuda-graphs", choices=("on", "off"), default="off", help="train.cuda_graphs"
+    )
     args = parser.parse_args(argv)
     bench = argparse.Namespace(
         samples=args.samples,
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         device=args.device,
     )
     folder = Path(args.dir)
-    job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0)
+    job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0, args.cuda_graphs)
     phases = {k: [] for k in ("pack", "forward", "backward", "step", "confirm")}
     _timed(session_module.Session, "_make_batch", phases["pack"])
     _timed(session_module.Session, "_on_step", phases["confirm"])

@@ -237,6 +237,16 @@ def test_cli_train_on_cuda_without_a_gpu_exits_2_naming_train_device(tmp_path, c
     assert not (tmp_path / "out").exists(), "a device problem must create nothing"
 
 
+def test_cli_train_with_cuda_graphs_required_on_a_cpu_exits_2(tmp_path, capsys):
+    path = _job(tmp_path)
+    # bf16 passes the config's checks; the machine has no GPU (found at launch).
+    assert main(["train", str(path), "train.cuda_graphs=true", "train.precision=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "train.cuda_graphs is true, but CUDA graphs cannot run: they need a GPU" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists(), "a refused job must create nothing"
+
+
 def test_cli_layout_larger_than_a_one_process_run_exits_2(tmp_path, capsys, monkeypatch):
     """Issue 17 case 11: parallel.tp/pp of 2 without torchrun is named, not a traceback."""
     from megatron_lorafusion.config import load_config

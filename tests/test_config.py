@@ -690,6 +690,21 @@ def test_config_plan_larger_than_free_memory_is_refused_naming_the_limit(tmp_pat
     )
 
 
+def test_config_cuda_graphs_true_names_what_stops_them(tmp_path):
+    job = _job(tmp_path)
+    job["train"].update(cuda_graphs=True, device="cpu", recompute="full", precision="fp32")
+    job["parallel"] = {"tp": 2}
+    assert (
+        "train.cuda_graphs: true needs one process on a GPU in bf16, without full recompute "
+        "or DoRA adapters, but train.device is cpu, parallel.tp is 2, train.recompute is "
+        "'full', train.precision is 'fp32' (set it to false)"
+    ) in _errors(tmp_path, job)
+    job["train"]["cuda_graphs"] = False
+    assert load_config(_write(tmp_path, job)).train.cuda_graphs is False
+    del job["train"]["cuda_graphs"]
+    assert load_config(_write(tmp_path, job)).train.cuda_graphs is False, "off by default"
+
+
 def test_config_save_buffer_gib_is_a_size_or_null_sized_to_the_job(tmp_path):
     job = _job(tmp_path)
     job["train"]["save_buffer_gib"] = "auto"

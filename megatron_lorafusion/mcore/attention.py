@@ -49,7 +49,7 @@ def _flash_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def _flash_window_available() -> bool:
+def flash_window_available() -> bool:
     """Whether torch's FlashAttention op takes a sliding window (``window_size_left``)."""
     schema = str(torch.ops.aten._flash_attention_forward.default._schema)
     return "window_size_left" in schema
@@ -325,7 +325,7 @@ class VarlenCoreAttention(MegatronModule):
         longest = packed_seq_params.max_seqlen_q
         # a window holding every sample is plain causal attention (and its cheaper kernel)
         window = self.window if self.window is not None and self.window < longest else None
-        if backend == "flash" and window is not None and not _flash_window_available():
+        if backend == "flash" and window is not None and not flash_window_available():
             if self.backend == "flash":
                 raise RuntimeError(
                     f"attention backend 'flash': torch {torch.__version__}'s FlashAttention "

@@ -164,6 +164,14 @@ class LoRAContext:
             self._compute = (key, cast_table(self.weights.detach(), dtype))
         return self._compute[1]
 
+    def drop_compute_weights(self) -> None:
+        """Forget the compute-dtype copy: the next forward casts the table again.
+
+        A CUDA graph must record that cast (its replays then cast the current weights), and
+        eager forwards must not read the copy a graph owns (`pipeline.MicrobatchGraphs`).
+        """
+        self._compute = None
+
     @property
     def num_adapters(self) -> int:
         """``A``, adapters in the run."""

@@ -121,9 +121,13 @@ class HostCopy:
         return self._host.tolist()
 
 
-@functools.lru_cache(maxsize=256)
+@functools.cache
 def device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
-    """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run)."""
+    """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run).
+
+    Kept for the process, never evicted: a CUDA graph (`pipeline.MicrobatchGraphs`) reads
+    the copy it was captured with. One small tensor per set of adapters a process trains.
+    """
     return copy_to_device(torch.tensor(values, dtype=torch.float32), device)
 
 

@@ -1,6 +1,7 @@
 """The multi-adapter pipeline: pure 1F1B schedule tables and the runner that executes them."""
 
 from megatron_lorafusion.pipeline.forward_only import forward_loss_sums
+from megatron_lorafusion.pipeline.graphs import GRAPH_PAD_TOKENS, MicrobatchGraphs
 from megatron_lorafusion.pipeline.groups import (
     PipelineGroups,
     check_same_across_ranks,
@@ -11,6 +12,7 @@ from megatron_lorafusion.pipeline.runner import (
     AdapterRun,
     ComputeEvent,
     StageForward,
+    adapter_losses,
     gpt_stage_forward,
     run_pipeline,
 )
@@ -24,12 +26,15 @@ from megatron_lorafusion.pipeline.schedule import (
 )
 
 __all__ = [
+    "GRAPH_PAD_TOKENS",
     "Action",
     "AdapterRun",
     "ComputeEvent",
     "LemmaError",
+    "MicrobatchGraphs",
     "PipelineGroups",
     "StageForward",
+    "adapter_losses",
     "check_same_across_ranks",
     "data_parallel_share",
     "forward_loss_sums",

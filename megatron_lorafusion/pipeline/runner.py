@@ -57,6 +57,7 @@ from megatron_lorafusion.planner import Microbatch
 if TYPE_CHECKING:
     from megatron_lorafusion.data import PackedBatch
     from megatron_lorafusion.mcore import WgradQueue
+    from megatron_lorafusion.pipeline.graphs import MicrobatchGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,7 @@ class _Stash:
     """What a forward leaves for its backward."""
 
     input_tensor: torch.Tensor | None
-    output: torch.Tensor  # hidden (T, 1, H), or the scalar loss on the last stage
+    output: torch.Tensor | None  # hidden (T, 1, H), the scalar loss, or None: trained
     tokens: int
     adapters: tuple[int, ...]
     grad: tuple[dist.Work, torch.Tensor] | None = None  # posted receive of the output's grad
@@ -225,8 +226,10 @@ class _Runner:
         sequence_shards,
         wgrad_queue,
         log_every,
+        graphs,
     ):
         self.forward, self.make_batch = forward, make_batch
+        self.graphs = graphs
         self.log_every = log_every
         self.sequence_shards = sequence_shards
         self.wgrad = wgrad_queue
@@ -354,11 +357,19 @@ class _Runner:
             waited = time.perf_counter() - before
             input_tensor.requires_grad_()
         gpu_start = self._gpu_mark()  # the stream waited for the input before this point
+        self.state.tokens += share.tokens  # the plan's tokens: padding is not work done
+        if self.graphs is not None:  # one process: forward, loss and backward in one go
+            losses = self.graphs.train(batch, self._denominators(share, batch))
+            self.state.loss_sums += losses  # read back at steps only: no sync here
+            self.state.stash[k] = _Stash(None, None, tokens, share.adapters)
+            self._event(k, "F", start, waited, tokens, gpu_start)
+            return
         output = self.forward(batch, input_tensor)
         stash = _Stash(input_tensor, output, tokens, share.adapters)
-        self.state.tokens += tokens
         if self.g.is_last:
-            stash.output = self._adapter_loss(output, batch, share)
+            losses = adapter_losses(output, batch, self._denominators(share, batch))
+            self.state.loss_sums += losses.detach()  # read back at steps only: no sync here
+            stash.output = losses.sum()
         else:
             self._send(output, self.g.next_rank, self.g.forward_group)
             # Post the gradient's receive now, so it can land while this stage computes;
@@ -367,22 +378,14 @@ class _Runner:
         self.state.stash[k] = stash
         self._event(k, "F", start, waited, tokens, gpu_start)
 
-    def _adapter_loss(
-        self, token_loss: torch.Tensor, batch: PackedBatch, share: Microbatch
-    ) -> torch.Tensor:
-        """Sum over adapters of (token-loss sum / trained tokens of its global batch)."""
-        token_loss = token_loss * batch.loss_mask  # (1, T)
-        rows = batch.layout.row_adapter(token_loss.device)
-        per_adapter = torch.zeros(len(self.adapters), dtype=torch.float32, device=token_loss.device)
-        per_adapter.index_add_(0, rows, token_loss[0].float())
+    def _denominators(self, share: Microbatch, batch: PackedBatch) -> torch.Tensor:
+        """(A,) fp32 on the device: trained tokens of each adapter's current global batch."""
         denominators = [1.0] * len(self.adapters)
         for s in share.samples:
             denominators[s.adapter] = float(
                 max(self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1)
             )
-        losses = per_adapter / copy_to_device(torch.tensor(denominators), token_loss.device)
-        self.state.loss_sums += losses.detach()  # read back at steps only: no sync here
-        return losses.sum()
+        return copy_to_device(torch.tensor(denominators), batch.loss_mask.device)
 
     def _backward(self, action: Action) -> None:
         stash = self.state.stash.pop(action.microbatch, None)
@@ -390,6 +393,8 @@ class _Runner:
             return
         start = time.perf_counter()
         waited = 0.0
+        if stash.output is None:  # trained whole in its forward (`MicrobatchGraphs`)
+            return
         if self.g.is_last:
             gpu_start = self._gpu_mark()
             stash.output.backward()
@@ -530,6 +535,23 @@ class _Runner:
         return rate
 
 
+def adapter_losses(
+    token_loss: torch.Tensor, batch: PackedBatch, denominators: torch.Tensor
+) -> torch.Tensor:
+    """(A,) each adapter's token-loss sum over its rows / its global batch's trained tokens.
+
+    ``token_loss``: (1, T) fp32; ``denominators``: (A,) fp32 on its device. The objective of a
+    microbatch is the sum of the terms (each adapter's loss is the per-token mean over its
+    own global batch).
+    """
+    token_loss = token_loss * batch.loss_mask  # (1, T)
+    rows = batch.layout.row_adapter(token_loss.device)
+    per_adapter = torch.zeros(
+        denominators.numel(), dtype=torch.float32, device=token_loss.device
+    ).index_add_(0, rows, token_loss[0].float())
+    return per_adapter / denominators
+
+
 def _share_losses(adapters: Sequence[AdapterRun], groups: PipelineGroups) -> None:
     """Copy every adapter's step losses from the last stage to the other stages."""
     if groups.num_stages == 1:
@@ -560,6 +582,7 @@ def run_pipeline(
     sequence_shards: int = 1,
     wgrad_queue: WgradQueue | None = None,
     log_every: int = 1,
+    graphs: MicrobatchGraphs | None = None,
 ) -> list[ComputeEvent]:
     """Train this rank's stage through a stream of planned microbatches (no flush).
 
@@ -597,6 +620,8 @@ def run_pipeline(
             (``parallel.defer_wgrad``): run while this stage waits for a peer, before the
             optimizer steps of the adapters a pass touched, and at the end of the call.
         log_every: log an adapter's loss every this many of its steps (last stage, DP rank 0).
+        graphs: train each microbatch through `MicrobatchGraphs` (one process only: one
+            stage, one replica, weight gradients not deferred); None: eagerly.
 
     Returns:
         This rank's timed operations in execution order (empty unless ``record_events``).
@@ -605,6 +630,14 @@ def run_pipeline(
         LemmaError: when the stream breaks the bubble lemma.
         RuntimeError: on a communication failure or timeout (a dead peer).
     """
+    one_process = groups.num_stages == 1 and groups.dp_size == 1 and sequence_shards == 1
+    if graphs is not None and not (one_process and wgrad_queue is None):
+        raise ValueError(
+            "CUDA graphs train one process only (one pipeline stage, one data-parallel "
+            f"replica, no sequence parallelism, weight gradients not deferred), got "
+            f"{groups.num_stages} stages, {groups.dp_size} replicas, {sequence_shards} "
+            f"sequence shards, deferred weight gradients {wgrad_queue is not None}"
+        )
     runner = _Runner(
         forward,
         make_batch,
@@ -623,6 +656,7 @@ def run_pipeline(
         sequence_shards=sequence_shards,
         wgrad_queue=wgrad_queue,
         log_every=log_every,
+        graphs=graphs,
     )
     # Stage 0's rule, the strictest, on every rank: all refuse at the same microbatch.
     stream = _recording(lemma_checked(microbatches, groups.num_stages), runner.state.microbatches)

@@ -20,12 +20,13 @@ import torch
 from megatron_lorafusion.config import AdapterConfig, ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
 from megatron_lorafusion.lifetime import die_with_parent
+from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS
 from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 from megatron_lorafusion.train.evaluate import LossSums, one_stage_loss_sums, split_eval_rows
 from megatron_lorafusion.train.job import AdapterJob
 from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar, job_summary, plan_summary
-from megatron_lorafusion.train.recipe import Run, build_run
+from megatron_lorafusion.train.recipe import Run, build_run, graphs_apply
 from megatron_lorafusion.train.resume import restore_job, shared_identity
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
@@ -307,6 +308,25 @@ def _on_plan(cfg: JobConfig, sizes: dict[str, int], rank0: bool):
     return on_plan
 
 
+def _cuda_graphs(cfg: JobConfig, device: torch.device) -> bool:
+    """Whether microbatches train through CUDA graphs (``train.cuda_graphs``).
+
+    Raises:
+        ConfigError: when they are asked for and cannot run here (names the reason).
+    """
+    if not cfg.train.cuda_graphs:
+        return False
+    dtype = _DTYPES[cfg.train.precision]
+    why_not = graphs_apply(device, cfg.train.recompute, dtype, cfg.adapters, cfg.model)
+    if why_not:
+        raise ConfigError([f"train.cuda_graphs is true, but CUDA graphs cannot run: {why_not}"])
+    logger.info(
+        "CUDA graphs: on (train.cuda_graphs), microbatches padded to a multiple of %d tokens",
+        GRAPH_PAD_TOKENS,
+    )
+    return True
+
+
 def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: float):
     """`main` once the data is read and the groups exist: build, resume, train, export."""
     from megatron_lorafusion.mcore.parallel import parallel_sizes
@@ -314,6 +334,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
     sizes = parallel_sizes()
     _check_same_job(cfg, sizes)
     shards = _sequence_shards(cfg, device)
+    graphs = _cuda_graphs(cfg, device)
     run = build_run(
         cfg.model,
         cfg.adapters,
@@ -326,6 +347,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         defer_wgrad=cfg.parallel.defer_wgrad,
         track_grad_norms=True,  # metrics.jsonl's grad_norm
         comm_timeout_s=_COMM_TIMEOUT_S,
+        graphs_max_seqlen=max(cfg.data.max_seq_length, GRAPH_PAD_TOKENS) if graphs else None,
     )
     out = Path(cfg.train.output_dir)
     shard = Shard(sizes["tp_rank"], sizes["tp"], sizes["pp_rank"], sizes["pp"])
@@ -375,7 +397,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         capacity=cfg.planner.token_capacity,
         seed=cfg.train.seed,
         log_every=cfg.logging.log_every,
-        pad_to_multiple=shards,
+        pad_to_multiple=GRAPH_PAD_TOKENS if graphs else shards,
         writes=writes,
         single_shard=sizes["tp"] * sizes["pp"] == 1,
         cut_on_failure=sizes["world"] == 1,
@@ -434,6 +456,9 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
     device = session.run.device
     if device.type == "cuda":
         record["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    graphs = session.run.graphs
+    if graphs is not None:
+        record["graph_replays"], record["graph_captures"] = graphs.replays, graphs.captures
     metrics.log_run(sum(job.step for job in jobs), record)
     metrics.close()
     for job in jobs:
@@ -465,6 +490,13 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
         record["save_wait_s"],
         f" | peak GPU memory {record['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in record else "",
     )
+    if graphs is not None:
+        logger.info(
+            "CUDA graphs: %d of %d microbatches replayed, %d shapes captured",
+            graphs.replays,
+            record["microbatches"],
+            graphs.captures,
+        )
     failed = [job for job in jobs if job.status == "failed"]
     if failed:
         raise JobsFailedError(

@@ -18,15 +18,17 @@ from megatron_lorafusion.config import AdapterConfig, ModelConfig
 from megatron_lorafusion.pipeline import (
     AdapterRun,
     ComputeEvent,
+    MicrobatchGraphs,
     PipelineGroups,
     StageForward,
+    adapter_losses,
     gpt_stage_forward,
     run_pipeline,
 )
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
 
-__all__ = ["Run", "adapter_training", "build_run", "pipeline_groups"]
+__all__ = ["Run", "adapter_training", "build_run", "graphs_apply", "pipeline_groups"]
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Run:
         activation_dtype: dtype of the activations passed between stages.
         device: where the model lives.
         sequence_shards: TP size under sequence parallelism, else 1.
+        graphs: the `MicrobatchGraphs` each microbatch trains through, or None (eagerly).
     """
 
     model: torch.nn.Module
@@ -56,6 +59,7 @@ class Run:
     activation_dtype: torch.dtype
     device: torch.device
     sequence_shards: int
+    graphs: MicrobatchGraphs | None = None
 
     def train(
         self,
@@ -102,6 +106,7 @@ class Run:
             on_refused=on_refused,
             log_every=log_every,
             record_events=record_events,
+            graphs=self.graphs,
         )
 
     def load_table(self, slot: int, table: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -191,6 +196,7 @@ def build_run(
     defer_wgrad: bool = False,
     track_grad_norms: bool = False,
     comm_timeout_s: float = 600.0,
+    graphs_max_seqlen: int | None = None,
 ) -> Run:
     """Build this rank's run: groups, stage model, LoRA, optimizer and adapter runs.
 
@@ -207,6 +213,12 @@ def build_run(
             of one stage and one replica has none to fill and ignores it).
         track_grad_norms: compute every step's gradient norm.
         comm_timeout_s: timeout of the runner's process groups, in seconds.
+        graphs_max_seqlen: train through CUDA graphs (`pipeline.MicrobatchGraphs`; one
+            process on a GPU only), whose attention is launched for samples of up to this
+            many tokens; None: eagerly.
+
+    Raises:
+        ValueError: for graphs where they cannot run (see `graphs_apply`).
     """
     from megatron_lorafusion import mcore
     from megatron_lorafusion.mcore.recompute import apply_recompute
@@ -229,15 +241,61 @@ def build_run(
     runs, optimizer = adapter_training(
         lora, adapters, batch_tokens, track_grad_norms=track_grad_norms
     )
+    forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
+    graphs = None
+    if graphs_max_seqlen is not None:
+        why_not = graphs_apply(device, recompute, params_dtype, adapters, model_cfg)
+        if why_not:
+            raise ValueError(f"CUDA graphs cannot train this run: {why_not}")
+        graphs = MicrobatchGraphs(
+            lambda batch, denominators: adapter_losses(forward(batch, None), batch, denominators),
+            max_seqlen=graphs_max_seqlen,
+            before_capture=lora.drop_compute_weights,
+        )
     return Run(
         model=model,
         lora=lora,
         optimizer=optimizer,
         runs=runs,
         groups=groups,
-        forward=gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last),
+        forward=forward,
         global_batch_sizes=[a.global_batch_size for a in adapters],
         activation_dtype=params_dtype,
         device=device,
         sequence_shards=sequence_shards,
+        graphs=graphs,
     )
+
+
+def graphs_apply(
+    device: torch.device,
+    recompute: str | None,
+    dtype: torch.dtype,
+    adapters: Sequence[AdapterConfig],
+    model_cfg: ModelConfig,
+) -> str:
+    """Why CUDA graphs cannot train a run (``""``: they can).
+
+    A graph replays launches only: everything a microbatch computes must stay on the GPU,
+    sample boundaries included. So: one process on a GPU (no pipeline, data or tensor
+    parallelism), FlashAttention (bf16 or fp16; the other kernels read the boundaries on the
+    host), no full-layer recompute (torch's checkpoint reads the RNG state on the host) and
+    no DoRA adapter (its scales are gathered per microbatch on the host).
+    """
+    from megatron_lorafusion.mcore.attention import attention_backend, flash_window_available
+
+    if device.type != "cuda":
+        return f"they need a GPU, the run is on {device.type}"
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world > 1:
+        return f"they train one process only, the run has {world}"
+    if attention_backend(device, dtype, 0.0) != "flash" or (
+        model_cfg.sliding_window is not None and not flash_window_available()
+    ):
+        return f"they need FlashAttention (bf16 on an Ampere or newer GPU), the run is {dtype}"
+    if recompute == "full":
+        return "train.recompute 'full' recomputes layers with torch's checkpoint"
+    dora = [a.name for a in adapters if a.use_dora]
+    if dora:
+        return f"DoRA adapters ({', '.join(dora)}) gather their scales on the host"
+    return ""

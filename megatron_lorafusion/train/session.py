@@ -208,6 +208,8 @@ class Session:
             job.status = "running"
         self.run.runs[slot] = job.run
         self.run.global_batch_sizes[slot] = job.global_batch_size  # its loss denominators
+        if self.run.graphs is not None:  # captured with the row's previous adapter
+            self.run.graphs.clear()
         self.jobs[slot] = job
         self.known[job.name] = job
         self.shared_of[job.name] = self.shared if shared is None else shared

@@ -603,7 +603,7 @@ def test_window_without_flash_support_falls_back_exactly_or_refuses(monkeypatch)
     )
     q, k, v = (torch.randn(14, heads, 16) for heads in (4, 2, 2))
     monkeypatch.setattr(attention, "attention_backend", lambda *args: "flash")
-    monkeypatch.setattr(attention, "_flash_window_available", lambda: False)
+    monkeypatch.setattr(attention, "flash_window_available", lambda: False)
     monkeypatch.setattr(attention, "_flex_available", lambda: False)
     expected = varlen_causal_attention_ref(q, k, v, cu, scale=0.25, window=3).reshape(14, -1)
     torch.testing.assert_close(

@@ -17,7 +17,7 @@ from dist_testing import torchrun_train
 from safetensors.torch import load_file
 
 from megatron_lorafusion.cli import main as cli_main
-from megatron_lorafusion.config import load_config
+from megatron_lorafusion.config import ConfigError, load_config
 from megatron_lorafusion.data import write_task
 from megatron_lorafusion.train.main import main as train_main
 
@@ -303,6 +303,11 @@ def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupte
     assert not half.exists(), "the half-written save is removed"
     for entry in entries:
         _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
+def test_a_server_refuses_cuda_graphs_naming_why(tmp_path):
+    with pytest.raises(ConfigError, match=r"a server trains eagerly \(lorafusion serve\)"):
+        load_config(_server_yaml(tmp_path), ["train.cuda_graphs=true"])
 
 
 def test_submit_refuses_a_bad_job_naming_every_problem_and_queues_nothing(tmp_path, capsys):

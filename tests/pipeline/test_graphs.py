@@ -1,0 +1,154 @@
+"""`MicrobatchGraphs`: a shape runs eagerly, is captured, then replayed on copies of its inputs.
+
+On the CPU a stand-in replaces the CUDA graph (its replay runs the captured call again on the
+graph's own input tensors), so what the CPU checks is everything around the graph: which
+microbatches run eagerly, which replay, and that a replay trains on the microbatch it was
+given (tokens, sample boundaries, dropout keys, denominators copied in). On a GPU the real
+graphs train a job as the eager runner does.
+"""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from model_testing import MCORE_MODEL
+
+from megatron_lorafusion.config import AdapterConfig
+from megatron_lorafusion.data import TokenizedSample, pack_microbatch
+from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS, MicrobatchGraphs, adapter_losses
+from megatron_lorafusion.pipeline.graphs import CAPTURE_AT
+from megatron_lorafusion.planner import PlanProblem, plan_microbatches
+from megatron_lorafusion.train.recipe import build_run
+
+SEED = 5
+ADAPTER = AdapterConfig(name="solo", rank=4, alpha=8.0, lr=2e-3, dropout=0.1, global_batch_size=2)
+STEPS = 6
+
+
+class _Rerun:
+    """A graph stand-in: replay runs the recorded call again on the same input tensors."""
+
+    def __init__(self, call):
+        self.replay = call
+
+
+class _CpuGraphs(MicrobatchGraphs):
+    def _record(self, batch, denominators):
+        out = torch.zeros(denominators.numel())
+
+        def replay():
+            # A new cu_seqlens object, as a graph computes RoPE's table in every replay (the
+            # eager model caches it per cu_seqlens object).
+            layout = batch.layout
+            fresh = AdapterLayout(
+                layout.seg_offsets,
+                layout.cu_seqlens.clone(),
+                layout.max_seqlen,
+                layout.dropout_seed,
+                layout.row_keys,
+            )
+            fresh._cache.update(layout._cache)
+            losses = self.loss(dataclasses.replace(batch, layout=fresh), denominators)
+            losses.sum().backward()
+            out.copy_(losses.detach())
+
+        return _Rerun(replay), out
+
+
+def _job(adapter=ADAPTER, steps=STEPS):
+    """One adapter's samples (5-30 tokens), planned: each microbatch is one global batch."""
+    rng = random.Random(SEED)
+    rows = []
+    for _ in range(steps * adapter.global_batch_size):
+        n = rng.randint(5, 30)
+        ids = tuple(rng.randrange(MCORE_MODEL.vocab_size) for _ in range(n))
+        labels = tuple(rng.randrange(MCORE_MODEL.vocab_size) for _ in range(n))
+        rows.append(TokenizedSample(ids, labels, tuple(int(rng.random() < 0.8) for _ in range(n))))
+    problem = PlanProblem([[len(r) for r in rows]], [adapter.global_batch_size], 64, seed=SEED)
+    microbatches = plan_microbatches(problem, solver="greedy").microbatches
+    gbs = adapter.global_batch_size
+    batch_tokens = [
+        sum(sum(r.loss_mask) for r in rows[j * gbs : (j + 1) * gbs]) for j in range(steps)
+    ]
+    return rows, microbatches, batch_tokens
+
+
+def _make_batch(rows, device):
+    def make_batch(microbatch, index):
+        return pack_microbatch(
+            microbatch,
+            [rows],
+            [list(range(len(rows)))],
+            1,
+            device,
+            dropout_seed=SEED,  # a job's seed: the same in every microbatch
+            pad_to_multiple=GRAPH_PAD_TOKENS,
+            sample_key=lambda a, position: 1_000 * position,
+        )
+
+    return make_batch
+
+
+def _train(run, microbatches, make_batch):
+    run.model.train()
+    run.train(microbatches, make_batch)
+    return run.lora.weights.detach().clone(), list(run.runs[0].losses)
+
+
+def test_replays_train_what_eager_runs_train(megatron_single_process):
+    rows, microbatches, batch_tokens = _job()
+    assert len(microbatches) == STEPS
+    make_batch = _make_batch(rows, "cpu")
+    eager = build_run(MCORE_MODEL, [ADAPTER], [batch_tokens], seed=SEED)
+    want_weights, want_losses = _train(eager, microbatches, make_batch)
+
+    graphed = build_run(MCORE_MODEL, [ADAPTER], [batch_tokens], seed=SEED)
+    forward = graphed.forward
+    graphed.graphs = _CpuGraphs(
+        lambda batch, den: adapter_losses(forward(batch, None), batch, den),
+        max_seqlen=GRAPH_PAD_TOKENS,
+        before_capture=graphed.lora.drop_compute_weights,
+    )
+    weights, losses = _train(graphed, microbatches, make_batch)
+    # Every microbatch is 2 samples padded to 256 tokens: one shape, eager three times (the
+    # third is captured), then replayed.
+    assert (graphed.graphs.captures, graphed.graphs.replays) == (1, STEPS - CAPTURE_AT)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
+    assert losses == want_losses
+
+
+def test_a_new_adapter_drops_the_graphs():
+    graphs = _CpuGraphs(lambda batch, den: den, max_seqlen=8)
+    graphs._graphs[("shape",)] = object()
+    graphs._seen[("shape",)] = 2
+    graphs.clear()
+    assert not graphs._graphs
+    assert not graphs._seen
+
+
+@pytest.mark.gpu
+def test_graphs_train_a_job_as_the_eager_runner_does(megatron_single_process):
+    """bf16 on the GPU (flash attention): real graphs against the eager runner, same data."""
+    rows, microbatches, batch_tokens = _job(steps=10)
+    make_batch = _make_batch(rows, "cuda")
+    runs = {}
+    for graphs in (False, True):
+        run = build_run(
+            MCORE_MODEL,
+            [ADAPTER],
+            [batch_tokens],
+            device="cuda",
+            params_dtype=torch.bfloat16,
+            seed=SEED,
+            graphs_max_seqlen=GRAPH_PAD_TOKENS if graphs else None,
+        )
+        runs[graphs] = (run, *_train(run, microbatches, make_batch))
+    run, weights, losses = runs[True]
+    _, want_weights, want_losses = runs[False]
+    assert (run.graphs.captures, run.graphs.replays) == (1, 10 - CAPTURE_AT)
+    # Flash attention's backward adds dQ with atomics: runs differ by rounding, not by steps
+    # (a replay on stale inputs moves the factors by ~lr = 2e-3 a step).
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=2e-4)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-3, atol=0)
