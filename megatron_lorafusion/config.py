@@ -449,9 +449,10 @@ class TrainConfig:
     """Train microbatches through CUDA graphs: a microbatch shape seen three times is captured
     and then replayed (one launch instead of ~1,000: a small model's host no longer holds the
     GPU back). Microbatches are padded to a multiple of 256 tokens (loss-free) so shapes
-    repeat. `lorafusion train` in one process on a GPU, bf16, no ``recompute: full``, no DoRA
-    adapter (refused with the reason elsewhere, and by `serve`). Pays where microbatch shapes repeat: one adapter on Llama-3.2-1B at
-    global batch 8 ran 1.69x faster, at global batch 32 0.89x (docs/throughput.md)."""
+    repeat. `lorafusion train` in one process on a GPU with a bf16 base, no ``recompute:
+    full``, no DoRA adapter, a token capacity that is a multiple of 256 (refused with the
+    reason elsewhere, and by `serve`). Pays where shapes repeat: one adapter on Llama-3.2-1B
+    at global batch 8 ran 1.69x faster, at global batch 32 0.89x (docs/throughput.md)."""
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,11 @@ PLAN_BYTES_PER_SAMPLE = 1024
 the trainer (its place in the training order, its length, the plan check) and ~470 in the
 planner worker while it plans the run (greedy, 400,000 samples)."""
 
+GRAPH_PAD_TOKENS = 256
+"""With ``train.cuda_graphs`` microbatches are padded to a multiple of this many tokens, so
+their shapes repeat: one adapter's microbatches of 2k-8k tokens fall into ~20 shapes, for
+~128 padding tokens each (~3 % of a 4.5k-token microbatch)."""
+
 
 def _non_finite(node: object, where: str) -> list[str]:
     """Every float field of a config tree that is NaN or infinite."""
@@ -444,13 +449,22 @@ def validate(cfg: JobConfig) -> list[str]:
                 (f"train.precision is '{t.precision}'", t.precision == "fp32"),
                 ("an adapter uses DoRA", any(a.use_dora for a in cfg.adapters)),
                 ("a server trains eagerly (lorafusion serve)", cfg.server is not None),
+                (
+                    f"model.base_precision is '{cfg.model.base_precision}'",
+                    cfg.model.base_precision != "bf16",
+                ),
+                (
+                    f"planner.token_capacity {cfg.planner.token_capacity} is not a multiple "
+                    f"of {GRAPH_PAD_TOKENS} (microbatches are padded to one)",
+                    cfg.planner.token_capacity % GRAPH_PAD_TOKENS != 0,
+                ),
             )
             if applies
         ]
         if why_not:
             p.append(
-                "train.cuda_graphs: true needs one process on a GPU in bf16, without full "
-                "recompute or DoRA adapters, but "
+                "train.cuda_graphs: true needs one process on a GPU with a bf16 base, without "
+                "full recompute or DoRA adapters, but "
                 f"{', '.join(why_not)} (set it to false)"
             )
     if not t.output_dir:

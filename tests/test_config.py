@@ -694,10 +694,12 @@ def test_config_cuda_graphs_true_names_what_stops_them(tmp_path):
     job = _job(tmp_path)
     job["train"].update(cuda_graphs=True, device="cpu", recompute="full", precision="fp32")
     job["parallel"] = {"tp": 2}
+    job["planner"] = {"token_capacity": 1000}
     assert (
-        "train.cuda_graphs: true needs one process on a GPU in bf16, without full recompute "
-        "or DoRA adapters, but train.device is cpu, parallel.tp is 2, train.recompute is "
-        "'full', train.precision is 'fp32' (set it to false)"
+        "train.cuda_graphs: true needs one process on a GPU with a bf16 base, without full "
+        "recompute or DoRA adapters, but train.device is cpu, parallel.tp is 2, "
+        "train.recompute is 'full', train.precision is 'fp32', planner.token_capacity 1000 "
+        "is not a multiple of 256 (microbatches are padded to one) (set it to false)"
     ) in _errors(tmp_path, job)
     job["train"]["cuda_graphs"] = False
     assert load_config(_write(tmp_path, job)).train.cuda_graphs is False

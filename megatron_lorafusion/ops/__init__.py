@@ -10,7 +10,12 @@ Dimension letters used throughout `ops` (and the rest of the package):
 - ``M``: microbatches.
 """
 
-from megatron_lorafusion.ops._utils import HostCopy, copy_to_device, triton_usable
+from megatron_lorafusion.ops._utils import (
+    HostCopy,
+    cached_device_params,
+    copy_to_device,
+    triton_usable,
+)
 from megatron_lorafusion.ops.adapter_adamw import adapter_adamw_, adapter_adamw_ref
 from megatron_lorafusion.ops.dora_scale import (
     DoRAScaleFunction,
@@ -89,6 +94,7 @@ __all__ = [
     "SwiGLUFunction",
     "adapter_adamw_",
     "adapter_adamw_ref",
+    "cached_device_params",
     "cast_table",
     "cast_table_ref",
     "check_fp8_device",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -121,14 +122,31 @@ class HostCopy:
         return self._host.tolist()
 
 
-@functools.cache
+_DEVICE_PARAMS: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # least recent first
+_DEVICE_PARAMS_KEPT = 256
+
+
 def device_params(values: tuple[float, ...], device: str) -> torch.Tensor:
     """(A,) fp32 copy of per-adapter scalars on ``device``, cached (one H2D copy per run).
 
-    Kept for the process, never evicted: a CUDA graph (`pipeline.MicrobatchGraphs`) reads
-    the copy it was captured with. One small tensor per set of adapters a process trains.
+    The 256 most recently used copies are cached; a CUDA graph keeps the ones it may read
+    alive (`cached_device_params`).
     """
-    return copy_to_device(torch.tensor(values, dtype=torch.float32), device)
+    key = (values, str(device))
+    copy = _DEVICE_PARAMS.get(key)
+    if copy is None:
+        copy = copy_to_device(torch.tensor(values, dtype=torch.float32), device)
+        _DEVICE_PARAMS[key] = copy
+        if len(_DEVICE_PARAMS) > _DEVICE_PARAMS_KEPT:
+            _DEVICE_PARAMS.popitem(last=False)
+    else:
+        _DEVICE_PARAMS.move_to_end(key)
+    return copy
+
+
+def cached_device_params() -> list[torch.Tensor]:
+    """Every cached `device_params` copy (what a CUDA graph captured now may read)."""
+    return list(_DEVICE_PARAMS.values())
 
 
 def cdiv(a: int, b: int) -> int:

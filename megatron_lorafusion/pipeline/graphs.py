@@ -17,7 +17,8 @@ after 8 captures that were replayed less than twice each on average, no more are
 
 What a replay reads must stay where the capture found it, and hold what it would hold in an
 eager run: the LoRA tables (``weights`` and ``grads`` are updated in place), the frozen base,
-and the per-adapter scale and dropout vectors (`ops.device_params`, kept for the process). A
+and the per-adapter scale and dropout vectors (`ops.device_params`; each graph keeps those
+alive). A
 graph is valid while the adapters in the table are the ones it was captured with: `clear`
 drops every graph when an adapter is bound to a row. All graphs share one memory pool (they
 run one at a time; only their loss outputs outlive a replay).
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.ops import AdapterLayout, cached_device_params
+from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +45,6 @@ CAPTURE_AT = 3
 host and a replay saves about half of one (1B, one adapter, H200), so a shape seen twice is
 likely to come again often enough to pay for it."""
 
-GRAPH_PAD_TOKENS = 256
-"""Microbatches are padded to a multiple of this many tokens when graphs are on: one
-adapter's microbatches of 2k-8k tokens fall into ~24 shapes, for ~128 padding tokens each
-(~3 % of a 4.5k-token microbatch)."""
-
 
 @dataclass
 class _Graph:
@@ -57,6 +54,7 @@ class _Graph:
     batch: object  # `data.PackedBatch` of the graph's own tensors
     denominators: torch.Tensor  # (A,) fp32
     losses: torch.Tensor  # (A,) fp32, written by each replay
+    kept: list[torch.Tensor]  # the per-adapter vectors it may read, past their cache
 
     def load(self, batch, denominators: torch.Tensor) -> None:
         """Copy a microbatch of this shape into the graph's inputs (device to device)."""
@@ -127,7 +125,7 @@ class MicrobatchGraphs:
             self.replays += 1
             return graph.losses
         seen = self._seen[shape] = self._seen.get(shape, 0) + 1
-        capture = seen == CAPTURE_AT and len(self._graphs) < self.max_graphs
+        capture = seen >= CAPTURE_AT and len(self._graphs) < self.max_graphs
         if self.captures >= 8 and self.replays < 2 * self.captures:
             capture = False  # shapes rarely repeat here (many adapters): stay eager
         with self._side_stream(batch.input_ids.device):
@@ -169,9 +167,11 @@ class MicrobatchGraphs:
             self._stream = torch.cuda.Stream(device)
         caller = torch.cuda.current_stream(device)
         self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            yield
-        caller.wait_stream(self._stream)
+        try:
+            with torch.cuda.stream(self._stream):
+                yield
+        finally:
+            caller.wait_stream(self._stream)
 
     def _capture(self, batch, denominators: torch.Tensor) -> _Graph:
         """Record the microbatch's launches on the graph's own inputs (runs nothing)."""
@@ -199,7 +199,7 @@ class MicrobatchGraphs:
         graph, losses = self._record(static, static_denominators)
         self.before_capture()
         self.captures += 1
-        return _Graph(graph, static, static_denominators, losses)
+        return _Graph(graph, static, static_denominators, losses, cached_device_params())
 
     def _record(
         self, batch, denominators: torch.Tensor
@@ -210,7 +210,9 @@ class MicrobatchGraphs:
         graph = torch.cuda.CUDAGraph()
         # `torch.cuda.graph` without its emptying of the allocators' caches (the eager runs
         # would then allocate afresh); thread_local: the background writer's copies on other
-        # threads go on during the capture. The caller has made this the current stream.
+        # threads go on during the capture, so an unsafe call of the backward (autograd's
+        # thread) is not caught either: no op of a training microbatch may copy from
+        # pageable memory or use the legacy stream. The caller made this the current stream.
         torch.cuda.synchronize()
         graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
         try:

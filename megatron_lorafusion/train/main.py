@@ -398,6 +398,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         seed=cfg.train.seed,
         log_every=cfg.logging.log_every,
         pad_to_multiple=GRAPH_PAD_TOKENS if graphs else shards,
+        eval_pad_to_multiple=shards,  # eval runs eagerly
         writes=writes,
         single_shard=sizes["tp"] * sizes["pp"] == 1,
         cut_on_failure=sizes["world"] == 1,

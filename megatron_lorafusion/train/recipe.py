@@ -279,8 +279,9 @@ def graphs_apply(
     A graph replays launches only: everything a microbatch computes must stay on the GPU,
     sample boundaries included. So: one process on a GPU (no pipeline, data or tensor
     parallelism), FlashAttention (bf16 or fp16; the other kernels read the boundaries on the
-    host), no full-layer recompute (torch's checkpoint reads the RNG state on the host) and
-    no DoRA adapter (its scales are gathered per microbatch on the host).
+    host), no full-layer recompute (torch's checkpoint reads the RNG state on the host), a
+    bf16 base (not yet run with an FP8 one) and no DoRA adapter (its scales are gathered per
+    microbatch on the host).
     """
     from megatron_lorafusion.mcore.attention import attention_backend, flash_window_available
 
@@ -295,6 +296,8 @@ def graphs_apply(
         return f"they need FlashAttention (bf16 on an Ampere or newer GPU), the run is {dtype}"
     if recompute == "full":
         return "train.recompute 'full' recomputes layers with torch's checkpoint"
+    if model_cfg.base_precision != "bf16":
+        return f"they have not been run with model.base_precision {model_cfg.base_precision}"
     dora = [a.name for a in adapters if a.use_dora]
     if dora:
         return f"DoRA adapters ({', '.join(dora)}) gather their scales on the host"

@@ -55,7 +55,9 @@ class SessionSettings:
         log_every: log a job's loss every this many of its steps.
         cut_every: end a segment after this many microbatches (0: only where needed); a
             server checks its inbox between segments.
-        pad_to_multiple: pad microbatches to this many tokens (sequence parallelism).
+        pad_to_multiple: pad microbatches to this many tokens (sequence parallelism, CUDA
+            graphs).
+        eval_pad_to_multiple: the same for eval microbatches; None: ``pad_to_multiple``.
         writes: this rank writes checkpoints (data-parallel replica 0 of its shard).
         single_shard: TP = PP = 1.
         cut_on_failure: end a segment as soon as a job fails (one process: every rank must
@@ -73,6 +75,7 @@ class SessionSettings:
     log_every: int = 1
     cut_every: int = 0
     pad_to_multiple: int = 1
+    eval_pad_to_multiple: int | None = None
     writes: bool = True
     single_shard: bool = True
     cut_on_failure: bool = True
@@ -541,5 +544,5 @@ class Session:
             self.run.lora.num_adapters,
             self.run.device,
             dropout_seed=0,
-            pad_to_multiple=self.settings.pad_to_multiple,
+            pad_to_multiple=self.settings.eval_pad_to_multiple or self.settings.pad_to_multiple,
         )
