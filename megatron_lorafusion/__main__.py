@@ -3,7 +3,7 @@
 import signal
 import sys
 
-from megatron_lorafusion.lifetime import StopSignals, Terminated
+from megatron_lorafusion.lifetime import StopSignals, Terminated, note_command_start
 
 
 def run() -> int:
@@ -15,6 +15,7 @@ def run() -> int:
     clean-up) run after it, and a Ctrl-C there would print a traceback of whichever hook it
     hit, with nothing left to stop.
     """
+    note_command_start()
     stops = StopSignals()
     stops.install()
     try:

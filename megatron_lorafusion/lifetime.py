@@ -23,13 +23,29 @@ from collections.abc import Iterator
 __all__ = [
     "StopSignals",
     "Terminated",
+    "command_age_s",
     "die_with_parent",
     "ignore_ctrl_c",
+    "note_command_start",
     "parent_alive",
     "started_deaf",
 ]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_command_start: list[float] = []  # perf_counter when the `lorafusion` command began
+
+
+def note_command_start() -> None:
+    """This process is the `lorafusion` command, beginning now (`__main__.run` says so first)."""
+    _command_start[:] = [time.perf_counter()]
+
+
+def command_age_s() -> float | None:
+    """Seconds since the `lorafusion` command began (its imports included).
+
+    None in any other program (a test or a script that calls `train.main` itself).
+    """
+    return time.perf_counter() - _command_start[0] if _command_start else None
 
 
 def die_with_parent(parent_pid: int) -> None:

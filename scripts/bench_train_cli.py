@@ -12,8 +12,9 @@ Each cell writes the workload (XSum-like byte lengths lognormal(6.2, 0.55) clipp
 byte), runs ``python -m megatron_lorafusion train`` in a child process (bf16, rank 16,
 alpha 32, dropout 0.1, default targets, token capacity 8192, max_seq_length 2048) and reads
 the run's last record in ``metrics.jsonl``: training tokens/s (between the first and the
-last optimizer step: start-up and the first step's Triton compilation left out), start-up,
-first step, the tail after the last step (saves and exports), microbatches and fill. It
+last optimizer step: start-up and the first step's Triton compilation left out), start-up
+(its phases in each cell's JSON line on stderr), first step, the tail after the last step
+(saves and exports), microbatches and fill. It
 also reports the checkpoint bytes per adapter saved and the run folder's peak size, then
 deletes the folder (an 8B, 64-adapter job's checkpoints fill a small disk).
 """
@@ -135,6 +136,7 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int, graphs: s
             "save_wait_s": run.get("save_wait_s", math.nan),
             "peak_disk_gb": peak / 1e9,
             "graph_replays": run.get("graph_replays", 0),
+            "startup_phases_s": run.get("startup_phases_s", {}),
         }
     )
     phase = row["first_step_s"] + row["train_s"]

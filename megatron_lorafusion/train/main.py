@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch
 
 from megatron_lorafusion.config import AdapterConfig, ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
-from megatron_lorafusion.lifetime import die_with_parent
+from megatron_lorafusion.lifetime import command_age_s, die_with_parent
 from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS
 from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
@@ -29,7 +28,7 @@ from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar, job_su
 from megatron_lorafusion.train.recipe import Run, build_run, graphs_apply
 from megatron_lorafusion.train.resume import restore_job, shared_identity
 from megatron_lorafusion.train.saving import Saver
-from megatron_lorafusion.train.session import Session, SessionSettings
+from megatron_lorafusion.train.session import Session, SessionSettings, Timing
 from megatron_lorafusion.train.stream import JobStream
 from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
 from megatron_lorafusion.validation import planned_samples_problems
@@ -160,7 +159,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         WriteError: when the disk refuses a save (earlier checkpoints stay usable).
         JobsFailedError: after the others finished, when adapters failed (named).
     """
-    start = time.perf_counter()
+    timing = Timing()
+    if (age := command_age_s()) is not None:  # torch's imports and ours, the config
+        timing.startup["launch and imports"] = age
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun rank dies with its launcher
         die_with_parent(os.getppid())
     # Packed microbatches change shape every step; without expandable segments the caching
@@ -173,6 +174,7 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
         )
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.model.vocab_size)
     jobs = make_jobs(cfg, cfg.adapters, tokenizer)
+    timing.mark("reading data")
     rank0 = os.environ.get("RANK", "0") == "0"  # torchrun's; a plain run is rank 0
     if rank0:  # the first screen, before the model is built (seconds on a real model)
         for line in job_summary(cfg, jobs, int(os.environ.get("WORLD_SIZE", "1"))).splitlines():
@@ -183,8 +185,9 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     init_model_parallel(
         cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed, timeout_s=_COMM_TIMEOUT_S
     )
+    timing.mark("process groups")
     try:
-        return _train(cfg, jobs, device, start)
+        return _train(cfg, jobs, device, timing)
     finally:
         destroy_model_parallel()
 
@@ -327,7 +330,7 @@ def _cuda_graphs(cfg: JobConfig, device: torch.device) -> bool:
     return True
 
 
-def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: float):
+def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing: Timing):
     """`main` once the data is read and the groups exist: build, resume, train, export."""
     from megatron_lorafusion.mcore.parallel import parallel_sizes
 
@@ -349,6 +352,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         comm_timeout_s=_COMM_TIMEOUT_S,
         graphs_max_seqlen=max(cfg.data.max_seq_length, GRAPH_PAD_TOKENS) if graphs else None,
     )
+    timing.mark("building the model")
     out = Path(cfg.train.output_dir)
     shard = Shard(sizes["tp_rank"], sizes["tp"], sizes["pp_rank"], sizes["pp"])
     stores = {
@@ -359,6 +363,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
     }
     agree_min, agree_flags = _collectives(sizes, device)
     exported = _resume(cfg, jobs, stores, run, agree_min)  # refusals leave the folder as is
+    timing.mark("resuming")
     out.mkdir(parents=True, exist_ok=True)
     (out / "job.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n", encoding="utf-8")
     writes = sizes["dp_rank"] == 0  # one writer per tensor/pipeline shard
@@ -416,10 +421,11 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, start: 
         agree_flags=agree_flags,
         on_segment=_bubble_records(run, sizes, metrics),
     )
-    session.timing.start = start
+    session.timing = timing
     for slot, job in enumerate(jobs):
         if job.name not in exported:  # an ended job without its export gets it here
             session.admit(job, slot)
+    timing.mark("admitting (saves' staging memory pinned)")
     if settings.writes:
         staging = session.staging
         size = staging.capacity / 2**30
@@ -490,6 +496,12 @@ def _report(session: Session, jobs: Sequence[AdapterJob], metrics: MetricsWriter
         record["saved_gb"],
         record["save_wait_s"],
         f" | peak GPU memory {record['peak_gpu_gib']:.1f} GiB" if "peak_gpu_gib" in record else "",
+    )
+    phases = record.get("startup_phases_s", {})
+    logger.info(
+        "start-up %.1f s after launch: %s",
+        sum(phases.values()),
+        ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()),
     )
     if graphs is not None:
         logger.info(

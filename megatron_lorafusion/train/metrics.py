@@ -148,13 +148,18 @@ class MetricsWriter:
         )
         self._tb.add_scalar(f"eval_loss/{name}", eval_loss, step)
 
-    def log_run(self, step: int, values: dict[str, float]) -> None:
-        """Record run-wide values (``run/<key>`` in TensorBoard; an ``adapter: null`` line)."""
+    def log_run(self, step: int, values: dict[str, float | dict[str, float]]) -> None:
+        """Record run-wide values: an ``adapter: null`` line, and ``run/<key>`` in TensorBoard.
+
+        A dict value (the start-up phases) is one TensorBoard scalar per entry,
+        ``run/<key>/<name>``.
+        """
         if not self.enabled:
             return
         self._write({"step": step, "adapter": None, **values})
         for key, value in values.items():
-            self._tb.add_scalar(f"run/{key}", value, step)
+            for name, number in value.items() if isinstance(value, dict) else [("", value)]:
+                self._tb.add_scalar(f"run/{key}/{name}" if name else f"run/{key}", number, step)
 
     def close(self) -> None:
         """Flush and close the files (safe to call twice)."""

@@ -100,6 +100,15 @@ class Timing:
     tokens_at_first: int = 0
     tokens_at_last: int = 0
     eval_s: float = 0.0
+    # start-up phase -> seconds, in order (`mark`); the last one runs to the first microbatch
+    startup: dict[str, float] = field(default_factory=dict)
+    _marked: float | None = None
+
+    def mark(self, phase: str) -> None:
+        """Start-up ``phase`` ended now (it began at the previous mark, or at ``start``)."""
+        now = time.perf_counter()
+        self.startup[phase] = now - (self.start if self._marked is None else self._marked)
+        self._marked = now
 
     def step(self) -> None:
         """An optimizer step was confirmed now."""
@@ -119,6 +128,10 @@ class Timing:
             "wall_s": now - self.start,
             "eval_s": self.eval_s,
         }
+        if self.startup:
+            phases = dict(self.startup)
+            phases["planning and the first batch"] = first - (self._marked or self.start)
+            out["startup_phases_s"] = phases
         if self.first_step is not None:
             out["first_step_s"] = self.first_step - first
             out["train_s"] = self.last_step - self.first_step

@@ -41,6 +41,17 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
     for key in ("startup_s", "first_step_s", "train_s", "train_tokens_per_s", "end_s"):
         assert runs[0][key] > 0, f"where the time went: {key} missing or 0 in {runs[0]}"
     assert "peak_gpu_gib" not in runs[0], "a CPU run records no GPU memory peak"
+    phases = runs[0]["startup_phases_s"]  # called in this process: no launch phase
+    assert list(phases) == [
+        "reading data",
+        "process groups",
+        "building the model",
+        "resuming",
+        "admitting (saves' staging memory pinned)",
+        "planning and the first batch",
+    ], phases
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(phases.values()) == pytest.approx(runs[0]["startup_s"], abs=1e-3), phases
 
     acc = EventAccumulator(str(out / "tensorboard"))
     acc.Reload()
