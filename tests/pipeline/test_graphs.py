@@ -119,6 +119,65 @@ def test_replays_train_what_eager_runs_train(megatron_single_process):
     assert losses == want_losses
 
 
+def test_replays_of_two_adapters_train_what_eager_runs_train(megatron_single_process):
+    """Two adapters (ranks 4 and 8, dropout on one) in every microbatch, one shape throughout."""
+    adapters = [ADAPTER, AdapterConfig(name="duo", rank=8, alpha=8.0, lr=1e-3, global_batch_size=3)]
+    lengths = (10, 7)  # per adapter: every round is one microbatch of 2 x 10 + 3 x 7 tokens
+    rng = random.Random(SEED)
+    datasets = [
+        [
+            TokenizedSample(
+                tuple(rng.randrange(MCORE_MODEL.vocab_size) for _ in range(n)),
+                tuple(rng.randrange(MCORE_MODEL.vocab_size) for _ in range(n)),
+                tuple(int(rng.random() < 0.8) for _ in range(n)),
+            )
+            for _ in range(STEPS * a.global_batch_size)
+        ]
+        for a, n in zip(adapters, lengths, strict=True)
+    ]
+    problem = PlanProblem(
+        [[n] * len(rows) for n, rows in zip(lengths, datasets, strict=True)],
+        [a.global_batch_size for a in adapters],
+        64,
+        seed=SEED,
+    )
+    microbatches = plan_microbatches(problem, solver="greedy").microbatches
+    assert len(microbatches) == STEPS
+    batch_tokens = [
+        [sum(sum(r.loss_mask) for r in rows[j * g : (j + 1) * g]) for j in range(STEPS)]
+        for rows, g in ((d, a.global_batch_size) for d, a in zip(datasets, adapters, strict=True))
+    ]
+
+    def make_batch(microbatch, index):
+        return pack_microbatch(
+            microbatch,
+            datasets,
+            [list(range(len(rows))) for rows in datasets],
+            len(adapters),
+            "cpu",
+            dropout_seed=SEED,
+            pad_to_multiple=GRAPH_PAD_TOKENS,
+            sample_key=lambda a, position: 1_000 * a + position,
+        )
+
+    eager = build_run(MCORE_MODEL, adapters, batch_tokens, seed=SEED)
+    eager.model.train()
+    eager.train(microbatches, make_batch)
+    graphed = build_run(MCORE_MODEL, adapters, batch_tokens, seed=SEED)
+    forward = graphed.forward
+    graphed.graphs = _CpuGraphs(
+        lambda batch, den: adapter_losses(forward(batch, None), batch, den),
+        max_seqlen=GRAPH_PAD_TOKENS,
+        before_capture=graphed.lora.drop_compute_weights,
+    )
+    graphed.model.train()
+    graphed.train(microbatches, make_batch)
+    assert (graphed.graphs.captures, graphed.graphs.replays) == (1, STEPS - CAPTURE_AT)
+    torch.testing.assert_close(graphed.lora.weights, eager.lora.weights, rtol=0, atol=0)
+    for run, want in zip(graphed.runs, eager.runs, strict=True):
+        assert run.losses == want.losses
+
+
 def test_a_new_adapter_drops_the_graphs():
     graphs = _CpuGraphs(lambda batch, den: den, max_seqlen=8)
     graphs._graphs[("shape",)] = object()
