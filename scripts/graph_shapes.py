@@ -15,8 +15,8 @@ and 5 replayed 217 and 203 microbatches at global batch 8 (capture at 2, 3) and 
 import argparse
 from collections import Counter
 
-from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
+from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 from scripts.bench_train_cli import _lengths
 
 KEYS = {

@@ -1,7 +1,7 @@
 """The multi-adapter pipeline: pure 1F1B schedule tables and the runner that executes them."""
 
 from megatron_lorafusion.pipeline.forward_only import forward_loss_sums
-from megatron_lorafusion.pipeline.graphs import GRAPH_PAD_TOKENS, MicrobatchGraphs
+from megatron_lorafusion.pipeline.graphs import MicrobatchGraphs
 from megatron_lorafusion.pipeline.groups import (
     PipelineGroups,
     check_same_across_ranks,
@@ -26,7 +26,6 @@ from megatron_lorafusion.pipeline.schedule import (
 )
 
 __all__ = [
-    "GRAPH_PAD_TOKENS",
     "Action",
     "AdapterRun",
     "ComputeEvent",

@@ -7,20 +7,20 @@ replays them with one call.
 
 A graph fixes every shape and every device address it reads, so a microbatch is replayed only
 by the graph of its shape: ``(tokens of each adapter, samples, dropout seed)``. The runner pads
-``T`` to a multiple (`pack_microbatch`'s loss-free padding sample), so one adapter's
-microbatches fall into a few shapes. A shape runs eagerly until its `CAPTURE_AT`-th microbatch
-(the first compiles its Triton kernels and fills its layout's tables), is captured then (after
-that microbatch ran eagerly: capturing runs nothing) and is replayed from then on, its
-tokens, labels, sample boundaries, dropout keys and loss denominators copied into the graph's
-own input tensors first. Microbatches whose shape never repeats (many adapters) stay eager;
-after 8 captures that were replayed less than twice each on average, no more are made.
+``T`` to a multiple of `validation.GRAPH_PAD_TOKENS` (`pack_microbatch`'s loss-free padding
+sample), so one adapter's microbatches fall into a few shapes. A shape runs eagerly until
+its `CAPTURE_AT`-th microbatch (the first compiles its Triton kernels and fills its layout's
+tables), is captured then (after that microbatch ran eagerly: capturing runs nothing) and is
+replayed from then on, its tokens, labels, sample boundaries, dropout keys and loss
+denominators copied into the graph's own input tensors first. Microbatches whose shape never
+repeats (many adapters) stay eager; after 8 captures that were replayed less than twice each
+on average, no more are made.
 
 What a replay reads must stay where the capture found it, and hold what it would hold in an
 eager run: the LoRA tables (``weights`` and ``grads`` are updated in place), the frozen base,
 and the per-adapter scale and dropout vectors (`ops.device_params`; each graph keeps those
-alive). A
-graph is valid while the adapters in the table are the ones it was captured with: `clear`
-drops every graph when an adapter is bound to a row. All graphs share one memory pool (they
+alive). A graph is valid while the adapters in the table are the ones it was captured with:
+`clear` drops every graph when an adapter is bound to a row. All graphs share one memory pool (they
 run one at a time; only their loss outputs outlive a replay).
 """
 
@@ -34,11 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from megatron_lorafusion.ops import AdapterLayout, cached_device_params
-from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CAPTURE_AT", "GRAPH_PAD_TOKENS", "MicrobatchGraphs"]
+__all__ = ["CAPTURE_AT", "MicrobatchGraphs"]
 
 CAPTURE_AT = 3
 """A shape is captured at its third microbatch: a capture costs at least an eager run of the

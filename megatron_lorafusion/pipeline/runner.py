@@ -359,7 +359,7 @@ class _Runner:
         gpu_start = self._gpu_mark()  # the stream waited for the input before this point
         self.state.tokens += share.tokens  # the plan's tokens: padding is not work done
         if self.graphs is not None:  # one process: forward, loss and backward in one go
-            losses = self.graphs.train(batch, self._denominators(share, batch))
+            losses = self.graphs.train(batch, self._denominators(share))
             self.state.loss_sums += losses  # read back at steps only: no sync here
             self.state.stash[k] = _Stash(None, None, tokens, share.adapters)
             self._event(k, "F", start, waited, tokens, gpu_start)
@@ -367,7 +367,7 @@ class _Runner:
         output = self.forward(batch, input_tensor)
         stash = _Stash(input_tensor, output, tokens, share.adapters)
         if self.g.is_last:
-            losses = adapter_losses(output, batch, self._denominators(share, batch))
+            losses = adapter_losses(output, batch, self._denominators(share))
             self.state.loss_sums += losses.detach()  # read back at steps only: no sync here
             stash.output = losses.sum()
         else:
@@ -378,23 +378,23 @@ class _Runner:
         self.state.stash[k] = stash
         self._event(k, "F", start, waited, tokens, gpu_start)
 
-    def _denominators(self, share: Microbatch, batch: PackedBatch) -> torch.Tensor:
+    def _denominators(self, share: Microbatch) -> torch.Tensor:
         """(A,) fp32 on the device: trained tokens of each adapter's current global batch."""
         denominators = [1.0] * len(self.adapters)
         for s in share.samples:
             denominators[s.adapter] = float(
                 max(self.adapters[s.adapter].batch_tokens[s.index // self.gbs[s.adapter]], 1)
             )
-        return copy_to_device(torch.tensor(denominators), batch.loss_mask.device)
+        return copy_to_device(torch.tensor(denominators), self.device)
 
     def _backward(self, action: Action) -> None:
         stash = self.state.stash.pop(action.microbatch, None)
         if stash is None:  # idle for this replica
             return
-        start = time.perf_counter()
-        waited = 0.0
         if stash.output is None:  # trained whole in its forward (`MicrobatchGraphs`)
             return
+        start = time.perf_counter()
+        waited = 0.0
         if self.g.is_last:
             gpu_start = self._gpu_mark()
             stash.output.backward()

@@ -19,7 +19,6 @@ import torch
 from megatron_lorafusion.config import AdapterConfig, ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
 from megatron_lorafusion.lifetime import command_age_s, die_with_parent
-from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS
 from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 from megatron_lorafusion.train.evaluate import LossSums, one_stage_loss_sums, split_eval_rows
@@ -31,7 +30,7 @@ from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings, Timing
 from megatron_lorafusion.train.stream import JobStream
 from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
-from megatron_lorafusion.validation import planned_samples_problems
+from megatron_lorafusion.validation import GRAPH_PAD_TOKENS, planned_samples_problems
 
 __all__ = ["JobsFailedError", "main", "make_jobs", "prepare_problem"]
 

@@ -224,6 +224,10 @@ def build_run(
     from megatron_lorafusion.mcore.recompute import apply_recompute
 
     device = torch.device(device)
+    if graphs_max_seqlen is not None and (
+        why_not := graphs_apply(device, recompute, params_dtype, adapters, model_cfg)
+    ):  # refused before the model is built
+        raise ValueError(f"CUDA graphs cannot train this run: {why_not}")
     groups = pipeline_groups(comm_timeout_s)
     model = mcore.build_gpt_model(
         model_cfg,
@@ -244,9 +248,6 @@ def build_run(
     forward = gpt_stage_forward(model, lora, is_first=groups.is_first, is_last=groups.is_last)
     graphs = None
     if graphs_max_seqlen is not None:
-        why_not = graphs_apply(device, recompute, params_dtype, adapters, model_cfg)
-        if why_not:
-            raise ValueError(f"CUDA graphs cannot train this run: {why_not}")
         graphs = MicrobatchGraphs(
             lambda batch, denominators: adapter_losses(forward(batch, None), batch, denominators),
             max_seqlen=graphs_max_seqlen,

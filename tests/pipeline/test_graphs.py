@@ -17,10 +17,11 @@ from model_testing import MCORE_MODEL
 from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
 from megatron_lorafusion.ops import AdapterLayout
-from megatron_lorafusion.pipeline import GRAPH_PAD_TOKENS, MicrobatchGraphs, adapter_losses
+from megatron_lorafusion.pipeline import MicrobatchGraphs, adapter_losses
 from megatron_lorafusion.pipeline.graphs import CAPTURE_AT
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
 from megatron_lorafusion.train.recipe import build_run
+from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 
 SEED = 5
 ADAPTER = AdapterConfig(name="solo", rank=4, alpha=8.0, lr=2e-3, dropout=0.1, global_batch_size=2)
