@@ -9,6 +9,10 @@ import random
 # machines (AMD EPYC here: one served factor 7.7e-4 off after 4 Adam steps, bitwise equal
 # with the AVX2 kernels), so the tests and the processes they start use the AVX2 kernels.
 os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+# ...and oneDNN too: on a CPU with AMX (Intel Sapphire Rapids), ATen's bf16 attention asks
+# oneDNN whether to pack for AMX, then refuses to pack under the AVX2 kernels ("pack_vnni2
+# is only supported when avx512 is supported").
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
