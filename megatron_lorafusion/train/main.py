@@ -178,9 +178,13 @@ def main(cfg: JobConfig) -> dict[str, list[float]]:
     if rank0:  # the first screen, before the model is built (seconds on a real model)
         for line in job_summary(cfg, jobs, int(os.environ.get("WORLD_SIZE", "1"))).splitlines():
             logger.info("%s", line)  # a record per line: every line names its logger
+    device = _device(cfg)
+    if device.type == "cuda":
+        torch.cuda.init()
+        timing.mark("starting CUDA")
     from megatron_lorafusion.mcore.parallel import destroy_model_parallel, init_model_parallel
 
-    device = _device(cfg)
+    timing.mark("importing Megatron")
     init_model_parallel(
         cfg.parallel.tp, cfg.parallel.pp, device, cfg.train.seed, timeout_s=_COMM_TIMEOUT_S
     )

@@ -41,9 +41,10 @@ def test_metrics_jsonl_and_tensorboard_per_adapter(tmp_path):
     for key in ("startup_s", "first_step_s", "train_s", "train_tokens_per_s", "end_s"):
         assert runs[0][key] > 0, f"where the time went: {key} missing or 0 in {runs[0]}"
     assert "peak_gpu_gib" not in runs[0], "a CPU run records no GPU memory peak"
-    phases = runs[0]["startup_phases_s"]  # called in this process: no launch phase
+    phases = runs[0]["startup_phases_s"]  # in this process: no launch phase; CPU: no CUDA
     assert list(phases) == [
         "reading data",
+        "importing Megatron",
         "process groups",
         "building the model",
         "resuming",
