@@ -445,14 +445,16 @@ class TrainConfig:
     instead of keeping it (one more norm and SwiGLU pass per layer; gradients bit-identical to
     ``none``; ~11 GiB less for an 8B microbatch of 8192 tokens); ``full``: each decoder layer
     keeps only its input and runs its forward again in backward (one more forward per step)."""
-    cuda_graphs: bool = False
+    cuda_graphs: Literal["auto", True, False] = "auto"
     """Train microbatches through CUDA graphs: a microbatch shape seen three times is captured
     and then replayed (one launch instead of ~1,000: a small model's host no longer holds the
     GPU back). Microbatches are padded to a multiple of 256 tokens (loss-free) so shapes
-    repeat. `lorafusion train` in one process on a GPU with a bf16 base, no ``recompute:
-    full``, no DoRA adapter, a token capacity that is a multiple of 256 (refused with the
-    reason elsewhere, and by `serve`). Pays where shapes repeat: one adapter on Llama-3.2-1B
-    at global batch 8 ran 1.69x faster, at global batch 32 0.89x (docs/throughput.md)."""
+    repeat. They run for `lorafusion train` in one process on a GPU with FlashAttention and a
+    bf16 base, without ``recompute: full``, DoRA adapters or a token capacity off a multiple
+    of 256. ``auto``: on where they run (the log says which, and why not); ``true``: refused
+    with the reason where they cannot; ``false``: off. One adapter on Llama-3.2-1B ran 1.53x
+    faster at global batch 8 and 1.12x at 32; runs of many adapters rarely repeat a shape
+    and train as without them (docs/throughput.md)."""
 
 
 @dataclass(frozen=True)

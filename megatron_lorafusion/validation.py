@@ -198,6 +198,36 @@ their shapes repeat: one adapter's microbatches of 2k-8k tokens fall into ~20 sh
 ~128 padding tokens each (~3 % of a 4.5k-token microbatch)."""
 
 
+def graph_blockers(cfg: JobConfig) -> list[str]:
+    """What in ``cfg`` keeps CUDA graphs off (``train.cuda_graphs``), one phrase each.
+
+    The machine's part (a GPU with FlashAttention, one process) is `recipe.graphs_apply`'s.
+    """
+    t = cfg.train
+    return [
+        reason
+        for reason, applies in (
+            ("train.device is cpu", t.device == "cpu"),
+            (f"parallel.tp is {cfg.parallel.tp}", cfg.parallel.tp > 1),
+            (f"parallel.pp is {cfg.parallel.pp}", cfg.parallel.pp > 1),
+            ("train.recompute is 'full'", t.recompute == "full"),
+            (f"train.precision is '{t.precision}'", t.precision == "fp32"),
+            ("an adapter uses DoRA", any(a.use_dora for a in cfg.adapters)),
+            ("a server trains eagerly (lorafusion serve)", cfg.server is not None),
+            (
+                f"model.base_precision is '{cfg.model.base_precision}'",
+                cfg.model.base_precision != "bf16",
+            ),
+            (
+                f"planner.token_capacity {cfg.planner.token_capacity} is not a multiple "
+                f"of {GRAPH_PAD_TOKENS} (microbatches are padded to one)",
+                cfg.planner.token_capacity % GRAPH_PAD_TOKENS != 0,
+            ),
+        )
+        if applies
+    ]
+
+
 def _non_finite(node: object, where: str) -> list[str]:
     """Every float field of a config tree that is NaN or infinite."""
     p = []
@@ -438,35 +468,12 @@ def validate(cfg: JobConfig) -> list[str]:
         p.append(f"train.eval_every must be >= 0, got {t.eval_every}")
     if t.save_buffer_gib is not None and not t.save_buffer_gib > 0:
         p.append(f"train.save_buffer_gib must be > 0 GiB, got {t.save_buffer_gib}")
-    if t.cuda_graphs:
-        why_not = [
-            reason
-            for reason, applies in (
-                ("train.device is cpu", t.device == "cpu"),
-                (f"parallel.tp is {cfg.parallel.tp}", cfg.parallel.tp > 1),
-                (f"parallel.pp is {cfg.parallel.pp}", cfg.parallel.pp > 1),
-                ("train.recompute is 'full'", t.recompute == "full"),
-                (f"train.precision is '{t.precision}'", t.precision == "fp32"),
-                ("an adapter uses DoRA", any(a.use_dora for a in cfg.adapters)),
-                ("a server trains eagerly (lorafusion serve)", cfg.server is not None),
-                (
-                    f"model.base_precision is '{cfg.model.base_precision}'",
-                    cfg.model.base_precision != "bf16",
-                ),
-                (
-                    f"planner.token_capacity {cfg.planner.token_capacity} is not a multiple "
-                    f"of {GRAPH_PAD_TOKENS} (microbatches are padded to one)",
-                    cfg.planner.token_capacity % GRAPH_PAD_TOKENS != 0,
-                ),
-            )
-            if applies
-        ]
-        if why_not:
-            p.append(
-                "train.cuda_graphs: true needs one process on a GPU with a bf16 base, without "
-                "full recompute or DoRA adapters, but "
-                f"{', '.join(why_not)} (set it to false)"
-            )
+    if t.cuda_graphs is True and (why_not := graph_blockers(cfg)):
+        p.append(
+            "train.cuda_graphs: true needs one process on a GPU with a bf16 base, without "
+            f"full recompute or DoRA adapters, but {', '.join(why_not)} (set it to false "
+            "or auto)"
+        )
     if not t.output_dir:
         p.append("train.output_dir must be a path, got ''")
     elif cfg.server is None and (problem := _output_dir_problem(cfg)) is not None:

@@ -41,7 +41,7 @@ def _lengths(count: int, seed: int) -> list[int]:
 
 
 def _job(
-    args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int, graphs: str = "off"
+    args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int, graphs: str = "auto"
 ) -> Path:
     per = args.samples // adapters
     entries = []
@@ -75,7 +75,7 @@ def _job(
             "save_every": save_every,
             "keep_last": args.keep_last,
             "save_buffer_gib": args.save_buffer_gib,
-            "cuda_graphs": graphs == "on",
+            "cuda_graphs": {"on": True, "off": False}.get(graphs, graphs),
         },
         "logging": {"progress_bar": False, "log_every": 10**6},
     }
@@ -136,6 +136,8 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int, graphs: s
             "save_wait_s": run.get("save_wait_s", math.nan),
             "peak_disk_gb": peak / 1e9,
             "graph_replays": run.get("graph_replays", 0),
+            "graph_captures": run.get("graph_captures", 0),
+            "peak_gpu_gib": run.get("peak_gpu_gib", math.nan),
             "startup_phases_s": run.get("startup_phases_s", {}),
         }
     )
@@ -185,9 +187,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--cuda-graphs",
         nargs="+",
-        choices=("on", "off"),
-        default=["off"],
-        help="train.cuda_graphs of each cell (on: true, off: false)",
+        choices=("auto", "on", "off"),
+        default=["auto"],
+        help="train.cuda_graphs of each cell (auto, the default; on: true, off: false)",
     )
     parser.add_argument("--samples", type=int, default=4096, help="in all, split evenly")
     parser.add_argument("--rank", type=int, default=16)

@@ -7,19 +7,22 @@ Plans `bench_train_cli`'s workload (XSum-like lengths, one token per byte plus o
 `train.cuda_graphs` does (`GRAPH_PAD_TOKENS`, a loss-free sample) and counts, for each way
 of keying a shape and each capture threshold, the captures and replays `MicrobatchGraphs`
 would make (a shape is captured at its ``capture_at``-th microbatch, replayed after). The
-shipped key is ``tokens, samples``. CPU only, seconds. The sixteenth session's device runs 4
-and 5 replayed 217 and 203 microbatches at global batch 8 (capture at 2, 3) and 96 and 75 at
-32, where this counts 217 and 200, 92 and 70.
+shipped key is ``tokens, sample bucket`` (`graphs.sample_bucket`, since the seventeenth
+session; ``tokens, samples`` before). CPU only, seconds. The sixteenth session's device runs
+4 and 5 (key ``tokens, samples``) replayed 217 and 203 microbatches at global batch 8
+(capture at 2, 3) and 96 and 75 at 32, where this counts 217 and 200, 92 and 70.
 """
 
 import argparse
 from collections import Counter
 
+from megatron_lorafusion.pipeline.graphs import sample_bucket
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
 from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 from scripts.bench_train_cli import _lengths
 
 KEYS = {
+    "tokens, sample bucket": lambda tokens, samples: (tokens, sample_bucket(samples)),
     "tokens, samples": lambda tokens, samples: (tokens, samples),
     "tokens, samples / 4": lambda tokens, samples: (tokens, -(-samples // 4)),
     "tokens": lambda tokens, samples: tokens,

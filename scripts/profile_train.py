@@ -9,7 +9,9 @@ in the forward and backward calls of the runner, in the optimizer step and in co
 step (metrics, progress, saves: `Session._on_step`), the wall time per microbatch, and the
 GPU time of its forward, backward and step (CUDA events on the compute stream, the runner's
 ``record_events``). If the host's sum is near the wall time and the GPU's well below, the
-loop is host-bound there. Prints one markdown table (medians over the timed microbatches).
+loop is host-bound there. Prints one markdown table (medians over the timed microbatches);
+with ``--cuda-graphs on`` a second one splits every microbatch by what the graphs did with it
+(ran it eagerly, captured its shape, replayed it).
 
 ``--cprofile FILE`` also profiles the host's Python over the timed microbatches (cProfile,
 saved to FILE, top functions printed); ``--sync-sites`` lists, for the timed microbatches,
@@ -18,6 +20,7 @@ every call site that made the host wait for the GPU (torch's sync debug mode, CU
 
 import argparse
 import cProfile
+import math
 import pstats
 import statistics
 import sys
@@ -31,6 +34,7 @@ import torch
 
 from megatron_lorafusion.config import load_config
 from megatron_lorafusion.pipeline import runner as runner_module
+from megatron_lorafusion.pipeline.graphs import MicrobatchGraphs
 from megatron_lorafusion.train import session as session_module
 from megatron_lorafusion.train.main import main as train_main
 from scripts.bench_train_cli import _job
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cprofile", help="save a cProfile of the timed microbatches here")
     parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
     parser.add_argument(
-        "--cuda-graphs", choices=("on", "off"), default="off", help="train.cuda_graphs"
+        "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="train.cuda_graphs"
     )
     args = parser.parse_args(argv)
     bench = argparse.Namespace(
@@ -83,6 +87,17 @@ def main(argv: list[str] | None = None) -> dict:
     _timed(runner_module._Runner, "_backward", phases["backward"])
     _timed(runner_module._Runner, "_finish_step", phases["step"])
     walls, events = [], []
+    kinds: list[str] = []  # per microbatch with graphs on: eager, capture or replay
+    real_graph_train = MicrobatchGraphs.train
+
+    def graph_train(self, batch, denominators):
+        before = (self.replays, self.captures)
+        losses = real_graph_train(self, batch, denominators)
+        replayed, captured = self.replays > before[0], self.captures > before[1]
+        kinds.append("replay" if replayed else "capture" if captured else "eager")
+        return losses
+
+    MicrobatchGraphs.train = graph_train
     real_run = runner_module._Runner.run
 
     profiler = cProfile.Profile() if args.cprofile else None
@@ -148,6 +163,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("| " + " | ".join(result) + " |")
     print("|" + "---|" * len(result))
     print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
+    if kinds:
+        _print_kinds(kinds, walls, gpu["F"], w)
     if profiler is not None:
         profiler.dump_stats(args.cprofile)
         for order in ("tottime", "cumulative"):
@@ -157,6 +174,27 @@ def main(argv: list[str] | None = None) -> dict:
         for site, count in sync_sites.most_common():
             print(f"{count:6d}  {site}")
     return result
+
+
+def _print_kinds(kinds: list[str], walls: list[float], gpu_forward: list[float], warmup: int):
+    """Per kind of microbatch (eager, capture, replay): count, median wall and GPU, total wall.
+
+    Every microbatch, the warm-up's included (captures happen early). With graphs on, the GPU
+    time of the forward event holds the whole microbatch (forward, loss and backward).
+    """
+    gpu = [math.nan] * warmup + gpu_forward  # `gpu_forward` skips the warm-up
+    print("| microbatch | count | median wall ms | median GPU ms | total wall s |")
+    print("|---|---|---|---|---|")
+    for kind in ("eager", "capture", "replay"):
+        picked = [i for i, k in enumerate(kinds[: len(walls)]) if k == kind]
+        if not picked:
+            continue
+        wall = [walls[i] for i in picked]
+        busy = [gpu[i] for i in picked if i < len(gpu) and not math.isnan(gpu[i])]
+        print(
+            f"| {kind} | {len(picked)} | {1e3 * statistics.median(wall):.1f} | "
+            f"{1e3 * statistics.median(busy) if busy else math.nan:.1f} | {sum(wall):.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -699,12 +699,17 @@ def test_config_cuda_graphs_true_names_what_stops_them(tmp_path):
         "train.cuda_graphs: true needs one process on a GPU with a bf16 base, without full "
         "recompute or DoRA adapters, but train.device is cpu, parallel.tp is 2, "
         "train.recompute is 'full', train.precision is 'fp32', planner.token_capacity 1000 "
-        "is not a multiple of 256 (microbatches are padded to one) (set it to false)"
+        "is not a multiple of 256 (microbatches are padded to one) (set it to false or auto)"
     ) in _errors(tmp_path, job)
-    job["train"]["cuda_graphs"] = False
-    assert load_config(_write(tmp_path, job)).train.cuda_graphs is False
+    for value in (False, "auto"):  # the same job: auto turns them off where they cannot run
+        job["train"]["cuda_graphs"] = value
+        assert load_config(_write(tmp_path, job)).train.cuda_graphs == value
     del job["train"]["cuda_graphs"]
-    assert load_config(_write(tmp_path, job)).train.cuda_graphs is False, "off by default"
+    assert load_config(_write(tmp_path, job)).train.cuda_graphs == "auto", "auto by default"
+    job["train"]["cuda_graphs"] = "yes"
+    assert "train.cuda_graphs must be one of 'auto', True, False, got 'yes'" in _errors(
+        tmp_path, job
+    )
 
 
 def test_config_save_buffer_gib_is_a_size_or_null_sized_to_the_job(tmp_path):

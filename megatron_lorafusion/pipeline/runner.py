@@ -358,7 +358,7 @@ class _Runner:
             input_tensor.requires_grad_()
         gpu_start = self._gpu_mark()  # the stream waited for the input before this point
         self.state.tokens += share.tokens  # the plan's tokens: padding is not work done
-        if self.graphs is not None:  # one process: forward, loss and backward in one go
+        if self.graphs is not None and self.graphs.active:  # forward, loss, backward at once
             losses = self.graphs.train(batch, self._denominators(share))
             self.state.loss_sums += losses  # read back at steps only: no sync here
             self.state.stash[k] = _Stash(None, None, tokens, share.adapters)

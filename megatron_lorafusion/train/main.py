@@ -30,7 +30,11 @@ from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings, Timing
 from megatron_lorafusion.train.stream import JobStream
 from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
-from megatron_lorafusion.validation import GRAPH_PAD_TOKENS, planned_samples_problems
+from megatron_lorafusion.validation import (
+    GRAPH_PAD_TOKENS,
+    graph_blockers,
+    planned_samples_problems,
+)
 
 __all__ = ["JobsFailedError", "main", "make_jobs", "prepare_problem"]
 
@@ -318,16 +322,23 @@ def _cuda_graphs(cfg: JobConfig, device: torch.device) -> bool:
     """Whether microbatches train through CUDA graphs (``train.cuda_graphs``).
 
     Raises:
-        ConfigError: when they are asked for and cannot run here (names the reason).
+        ConfigError: when they are asked for (``true``) and cannot run here (names the reason).
     """
-    if not cfg.train.cuda_graphs:
+    if cfg.train.cuda_graphs is False:
         return False
     dtype = _DTYPES[cfg.train.precision]
-    why_not = graphs_apply(device, cfg.train.recompute, dtype, cfg.adapters, cfg.model)
-    if why_not:
+    why_not = ", ".join(graph_blockers(cfg)) or graphs_apply(
+        device, cfg.train.recompute, dtype, cfg.adapters, cfg.model
+    )
+    if why_not and cfg.train.cuda_graphs is True:
         raise ConfigError([f"train.cuda_graphs is true, but CUDA graphs cannot run: {why_not}"])
+    if why_not:
+        if device.type == "cuda":
+            logger.info("CUDA graphs: off (train.cuda_graphs: auto): %s", why_not)
+        return False
     logger.info(
-        "CUDA graphs: on (train.cuda_graphs), microbatches padded to a multiple of %d tokens",
+        "CUDA graphs: on (train.cuda_graphs: %s), microbatches padded to a multiple of %d tokens",
+        cfg.train.cuda_graphs,
         GRAPH_PAD_TOKENS,
     )
     return True
@@ -405,8 +416,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing:
         capacity=cfg.planner.token_capacity,
         seed=cfg.train.seed,
         log_every=cfg.logging.log_every,
-        pad_to_multiple=GRAPH_PAD_TOKENS if graphs else shards,
-        eval_pad_to_multiple=shards,  # eval runs eagerly
+        pad_to_multiple=shards,
         writes=writes,
         single_shard=sizes["tp"] * sizes["pp"] == 1,
         cut_on_failure=sizes["world"] == 1,

@@ -27,6 +27,7 @@ from megatron_lorafusion.pipeline import (
 )
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
+from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
 
 __all__ = ["Run", "adapter_training", "build_run", "graphs_apply", "pipeline_groups"]
 
@@ -215,7 +216,8 @@ def build_run(
         comm_timeout_s: timeout of the runner's process groups, in seconds.
         graphs_max_seqlen: train through CUDA graphs (`pipeline.MicrobatchGraphs`; one
             process on a GPU only), whose attention is launched for samples of up to this
-            many tokens; None: eagerly.
+            many tokens (microbatches padded to `GRAPH_PAD_TOKENS` while they are active);
+            None: eagerly.
 
     Raises:
         ValueError: for graphs where they cannot run (see `graphs_apply`).
@@ -252,6 +254,7 @@ def build_run(
             lambda batch, denominators: adapter_losses(forward(batch, None), batch, denominators),
             max_seqlen=graphs_max_seqlen,
             before_capture=lora.drop_compute_weights,
+            pad_tokens=GRAPH_PAD_TOKENS,
         )
     return Run(
         model=model,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -55,9 +56,9 @@ class SessionSettings:
         log_every: log a job's loss every this many of its steps.
         cut_every: end a segment after this many microbatches (0: only where needed); a
             server checks its inbox between segments.
-        pad_to_multiple: pad microbatches to this many tokens (sequence parallelism, CUDA
-            graphs).
-        eval_pad_to_multiple: the same for eval microbatches; None: ``pad_to_multiple``.
+        pad_to_multiple: pad microbatches to this many tokens (sequence parallelism; training
+            microbatches also to the CUDA graphs' `MicrobatchGraphs.pad_tokens` while those
+            are active).
         writes: this rank writes checkpoints (data-parallel replica 0 of its shard).
         single_shard: TP = PP = 1.
         cut_on_failure: end a segment as soon as a job fails (one process: every rank must
@@ -75,7 +76,6 @@ class SessionSettings:
     log_every: int = 1
     cut_every: int = 0
     pad_to_multiple: int = 1
-    eval_pad_to_multiple: int | None = None
     writes: bool = True
     single_shard: bool = True
     cut_on_failure: bool = True
@@ -345,6 +345,9 @@ class Session:
         self.timing.tokens += microbatch.tokens
         self.timing.microbatches += 1
         slots = range(self.run.lora.num_adapters)
+        pad = self.settings.pad_to_multiple
+        if (graphs := self.run.graphs) is not None and graphs.active:
+            pad = math.lcm(pad, graphs.pad_tokens)  # shapes that repeat
         return pack_microbatch(
             microbatch,
             [self.jobs[a].rows if a in self.jobs else [] for a in slots],
@@ -352,7 +355,7 @@ class Session:
             self.run.lora.num_adapters,
             self.run.device,
             dropout_seed=self.settings.seed,
-            pad_to_multiple=self.settings.pad_to_multiple,
+            pad_to_multiple=pad,
             sample_key=lambda a, position: self.jobs[a].sample_key(position),
         )
 
@@ -557,5 +560,5 @@ class Session:
             self.run.lora.num_adapters,
             self.run.device,
             dropout_seed=0,
-            pad_to_multiple=self.settings.eval_pad_to_multiple or self.settings.pad_to_multiple,
+            pad_to_multiple=self.settings.pad_to_multiple,
         )

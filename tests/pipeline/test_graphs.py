@@ -9,6 +9,7 @@ graphs train a job as the eager runner does.
 
 import dataclasses
 import random
+import types
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from megatron_lorafusion.config import AdapterConfig
 from megatron_lorafusion.data import TokenizedSample, pack_microbatch
 from megatron_lorafusion.ops import AdapterLayout
 from megatron_lorafusion.pipeline import MicrobatchGraphs, adapter_losses
-from megatron_lorafusion.pipeline.graphs import CAPTURE_AT
+from megatron_lorafusion.pipeline.graphs import CAPTURE_AT, GIVE_UP_AFTER, sample_bucket
 from megatron_lorafusion.planner import PlanProblem, plan_microbatches
 from megatron_lorafusion.train.recipe import build_run
 from megatron_lorafusion.validation import GRAPH_PAD_TOKENS
@@ -59,7 +60,9 @@ class _CpuGraphs(MicrobatchGraphs):
 
 
 def _job(adapter=ADAPTER, steps=STEPS):
-    """One adapter's samples (5-30 tokens), planned: each microbatch is one global batch."""
+    """One adapter's samples (5-30 tokens), planned in microbatches of 64 tokens (at global
+    batch 2 each microbatch is one global batch; at 4 batches are split over microbatches
+    of different sample counts)."""
     rng = random.Random(SEED)
     rows = []
     for _ in range(steps * adapter.global_batch_size):
@@ -118,6 +121,33 @@ def test_replays_train_what_eager_runs_train(megatron_single_process):
     assert (graphed.graphs.captures, graphed.graphs.replays) == (1, STEPS - CAPTURE_AT)
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
     assert losses == want_losses
+
+
+def test_one_shape_replays_microbatches_of_different_sample_counts(megatron_single_process):
+    """Samples past a microbatch's own are empty: 2-5 samples in 256 tokens are one shape."""
+    adapter = dataclasses.replace(ADAPTER, global_batch_size=4)
+    rows, microbatches, batch_tokens = _job(adapter)
+    samples = {len(mb.samples) for mb in microbatches}
+    assert len(samples) > 1, samples
+    make_batch = _make_batch(rows, "cpu")
+    eager = build_run(MCORE_MODEL, [adapter], [batch_tokens], seed=SEED)
+    want_weights, want_losses = _train(eager, microbatches, make_batch)
+
+    graphed = build_run(MCORE_MODEL, [adapter], [batch_tokens], seed=SEED)
+    forward = graphed.forward
+    graphed.graphs = _CpuGraphs(
+        lambda batch, den: adapter_losses(forward(batch, None), batch, den),
+        max_seqlen=GRAPH_PAD_TOKENS,
+        before_capture=graphed.lora.drop_compute_weights,
+    )
+    weights, losses = _train(graphed, microbatches, make_batch)
+    assert (graphed.graphs.captures, graphed.graphs.replays) == (1, len(microbatches) - CAPTURE_AT)
+    torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
+    assert losses == want_losses
+
+
+def test_sample_buckets():
+    assert [sample_bucket(n) for n in (1, 5, 16, 17, 33, 100)] == [16, 16, 16, 32, 64, 128]
 
 
 def test_replays_of_two_adapters_train_what_eager_runs_train(megatron_single_process):
@@ -179,6 +209,21 @@ def test_replays_of_two_adapters_train_what_eager_runs_train(megatron_single_pro
         assert run.losses == want.losses
 
 
+def test_graphs_that_capture_nothing_step_aside():
+    """Shapes that never repeat (several adapters): after GIVE_UP_AFTER the runner goes eager."""
+    weight = torch.ones(2, requires_grad=True)
+    graphs = _CpuGraphs(lambda batch, den: weight * den, max_seqlen=8, pad_tokens=256)
+    for i in range(GIVE_UP_AFTER):
+        assert graphs.active, i
+        layout = AdapterLayout.from_samples([0, 1], [1 + i, 1], 2)  # a new shape each time
+        batch = types.SimpleNamespace(layout=layout, input_ids=torch.zeros(1, i + 2))
+        graphs.train(batch, torch.ones(2))
+    assert (graphs.active, graphs.captures, graphs.replays) == (False, 0, 0)
+    assert weight.grad.tolist() == [GIVE_UP_AFTER] * 2, "every microbatch trained eagerly"
+    graphs.clear()
+    assert graphs.active, "new adapters bring new shapes: worth another try"
+
+
 def test_a_new_adapter_drops_the_graphs():
     graphs = _CpuGraphs(lambda batch, den: den, max_seqlen=8)
     graphs._graphs[("shape",)] = object()
@@ -189,15 +234,20 @@ def test_a_new_adapter_drops_the_graphs():
 
 
 @pytest.mark.gpu
-def test_graphs_train_a_job_as_the_eager_runner_does(megatron_single_process):
-    """bf16 on the GPU (flash attention): real graphs against the eager runner, same data."""
-    rows, microbatches, batch_tokens = _job(steps=10)
+@pytest.mark.parametrize("global_batch", [2, 4])
+def test_graphs_train_a_job_as_the_eager_runner_does(megatron_single_process, global_batch):
+    """bf16 on the GPU (flash attention): real graphs against the eager runner, same data.
+
+    At global batch 4 the microbatches hold 2-5 samples: replays attend over empty samples.
+    """
+    adapter = dataclasses.replace(ADAPTER, global_batch_size=global_batch)
+    rows, microbatches, batch_tokens = _job(adapter, steps=10)
     make_batch = _make_batch(rows, "cuda")
     runs = {}
     for graphs in (False, True):
         run = build_run(
             MCORE_MODEL,
-            [ADAPTER],
+            [adapter],
             [batch_tokens],
             device="cuda",
             params_dtype=torch.bfloat16,
@@ -207,7 +257,7 @@ def test_graphs_train_a_job_as_the_eager_runner_does(megatron_single_process):
         runs[graphs] = (run, *_train(run, microbatches, make_batch))
     run, weights, losses = runs[True]
     _, want_weights, want_losses = runs[False]
-    assert (run.graphs.captures, run.graphs.replays) == (1, 10 - CAPTURE_AT)
+    assert (run.graphs.captures, run.graphs.replays) == (1, len(microbatches) - CAPTURE_AT)
     # Flash attention's backward adds dQ with atomics: runs differ by rounding, not by steps
     # (a replay on stale inputs moves the factors by ~lr = 2e-3 a step).
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=2e-4)
