@@ -11,8 +11,9 @@
    tokens/s ``R`` sets the arrival rate (offered load ``--load`` × R) and is the bar for
    the server's tokens/s while jobs join and leave (``--static-tokens-per-s R`` reuses an
    earlier run's, so that policies can run as separate commands on the same trace).
-3. For each policy (``online``: a job starts when a row is free; ``fifo``: one at a time,
-   what users do without a server; ``batch``: static batches) starts `lorafusion serve`,
+3. For each policy (``online``: a job starts when a row is free; ``shortest``: as online,
+   the jobs with the fewest tokens left training first; ``fifo``: one at a time, what users
+   do without a server; ``batch``: static batches) starts `lorafusion serve`,
    submits the jobs at their arrival times with `lorafusion submit`'s code, and reads each
    job's admission and finish times from its ``status.json``. A job's time alone is its
    run time under ``fifo`` (it ran alone there); its slowdown is its completion time over it.
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--poll-s", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", default=["online", "fifo", "batch"])
+    parser.add_argument("--policies", nargs="+", default=["online", "shortest", "fifo", "batch"])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument(
         "--static-tokens-per-s",
@@ -294,7 +295,14 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nsimulator, same trace (R measured, R alone from fifo):")
     for policy in args.policies:
         s = summarize(
-            simulate_trace(jobs, policy, rate, args.max_adapters, alone_tokens_per_s=r_alone)
+            simulate_trace(
+                jobs,
+                policy,
+                rate,
+                args.max_adapters,
+                alone_tokens_per_s=r_alone,
+                microbatch_tokens=args.capacity,
+            )
         )
         print(
             f"| {policy} | {s['makespan_s']:.0f} | {s['mean_jct_s']:.1f} | "

@@ -282,7 +282,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         action="store_true",
         help="simulate a trace of LoRA jobs arriving at one server under each policy "
-        "(online, fifo = one at a time, batch = static batches; sim/trace.py)",
+        "(online, shortest = shortest remaining first, fifo = one at a time, batch = static "
+        "batches; sim/trace.py; --capacity: tokens per microbatch, default 8192 here)",
     )
     t.add_argument("--jobs", type=int, default=32, help="jobs in the trace (default 32)")
     t.add_argument("--load", type=float, default=0.8, help="offered load / throughput (0.8)")
@@ -291,6 +292,16 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--alone-tokens-per-s", type=float, default=None, help="one job alone (default R)"
+    )
+    t.add_argument(
+        "--served-tokens-per-s",
+        type=float,
+        default=None,
+        help="the server's throughput while jobs join and leave (default R, which also sets "
+        "the arrivals: what-ifs of a slower server on the same trace)",
+    )
+    t.add_argument(
+        "--max-seq-length", type=int, default=2048, help="samples cut at this many tokens"
     )
     t.add_argument("--max-adapters", type=int, default=32, help="jobs at once (default 32)")
     t.add_argument("--size-scale", type=float, default=1.0, help="job sizes × this (1.0)")
@@ -381,7 +392,9 @@ def _run_trace(args: argparse.Namespace, write: Write) -> int:
         load=args.load,
         tokens_per_s=args.tokens_per_s,
         size_scale=args.size_scale,
+        max_length=args.max_seq_length,
     )
+    served = args.served_tokens_per_s or args.tokens_per_s
     rows = [
         "| policy | makespan s | mean JCT s | p50 JCT s | p95 JCT s | mean queue s | busy |",
         "|---|---|---|---|---|---|---|",
@@ -390,14 +403,15 @@ def _run_trace(args: argparse.Namespace, write: Write) -> int:
         result = simulate_trace(
             jobs,
             policy,
-            args.tokens_per_s,
+            served,
             args.max_adapters,
             alone_tokens_per_s=args.alone_tokens_per_s,
+            microbatch_tokens=args.capacity if args.capacity is not None else 8192,
         )
         s = summarize(result)
         rows.append(
-            f"| {policy} | {s['makespan_s']:.0f} | {s['mean_jct_s']:.0f} | {s['p50_jct_s']:.0f} "
-            f"| {s['p95_jct_s']:.0f} | {s['mean_queue_s']:.0f} | {100 * s['busy']:.0f}% |"
+            f"| {policy} | {s['makespan_s']:.0f} | {s['mean_jct_s']:.1f} | {s['p50_jct_s']:.1f} "
+            f"| {s['p95_jct_s']:.1f} | {s['mean_queue_s']:.1f} | {100 * s['busy']:.0f}% |"
         )
     tokens = sum(j.tokens for j in jobs)
     write(

@@ -11,8 +11,11 @@ server's throughput. ``scripts/bench_serve_trace.py`` runs a trace through a rea
   tokens of their global batches (the planner takes one global batch of every running job
   per round); a job alone runs at ``R_alone`` (one adapter fills its microbatches less);
 - the policies of `config.ServerConfig.policy`: ``online`` (a job starts as soon as a row
-  is free), ``fifo`` (one job at a time, what users do without a server), ``batch`` (jobs
-  wait until the server is empty, then start together: static batches).
+  is free), ``shortest`` (as online, but only the jobs with the fewest tokens left train,
+  at least two and enough to fill `config.SHORTEST_FIRST_MICROBATCHES` microbatches a
+  round),
+  ``fifo`` (one job at a time, what users do without a server), ``batch`` (jobs wait until
+  the server is empty, then start together: static batches).
 
 Pure Python (no torch): the CLI's ``lorafusion simulate --trace``.
 """
@@ -24,11 +27,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from megatron_lorafusion.config import SHORTEST_FIRST_MICROBATCHES
 from megatron_lorafusion.sim.distributions import sample_lengths
 
 __all__ = ["POLICIES", "TraceJob", "TraceResult", "make_trace", "simulate_trace", "summarize"]
 
-POLICIES = ("online", "fifo", "batch")
+POLICIES = ("online", "shortest", "fifo", "batch")
 _DATASETS = ("xsum", "cnn_dm", "wikisum")
 
 
@@ -136,6 +140,7 @@ def simulate_trace(
     max_adapters: int,
     *,
     alone_tokens_per_s: float | None = None,
+    microbatch_tokens: int = 8192,
 ) -> TraceResult:
     """Run ``jobs`` through a model of one server (see the module docstring).
 
@@ -145,6 +150,7 @@ def simulate_trace(
         tokens_per_s: the server's throughput with several jobs, ``R``.
         max_adapters: jobs it trains at once.
         alone_tokens_per_s: throughput of a job alone (default ``R``).
+        microbatch_tokens: tokens per microbatch (``shortest``: how many jobs train).
 
     Raises:
         ValueError: for an unknown policy.
@@ -162,7 +168,12 @@ def simulate_trace(
             queue.append(order[arrived])
             arrived += 1
         free = max_adapters - len(running)
-        room = {"online": free, "fifo": 0 if running else 1, "batch": 0 if running else free}
+        room = {
+            "online": free,
+            "shortest": free,
+            "fifo": 0 if running else 1,
+            "batch": 0 if running else free,
+        }
         for _ in range(min(room[policy], len(queue))):
             i = queue.pop(0)
             start[i] = now
@@ -171,13 +182,21 @@ def simulate_trace(
         if not running:
             now = next_arrival
             continue
-        rate = alone if len(running) == 1 else tokens_per_s
-        weights = sum(r.job.batch_tokens for r in running)
-        shares = [rate * r.job.batch_tokens / weights for r in running]
+        training = running
+        if policy == "shortest":
+            training, tokens = [], 0.0
+            for r in sorted(running, key=lambda r: (r.left, r.index)):
+                training.append(r)
+                tokens += r.job.batch_tokens
+                if len(training) > 1 and tokens >= SHORTEST_FIRST_MICROBATCHES * microbatch_tokens:
+                    break
+        rate = alone if len(training) == 1 else tokens_per_s
+        weights = sum(r.job.batch_tokens for r in training)
+        shares = [rate * r.job.batch_tokens / weights for r in training]
         step = min(
-            min(r.left / s for r, s in zip(running, shares, strict=True)), next_arrival - now
+            min(r.left / s for r, s in zip(training, shares, strict=True)), next_arrival - now
         )
-        for r, s in zip(running, shares, strict=True):
+        for r, s in zip(training, shares, strict=True):
             r.left -= s * step
         now += step
         busy += step

@@ -25,6 +25,7 @@ import torch
 
 from megatron_lorafusion.config import (
     FUSED_LINEARS,
+    SHORTEST_FIRST_MICROBATCHES,
     AdapterConfig,
     ConfigError,
     JobConfig,
@@ -62,6 +63,7 @@ logger = logging.getLogger(__name__)
 
 _CUT_EVERY = 16  # microbatches between inbox checks (a cut costs nothing at PP = 1)
 _ROUNDS_PER_CHUNK = 1  # a job admitted mid-chunk joins the plan at the chunk's end
+_WAITING = "waiting: jobs with fewer tokens left train first (policy: shortest)"
 
 
 def _placeholders(cfg: JobConfig) -> list[AdapterConfig]:
@@ -161,7 +163,7 @@ class _Server:
         """How many queued jobs may start now (the policy, given the free rows)."""
         free, running = len(self.session.free), len(self.session.jobs)
         policy = self.cfg.server.policy
-        if policy == "online":
+        if policy in ("online", "shortest"):
             return free
         if policy == "fifo":
             return 1 if not running else 0
@@ -286,7 +288,8 @@ class _Server:
             "tokens_per_busy_s": tokens / max(self.busy_s, 1e-9),
         }
         self._write_status("the server", info=info)
-        for job in self.session.jobs.values():
+        training = self.session.stream.training()
+        for slot, job in self.session.jobs.items():
             since, step0 = self.started.get(job.name, (time.perf_counter(), job.step))
             rate = (job.step - step0) / max(time.perf_counter() - since, 1e-9)
             eta = (job.total_steps - job.step) / rate if rate > 0 else None
@@ -303,6 +306,7 @@ class _Server:
                     "eta_s": eta,
                     "slot": job.slot,
                     "started_at": self.admitted_at.get(job.name),
+                    **({} if slot in training else {"reason": _WAITING}),
                 },
             )
         for position, (name, _) in enumerate(self.queue):
@@ -342,7 +346,7 @@ class _Server:
     # -- the loop ----------------------------------------------------------------------------
     def row_wanted(self) -> bool:
         """A queued job would start in a row freed now (the same on every rank)."""
-        return bool(self.queue) and self.cfg.server.policy == "online"
+        return bool(self.queue) and self.cfg.server.policy in ("online", "shortest")
 
     def rank0_says(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank: a decision read from a clock must be one decision."""
@@ -502,6 +506,11 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         seed=cfg.train.seed,
         start_planner=start_planner(cfg, _ROUNDS_PER_CHUNK),
         plans_in_process=plans_in_process,
+        shortest_first=(
+            SHORTEST_FIRST_MICROBATCHES * cfg.planner.token_capacity
+            if cfg.server.policy == "shortest"
+            else None
+        ),
     )
 
     def metrics_of(job: AdapterJob) -> MetricsWriter:

@@ -10,10 +10,20 @@ switches (DESIGN.md "Adapters as jobs"). A job may be mid-global-batch at the sw
 new plan starts that batch with the samples it has not trained yet (`PlanProblem.
 batch_offsets`). Jobs that simply run out of samples leave no trace and cost no re-plan, so
 a job whose adapters never change is planned exactly once, as a whole run.
+
+With ``shortest_first`` (a server's ``policy: shortest``) only some of the jobs train at a
+time: those with the fewest tokens left, at least two (the tail of one's global batch shares
+a microbatch with the other's) and enough that one global batch of each fills
+``shortest_first`` tokens. The others keep their rows and wait; a job that ends lets the next
+shortest in, and a job that joins with fewer tokens left than a training one takes its
+place (both at the next chunk boundary, as any join). Shortest-remaining-first finishes short
+jobs sooner than sharing the GPU evenly (lower mean job completion time), and filling the
+microbatches from several jobs keeps the throughput.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -86,6 +96,8 @@ class JobStream:
             ranks' agreement on it).
         plans_in_process: ``samples -> bool``: whether ``start_planner`` plans a problem of
             that many samples in this process (no worker to hide the planning behind).
+        shortest_first: train only the jobs with the fewest tokens left, at least two and
+            enough that one global batch of each holds this many tokens; None: every job.
 
     Attributes:
         jobs: slot -> job, the jobs that should train; change it between runner calls only
@@ -102,13 +114,16 @@ class JobStream:
         start_planner: Callable[[PlanProblem], Iterator[Plan]],
         on_plan: Callable[[Plan, PlanProblem], None] | None = None,
         plans_in_process: Callable[[int], bool] = lambda samples: False,
+        shortest_first: int | None = None,
     ):
         self.capacity, self.num_stages, self.tile_height = capacity, num_stages, tile_height
         self.seed = seed
         self.start_planner = start_planner
         self.on_plan = on_plan
         self.plans_in_process = plans_in_process
+        self.shortest_first = shortest_first
         self.jobs: dict[int, AdapterJob] = {}
+        self._suffix_tokens: dict[str, list[int]] = {}  # job -> tokens from position p on
         self.replans = 0  # plans made (the first included)
         self._cursors: dict[str, _Cursor] = {}
         self._plan: _Planned | None = None
@@ -128,13 +143,42 @@ class JobStream:
             self._cursors[job.name] = _Cursor(job.step)
         return self._cursors[job.name]
 
+    def tokens_left(self, job: AdapterJob) -> int:
+        """Tokens of ``job`` not yet yielded."""
+        suffix = self._suffix_tokens.get(job.name)
+        if suffix is None:
+            tokens = [job.sample_tokens(p) for p in range(len(job.order))]
+            suffix = list(itertools.accumulate(reversed(tokens), initial=0))[::-1]
+            self._suffix_tokens[job.name] = suffix
+        cursor = self._cursor(job)
+        start = min(cursor.batch * job.global_batch_size, len(job.order))
+        return suffix[start] - sum(job.sample_tokens(p) for p in cursor.partial)
+
+    def training(self) -> dict[int, AdapterJob]:
+        """Slot -> job of the jobs that train now (all of them, or see ``shortest_first``)."""
+        if self.shortest_first is None:
+            return self.jobs
+        for name in set(self._suffix_tokens) - {job.name for job in self.jobs.values()}:
+            del self._suffix_tokens[name]  # a job gone
+        left = {slot: self.tokens_left(job) for slot, job in self.jobs.items()}
+        chosen, tokens = {}, 0.0
+        for slot in sorted(self.jobs, key=lambda s: (left[s], s)):
+            if not left[slot]:
+                continue
+            job = chosen[slot] = self.jobs[slot]
+            tokens += self._suffix_tokens[job.name][0] * job.global_batch_size / len(job.order)
+            if len(chosen) > 1 and tokens >= self.shortest_first:
+                break
+        return chosen
+
     def _problem(
         self, cursors: Mapping[str, _Cursor]
     ) -> tuple[PlanProblem, list[AdapterJob], list[list[int]]] | None:
         """The remaining samples of the jobs that should train, from ``cursors``."""
         jobs, positions, offsets = [], [], []
-        for slot in sorted(self.jobs):
-            job = self.jobs[slot]
+        training = self.training()
+        for slot in sorted(training):
+            job = training[slot]
             cursor = cursors.get(job.name) or _Cursor(job.step)
             left = cursor.remaining(job)
             if left:
@@ -178,17 +222,17 @@ class JobStream:
     def _stale(self) -> bool:
         """The plan lacks a job that should train, or holds samples of one that should not."""
         planned = self._plan
+        training = self.training()
         if planned is None:
-            return bool(self.jobs)
-        wanted = {id(job) for job in self.jobs.values()}
+            return bool(training)
+        wanted = {id(job) for job in training.values()}
         in_plan = {id(job) for job in planned.jobs}
         leaving = any(
             id(job) not in wanted and left
             for job, left in zip(planned.jobs, planned.left, strict=True)
         )
         joining = any(
-            id(job) not in in_plan and self._cursor(job).remaining(job)
-            for job in self.jobs.values()
+            id(job) not in in_plan and self._cursor(job).remaining(job) for job in training.values()
         )
         return leaving or joining
 
@@ -238,7 +282,7 @@ class JobStream:
 
     def _samples_left(self) -> int:
         """Samples the jobs that should train have left (what a new plan would hold)."""
-        return sum(len(self._cursor(job).remaining(job)) for job in self.jobs.values())
+        return sum(len(self._cursor(job).remaining(job)) for job in self.training().values())
 
     # -- the stream ------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Microbatch | None]:

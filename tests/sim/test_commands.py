@@ -126,3 +126,23 @@ def test_simulate_timelines_mark_every_idle_microbatch_without_moving_the_schedu
         assert [
             (e.stage, e.job, e.kind) for e in drawn.events if e.label >= 0 or e.kind == "O"
         ] == real, f"{r.name}: the same operations in the same order"
+
+
+def _trace_means(*argv: str) -> dict[str, float]:
+    """``simulate --trace``'s mean job completion time per policy."""
+    args = _parse(
+        add_simulate_arguments,
+        ["--trace", "--jobs", "12", "--size-scale", "0.1", "--max-seq-length", "1024", *argv],
+    )
+    out = []
+    assert run_simulate(args, out.append) == 0
+    rows = [line.split("|") for line in "".join(out).splitlines() if line.startswith("| ")]
+    return {cells[1].strip(): float(cells[3]) for cells in rows[1:]}
+
+
+def test_simulate_trace_prints_each_policy_and_a_slower_server_finishes_jobs_later():
+    means = _trace_means("--tokens-per-s", "60000")
+    assert list(means) == ["online", "shortest", "fifo", "batch"], means
+    slower = _trace_means("--tokens-per-s", "60000", "--served-tokens-per-s", "50000")
+    for policy in means:
+        assert slower[policy] > means[policy], (policy, means, slower)

@@ -5,6 +5,7 @@ restart finish every job as an uninterrupted server does; two servers refuse one
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,6 +190,30 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
     assert "gone.jsonl" in failed["gone"]["reason"], failed["gone"]
     assert "Traceback" not in err, err[-3000:]
     for entry in (sort, add, upper):
+        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
+@pytest.mark.slow
+def test_shortest_first_trains_the_shortest_jobs_first_and_each_as_train_does(tmp_path):
+    """policy shortest, three jobs at once: one global batch of the two with the fewest
+    tokens (add, then upper) fills the two 48-token microbatches asked, so sort waits in its
+    row until one of them ends; each still comes out as `train` makes it."""
+    server = _serve(
+        tmp_path, "server.policy=shortest", "server.max_adapters=3", "planner.token_capacity=48"
+    )
+    entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
+    try:
+        _wait_info(tmp_path, server)
+        _submit(tmp_path, *entries)
+        for entry in entries:
+            assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
+        err = _finish(server)
+    finally:
+        server.kill()
+    plans = re.findall(r"planning \d+ samples of (\d+) jobs", err)
+    assert plans, err[-3000:]
+    assert "3" not in plans, f"never all three at once: {plans}"
+    for entry in entries:
         _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
 
 

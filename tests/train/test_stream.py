@@ -166,3 +166,76 @@ def test_stream_of_a_pipelined_run_holds_no_sample_of_a_job_gone_at_its_cut():
     assert after_cut, "a must train on after the cut"
     assert all(s.adapter == 0 for mb in after_cut for s in mb.samples), after_cut[:2]
     assert all(mb.finishes in ((), (0,)) for mb in after_cut), after_cut[:2]
+
+
+def _shortest_stream(tokens: int) -> JobStream:
+    stream = _stream(in_process=True)
+    stream.shortest_first = tokens
+    return stream
+
+
+def _first_and_last(order: list[int]) -> dict[int, tuple[int, int]]:
+    """Per slot, the first and last microbatch holding it."""
+    spans = {}
+    for k, slot in enumerate(order):
+        first, _ = spans.get(slot, (k, k))
+        spans[slot] = (first, k)
+    return spans
+
+
+def test_shortest_first_trains_the_jobs_with_fewest_tokens_left_first():
+    """Two global batches fill the 40 tokens asked: the two shortest jobs train, the longest
+    waits until one of them ends; every sample still once, in whole batches."""
+    jobs = [_job("long", 24, 4), _job("short", 8, 4, seed=1), _job("middle", 16, 4, seed=2)]
+    stream = _shortest_stream(40)
+    stream.jobs.update(enumerate(jobs))
+    assert [stream.tokens_left(job) for job in jobs] == [
+        sum(job.sample_tokens(p) for p in range(len(job.order))) for job in jobs
+    ]
+    assert list(stream.training()) == [1, 2], "the two shortest, shortest first"
+    per_job, _, _ = _run(stream)
+    for job in jobs:
+        _check_batches(job, per_job[job.name], upto=len(job.order))
+    stream = _shortest_stream(40)  # again, for the order of the jobs
+    stream.jobs.update(enumerate(jobs))
+    order = []
+    for item in stream:
+        order.append({s.adapter for s in item.samples})
+    short_ends = max(k for k, slots in enumerate(order) if 1 in slots)
+    long_starts = min(k for k, slots in enumerate(order) if 0 in slots)
+    assert short_ends < long_starts, order
+    assert stream.training() == {}, "nothing left"
+
+
+def test_shortest_first_trains_as_many_jobs_as_fill_the_tokens_asked():
+    jobs = [_job("long", 24, 4), _job("short", 8, 4, seed=1), _job("middle", 16, 4, seed=2)]
+    stream = _shortest_stream(10**9)  # every job: the round-robin of `train`
+    stream.jobs.update(enumerate(jobs))
+    assert sorted(stream.training()) == [0, 1, 2]
+    stream.shortest_first = 1
+    assert list(stream.training()) == [1, 2], "at least two, whatever the tokens"
+    del stream.jobs[2]
+    assert list(stream.training()) == [1, 0]
+
+
+def test_a_shorter_job_that_joins_trains_before_a_longer_one_resumes():
+    """long and middle train (long mid-batch) when short joins: short and middle train until
+    one of them ends, then long takes up its batch where it left it."""
+    jobs = [_job("long", 30, 5), _job("middle", 24, 4, seed=1), _job("short", 8, 4, seed=3)]
+    stream = _shortest_stream(40)
+    stream.jobs.update({0: jobs[0], 1: jobs[1]})
+    order, per_job, joined = [], {}, None
+    for count, item in enumerate(stream):
+        if count == 3:
+            stream.jobs[2] = jobs[2]
+            joined = count
+        order.append({s.adapter for s in item.samples})
+        for s in item.samples:
+            per_job.setdefault(s.adapter, []).append(s.index)
+    short = [k for k, slots in enumerate(order) if 2 in slots]
+    assert short[0] > joined, order
+    paused = [k for k in range(short[0], short[-1] + 1) if 0 in order[k]]
+    assert not paused, f"long waits while short trains: {order}"
+    assert any(0 in slots for slots in order[short[-1] + 1 :]), "long resumes"
+    for slot, job in enumerate(jobs):
+        assert sorted(per_job[slot]) == list(range(len(job.order))), job.name
