@@ -8,9 +8,10 @@
         --max-seq-length 1024                     # the tiny preset's positions
 
 Each cell writes the workload (XSum-like byte lengths lognormal(6.2, 0.55) clipped to
-[64, 2000], 85 % prompt, split evenly over the adapters; byte tokenizer, so one token per
-byte), runs ``python -m megatron_lorafusion train`` in a child process (bf16, rank 16,
-alpha 32, dropout 0.1, default targets, token capacity 8192, max_seq_length 2048) and reads
+[64, 2000], 85 % prompt, split evenly over the adapters, at least ``--min-steps`` global
+batches each; byte tokenizer, so one token per byte), runs ``python -m megatron_lorafusion
+train`` in a child process (bf16, rank 16, alpha 32, dropout 0.1, default targets, token
+capacity 8192, max_seq_length 2048) and reads
 the run's last record in ``metrics.jsonl``: training tokens/s (between the first and the
 last optimizer step: start-up and the first step's Triton compilation left out), start-up
 (its phases in each cell's JSON line on stderr), first step, the tail after the last step
@@ -43,7 +44,7 @@ def _lengths(count: int, seed: int) -> list[int]:
 def _job(
     args, folder: Path, preset: str, adapters: int, gbs: int, save_every: int, graphs: str = "auto"
 ) -> Path:
-    per = args.samples // adapters
+    per = max(args.samples // adapters, gbs * args.min_steps)
     entries = []
     for a in range(adapters):
         data = folder / "data" / f"a{a}.jsonl"
@@ -192,6 +193,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="train.cuda_graphs of each cell (auto, the default; on: true, off: false)",
     )
     parser.add_argument("--samples", type=int, default=4096, help="in all, split evenly")
+    parser.add_argument(
+        "--min-steps",
+        type=int,
+        default=4,
+        help="each adapter gets at least this many global batches (more samples if needed: "
+        "with two steps, the first comes after half the run and the rate is its second half)",
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--capacity", type=int, default=8192)
     parser.add_argument("--max-seq-length", type=int, default=2048)

@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     bench = argparse.Namespace(
         samples=args.samples,
+        min_steps=0,
         rank=16,
         capacity=8192,
         max_seq_length=args.max_seq_length,
