@@ -518,9 +518,14 @@ class JobConfig:
     server: ServerConfig | None = None
 
 
+def _literal_text(value: Any) -> str:
+    """A literal as YAML spells it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+        return "one of " + ", ".join(_literal_text(v) for v in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
@@ -538,8 +543,8 @@ def _convert(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
         if plain and len(problems) > before:  # the key's own value: say that unset is valid
             problems[before] = problems[before].replace(" must be ", " must be null or ", 1)
         return converted
-    if origin is Literal:
-        if value not in typing.get_args(tp):
+    if origin is Literal:  # by type too: 1 == True, but 1 is no YAML true
+        if not any(type(value) is type(v) and value == v for v in typing.get_args(tp)):
             problems.append(f"{where} must be {_type_name(tp)}, got {value!r}")
         return value
     if origin is list:

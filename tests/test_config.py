@@ -706,10 +706,11 @@ def test_config_cuda_graphs_true_names_what_stops_them(tmp_path):
         assert load_config(_write(tmp_path, job)).train.cuda_graphs == value
     del job["train"]["cuda_graphs"]
     assert load_config(_write(tmp_path, job)).train.cuda_graphs == "auto", "auto by default"
-    job["train"]["cuda_graphs"] = "yes"
-    assert "train.cuda_graphs must be one of 'auto', True, False, got 'yes'" in _errors(
-        tmp_path, job
-    )
+    for value in ("yes", 0, 1):  # 0 == False in Python: not a YAML false
+        job["train"]["cuda_graphs"] = value
+        assert f"train.cuda_graphs must be one of 'auto', true, false, got {value!r}" in _errors(
+            tmp_path, job
+        )
 
 
 def test_config_save_buffer_gib_is_a_size_or_null_sized_to_the_job(tmp_path):

@@ -405,7 +405,7 @@ def _run_trace(args: argparse.Namespace, write: Write) -> int:
             policy,
             served,
             args.max_adapters,
-            alone_tokens_per_s=args.alone_tokens_per_s,
+            alone_tokens_per_s=args.alone_tokens_per_s or args.tokens_per_s,
             microbatch_tokens=args.capacity if args.capacity is not None else 8192,
         )
         s = summarize(result)

@@ -13,7 +13,7 @@ server's throughput. ``scripts/bench_serve_trace.py`` runs a trace through a rea
 - the policies of `config.ServerConfig.policy`: ``online`` (a job starts as soon as a row
   is free), ``shortest`` (as online, but only the jobs with the fewest tokens left train,
   at least two and enough to fill `config.SHORTEST_FIRST_MICROBATCHES` microbatches a
-  round),
+  round: `planner.shortest.choose_shortest`),
   ``fifo`` (one job at a time, what users do without a server), ``batch`` (jobs wait until
   the server is empty, then start together: static batches).
 
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_lorafusion.config import SHORTEST_FIRST_MICROBATCHES
+from megatron_lorafusion.planner.shortest import Candidate, choose_shortest
 from megatron_lorafusion.sim.distributions import sample_lengths
 
 __all__ = ["POLICIES", "TraceJob", "TraceResult", "make_trace", "simulate_trace", "summarize"]
@@ -163,6 +164,7 @@ def simulate_trace(
     queue: list[int] = []
     running: list[_Running] = []
     now, busy, arrived = 0.0, 0.0, 0
+    trained: set[int] = set()  # ``shortest``: the jobs that trained in the last interval
     while arrived < len(order) or queue or running:
         while arrived < len(order) and jobs[order[arrived]].arrival_s <= now:
             queue.append(order[arrived])
@@ -184,12 +186,12 @@ def simulate_trace(
             continue
         training = running
         if policy == "shortest":
-            training, tokens = [], 0.0
-            for r in sorted(running, key=lambda r: (r.left, r.index)):
-                training.append(r)
-                tokens += r.job.batch_tokens
-                if len(training) > 1 and tokens >= SHORTEST_FIRST_MICROBATCHES * microbatch_tokens:
-                    break
+            candidates = [
+                Candidate(r.index, r.left, r.job.batch_tokens, r.index in trained) for r in running
+            ]
+            keys = set(choose_shortest(candidates, SHORTEST_FIRST_MICROBATCHES * microbatch_tokens))
+            training = [r for r in running if r.index in keys]
+            trained = keys
         rate = alone if len(training) == 1 else tokens_per_s
         weights = sum(r.job.batch_tokens for r in training)
         shares = [rate * r.job.batch_tokens / weights for r in training]

@@ -14,11 +14,12 @@ a job whose adapters never change is planned exactly once, as a whole run.
 With ``shortest_first`` (a server's ``policy: shortest``) only some of the jobs train at a
 time: those with the fewest tokens left, at least two (the tail of one's global batch shares
 a microbatch with the other's) and enough that one global batch of each fills
-``shortest_first`` tokens. The others keep their rows and wait; a job that ends lets the next
-shortest in, and a job that joins with fewer tokens left than a training one takes its
-place (both at the next chunk boundary, as any join). Shortest-remaining-first finishes short
-jobs sooner than sharing the GPU evenly (lower mean job completion time), and filling the
-microbatches from several jobs keeps the throughput.
+``shortest_first`` tokens (`planner.shortest.choose_shortest`). The others keep their rows
+and wait; a job that ends lets the next shortest in, and a job that joins with fewer tokens
+left than a training one takes its place (both at the next chunk boundary, as any join); a
+training job overtaken by another's faster progress keeps its turn. Shortest-remaining-first
+finishes short jobs sooner than sharing the GPU evenly (lower mean job completion time), and
+filling the microbatches from several jobs keeps the throughput.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_lorafusion.planner import (
     PlanVerifier,
     Sample,
 )
+from megatron_lorafusion.planner.shortest import Candidate, choose_shortest
 from megatron_lorafusion.train.job import AdapterJob
 
 __all__ = ["CUT", "JobStream"]
@@ -143,40 +145,41 @@ class JobStream:
             self._cursors[job.name] = _Cursor(job.step)
         return self._cursors[job.name]
 
-    def tokens_left(self, job: AdapterJob) -> int:
-        """Tokens of ``job`` not yet yielded."""
+    def tokens_left(self, job: AdapterJob, cursor: _Cursor | None = None) -> int:
+        """Tokens of ``job`` not yet yielded (past ``cursor``; default: the stream's)."""
         suffix = self._suffix_tokens.get(job.name)
         if suffix is None:
             tokens = [job.sample_tokens(p) for p in range(len(job.order))]
             suffix = list(itertools.accumulate(reversed(tokens), initial=0))[::-1]
             self._suffix_tokens[job.name] = suffix
-        cursor = self._cursor(job)
+        cursor = cursor or self._cursor(job)
         start = min(cursor.batch * job.global_batch_size, len(job.order))
         return suffix[start] - sum(job.sample_tokens(p) for p in cursor.partial)
 
-    def training(self) -> dict[int, AdapterJob]:
-        """Slot -> job of the jobs that train now (all of them, or see ``shortest_first``)."""
+    def training(self, cursors: Mapping[str, _Cursor] | None = None) -> dict[int, AdapterJob]:
+        """Slot -> job of the jobs that train now (all of them, or see ``shortest_first``).
+
+        ``cursors``: where the jobs stand (default: what the stream has yielded; a plan made
+        ahead of a chunk passes the cursors after it).
+        """
         if self.shortest_first is None:
             return self.jobs
         for name in set(self._suffix_tokens) - {job.name for job in self.jobs.values()}:
             del self._suffix_tokens[name]  # a job gone
-        left = {slot: self.tokens_left(job) for slot, job in self.jobs.items()}
-        chosen, tokens = {}, 0.0
-        for slot in sorted(self.jobs, key=lambda s: (left[s], s)):
-            if not left[slot]:
-                continue
-            job = chosen[slot] = self.jobs[slot]
-            tokens += self._suffix_tokens[job.name][0] * job.global_batch_size / len(job.order)
-            if len(chosen) > 1 and tokens >= self.shortest_first:
-                break
-        return chosen
+        planned = set() if self._plan is None else {id(job) for job in self._plan.jobs}
+        candidates = []
+        for slot, job in self.jobs.items():
+            left = self.tokens_left(job, (cursors or {}).get(job.name))
+            batch = self._suffix_tokens[job.name][0] * job.global_batch_size / len(job.order)
+            candidates.append(Candidate(slot, left, batch, id(job) in planned))
+        return {slot: self.jobs[slot] for slot in choose_shortest(candidates, self.shortest_first)}
 
     def _problem(
         self, cursors: Mapping[str, _Cursor]
     ) -> tuple[PlanProblem, list[AdapterJob], list[list[int]]] | None:
         """The remaining samples of the jobs that should train, from ``cursors``."""
         jobs, positions, offsets = [], [], []
-        training = self.training()
+        training = self.training(cursors)
         for slot in sorted(training):
             job = training[slot]
             cursor = cursors.get(job.name) or _Cursor(job.step)

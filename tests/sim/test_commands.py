@@ -144,5 +144,6 @@ def test_simulate_trace_prints_each_policy_and_a_slower_server_finishes_jobs_lat
     means = _trace_means("--tokens-per-s", "60000")
     assert list(means) == ["online", "shortest", "fifo", "batch"], means
     slower = _trace_means("--tokens-per-s", "60000", "--served-tokens-per-s", "50000")
-    for policy in means:
+    for policy in ("online", "shortest"):  # jobs share the slower server
         assert slower[policy] > means[policy], (policy, means, slower)
+    assert slower["fifo"] == means["fifo"], "one job alone runs at --alone-tokens-per-s (R)"
