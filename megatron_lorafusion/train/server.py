@@ -290,7 +290,7 @@ class _Server:
         self._write_status("the server", info=info)
         training = self.session.stream.training()
         for slot, job in self.session.jobs.items():
-            left = self.session.stream.tokens_left(job)
+            waiting = slot not in training and self.session.stream.tokens_left(job) > 0
             since, step0 = self.started.get(job.name, (time.perf_counter(), job.step))
             rate = (job.step - step0) / max(time.perf_counter() - since, 1e-9)
             eta = (job.total_steps - job.step) / rate if rate > 0 else None
@@ -307,7 +307,7 @@ class _Server:
                     "eta_s": eta,
                     "slot": job.slot,
                     "started_at": self.admitted_at.get(job.name),
-                    **({} if slot in training or not left else {"reason": _WAITING}),
+                    **({"reason": _WAITING} if waiting else {}),
                 },
             )
         for position, (name, _) in enumerate(self.queue):

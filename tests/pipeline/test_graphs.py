@@ -101,45 +101,35 @@ def _train(run, microbatches, make_batch):
     return run.lora.weights.detach().clone(), list(run.runs[0].losses)
 
 
-def test_replays_train_what_eager_runs_train(megatron_single_process):
-    rows, microbatches, batch_tokens = _job()
-    assert len(microbatches) == STEPS
-    make_batch = _make_batch(rows, "cpu")
-    eager = build_run(MCORE_MODEL, [ADAPTER], [batch_tokens], seed=SEED)
-    want_weights, want_losses = _train(eager, microbatches, make_batch)
-
-    graphed = build_run(MCORE_MODEL, [ADAPTER], [batch_tokens], seed=SEED)
-    forward = graphed.forward
-    graphed.graphs = _CpuGraphs(
+def _graphed_on_cpu(adapters, batch_tokens):
+    """A run whose microbatches go through `_CpuGraphs` (captured, then replayed)."""
+    run = build_run(MCORE_MODEL, adapters, batch_tokens, seed=SEED)
+    forward = run.forward
+    run.graphs = _CpuGraphs(
         lambda batch, den: adapter_losses(forward(batch, None), batch, den),
         max_seqlen=GRAPH_PAD_TOKENS,
-        before_capture=graphed.lora.drop_compute_weights,
+        before_capture=run.lora.drop_compute_weights,
     )
-    weights, losses = _train(graphed, microbatches, make_batch)
-    # Every microbatch is 2 samples padded to 256 tokens: one shape, eager three times (the
-    # third is captured), then replayed.
-    assert (graphed.graphs.captures, graphed.graphs.replays) == (1, STEPS - CAPTURE_AT)
-    torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
-    assert losses == want_losses
+    return run
 
 
-def test_one_shape_replays_microbatches_of_different_sample_counts(megatron_single_process):
-    """Samples past a microbatch's own are empty: 2-5 samples in 256 tokens are one shape."""
-    adapter = dataclasses.replace(ADAPTER, global_batch_size=4)
+@pytest.mark.parametrize("global_batch", [2, 4])
+def test_replays_train_what_eager_runs_train(megatron_single_process, global_batch):
+    """At global batch 2 every microbatch is 2 samples padded to 256 tokens: one shape, eager
+    three times (the third is captured), then replayed. At 4, batches are split over
+    microbatches of 2-5 samples: still one shape, the samples past a microbatch's own empty."""
+    adapter = dataclasses.replace(ADAPTER, global_batch_size=global_batch)
     rows, microbatches, batch_tokens = _job(adapter)
-    samples = {len(mb.samples) for mb in microbatches}
-    assert len(samples) > 1, samples
+    if global_batch == 2:
+        assert len(microbatches) == STEPS
+    else:
+        samples = {len(mb.samples) for mb in microbatches}
+        assert len(samples) > 1, samples
     make_batch = _make_batch(rows, "cpu")
     eager = build_run(MCORE_MODEL, [adapter], [batch_tokens], seed=SEED)
     want_weights, want_losses = _train(eager, microbatches, make_batch)
 
-    graphed = build_run(MCORE_MODEL, [adapter], [batch_tokens], seed=SEED)
-    forward = graphed.forward
-    graphed.graphs = _CpuGraphs(
-        lambda batch, den: adapter_losses(forward(batch, None), batch, den),
-        max_seqlen=GRAPH_PAD_TOKENS,
-        before_capture=graphed.lora.drop_compute_weights,
-    )
+    graphed = _graphed_on_cpu([adapter], [batch_tokens])
     weights, losses = _train(graphed, microbatches, make_batch)
     assert (graphed.graphs.captures, graphed.graphs.replays) == (1, len(microbatches) - CAPTURE_AT)
     torch.testing.assert_close(weights, want_weights, rtol=0, atol=0)
@@ -194,13 +184,7 @@ def test_replays_of_two_adapters_train_what_eager_runs_train(megatron_single_pro
     eager = build_run(MCORE_MODEL, adapters, batch_tokens, seed=SEED)
     eager.model.train()
     eager.train(microbatches, make_batch)
-    graphed = build_run(MCORE_MODEL, adapters, batch_tokens, seed=SEED)
-    forward = graphed.forward
-    graphed.graphs = _CpuGraphs(
-        lambda batch, den: adapter_losses(forward(batch, None), batch, den),
-        max_seqlen=GRAPH_PAD_TOKENS,
-        before_capture=graphed.lora.drop_compute_weights,
-    )
+    graphed = _graphed_on_cpu(adapters, batch_tokens)
     graphed.model.train()
     graphed.train(microbatches, make_batch)
     assert (graphed.graphs.captures, graphed.graphs.replays) == (1, STEPS - CAPTURE_AT)
