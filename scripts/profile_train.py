@@ -14,7 +14,9 @@ with ``--cuda-graphs on`` a second one splits every microbatch by what the graph
 (ran it eagerly, captured its shape, replayed it).
 
 ``--cprofile FILE`` also profiles the host's Python over the timed microbatches (cProfile,
-saved to FILE, top functions printed); ``--sync-sites`` lists, for the timed microbatches,
+saved to FILE, top functions printed); ``--first-cprofile FILE`` profiles the first
+microbatch alone (warm-up: Triton's kernel loads, first calls) and prints the wall time of
+each of the first ten; ``--sync-sites`` lists, for the timed microbatches,
 every call site that made the host wait for the GPU (torch's sync debug mode, CUDA only).
 """
 
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dir", default="runs/profile_train")
     parser.add_argument("--cprofile", help="save a cProfile of the timed microbatches here")
+    parser.add_argument("--first-cprofile", help="save a cProfile of the first microbatch here")
     parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
     parser.add_argument(
         "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="train.cuda_graphs"
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     real_run = runner_module._Runner.run
 
     profiler = cProfile.Profile() if args.cprofile else None
+    first = cProfile.Profile() if args.first_cprofile else None
     sync_sites: Counter = Counter()
 
     def on_warning(message, category, filename, lineno, file=None, line=None):
@@ -126,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     def run(self, actions):  # time every microbatch (wall) and keep the GPU events
         self.record_events = args.device == "cuda"
         last = [time.perf_counter()]
+        if first is not None and not walls:
+            first.enable()
 
         def marked():
             for action in actions:
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
                     now = time.perf_counter()
                     walls.append(now - last[0])
                     last[0] = now
+                    if first is not None and len(walls) == 1:
+                        first.disable()
                     if len(walls) == args.warmup:
                         watch(True)
 
@@ -166,6 +174,11 @@ def main(argv: list[str] | None = None) -> dict:
     print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
     if kinds:
         _print_kinds(kinds, walls, gpu["F"], w)
+    if first is not None:
+        _print_first(walls, kinds)
+        first.dump_stats(args.first_cprofile)
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(first).sort_stats(order).print_stats(30)
     if profiler is not None:
         profiler.dump_stats(args.cprofile)
         for order in ("tottime", "cumulative"):
@@ -175,6 +188,17 @@ def main(argv: list[str] | None = None) -> dict:
         for site, count in sync_sites.most_common():
             print(f"{count:6d}  {site}")
     return result
+
+
+def _print_first(walls: list[float], kinds: list[str]) -> None:
+    """The wall time of each of the first ten microbatches against the run's median."""
+    steady = statistics.median(walls) if walls else math.nan
+    print(f"first microbatches (wall ms; x the median {1e3 * steady:.1f} ms):")
+    print("| microbatch | kind | wall ms | x median |")
+    print("|---|---|---|---|")
+    for i, wall in enumerate(walls[:10]):
+        kind = kinds[i] if i < len(kinds) else "eager"
+        print(f"| {i + 1} | {kind} | {1e3 * wall:.1f} | {wall / steady:.1f} |")
 
 
 def _print_kinds(kinds: list[str], walls: list[float], gpu_forward: list[float], warmup: int):

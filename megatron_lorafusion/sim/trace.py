@@ -17,6 +17,9 @@ server's throughput. ``scripts/bench_serve_trace.py`` runs a trace through a rea
   ``fifo`` (one job at a time, what users do without a server), ``batch`` (jobs wait until
   the server is empty, then start together: static batches).
 
+`best_mean_jct` is the floor under every policy: the mean job completion time of preemptive
+shortest-remaining-first at the server's full rate, which no schedule of one server beats.
+
 Pure Python (no torch): the CLI's ``lorafusion simulate --trace``.
 """
 
@@ -31,7 +34,15 @@ from megatron_lorafusion.config import SHORTEST_FIRST_MICROBATCHES
 from megatron_lorafusion.planner.shortest import Candidate, choose_shortest
 from megatron_lorafusion.sim.distributions import sample_lengths
 
-__all__ = ["POLICIES", "TraceJob", "TraceResult", "make_trace", "simulate_trace", "summarize"]
+__all__ = [
+    "POLICIES",
+    "TraceJob",
+    "TraceResult",
+    "best_mean_jct",
+    "make_trace",
+    "simulate_trace",
+    "summarize",
+]
 
 POLICIES = ("online", "shortest", "fifo", "batch")
 _DATASETS = ("xsum", "cnn_dm", "wikisum")
@@ -206,6 +217,36 @@ def simulate_trace(
             finish[r.index] = now
             running.remove(r)
     return TraceResult(policy, tuple(jobs), tuple(start), tuple(finish), busy)
+
+
+def best_mean_jct(jobs: Sequence[TraceJob], tokens_per_s: float) -> float:
+    """The smallest mean job completion time (s) any schedule of one server can give ``jobs``.
+
+    The server trains ``tokens_per_s`` whatever it holds, all on the job with the fewest
+    tokens left (preempted when a shorter one arrives): shortest-remaining-processing-time,
+    which minimizes the mean completion time of a single server (Schrage, 1968). A real
+    server's policy can only come close to it; a target below it is out of reach.
+    """
+    order = sorted(jobs, key=lambda j: j.arrival_s)
+    left: dict[int, float] = {}  # position in ``order`` -> tokens left
+    now, arrived, total = 0.0, 0, 0.0
+    while arrived < len(order) or left:
+        if not left:
+            now = max(now, order[arrived].arrival_s)
+        while arrived < len(order) and order[arrived].arrival_s <= now:
+            left[arrived] = float(order[arrived].tokens)
+            arrived += 1
+        i = min(left, key=lambda k: (left[k], k))
+        next_arrival = order[arrived].arrival_s if arrived < len(order) else math.inf
+        done_at = now + left[i] / tokens_per_s
+        if done_at <= next_arrival:
+            now = done_at
+            total += now - order[i].arrival_s
+            del left[i]
+        else:
+            left[i] -= (next_arrival - now) * tokens_per_s
+            now = next_arrival
+    return total / len(order)
 
 
 def summarize(result: TraceResult) -> dict[str, float]:

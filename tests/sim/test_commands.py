@@ -147,3 +147,17 @@ def test_simulate_trace_prints_each_policy_and_a_slower_server_finishes_jobs_lat
     for policy in ("online", "shortest"):  # jobs share the slower server
         assert slower[policy] > means[policy], (policy, means, slower)
     assert slower["fifo"] == means["fifo"], "one job alone runs at --alone-tokens-per-s (R)"
+
+
+def test_simulate_trace_states_the_floor_no_policy_beats():
+    args = _parse(
+        add_simulate_arguments,
+        ["--trace", "--jobs", "12", "--size-scale", "0.1", "--max-seq-length", "1024"],
+    )
+    out = []
+    assert run_simulate(args, out.append) == 0
+    text = "".join(out)
+    floor = float(text.split("no schedule beats a mean JCT of ")[1].split(" s")[0])
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| ")][1:]
+    means = [float(cells[3]) for cells in rows]
+    assert 0 < floor <= min(means), (floor, means)

@@ -6,6 +6,7 @@ import pytest
 from megatron_lorafusion.sim.trace import (
     POLICIES,
     TraceJob,
+    best_mean_jct,
     make_trace,
     simulate_trace,
     summarize,
@@ -44,3 +45,15 @@ def test_every_policy_finishes_every_job_no_sooner_than_alone():
         s = summarize(result)
         assert s["makespan_s"] >= total / 5e4 - 1e-9, policy
         assert result.busy_s == pytest.approx(total / 5e4), policy
+
+
+def test_best_mean_jct_runs_the_shortest_remaining_job_and_bounds_every_policy():
+    # All at 0 s: short (1 s), then middle (2 s), then long (10 s): 1, 3 and 13 s.
+    jobs = [_job("long", 100), _job("short", 10), _job("middle", 20)]
+    assert best_mean_jct(jobs, 1000.0) == pytest.approx(17 / 3)
+    # A short job arriving at 2 s preempts the long one: JCT 1 s; the long ends at 11 s.
+    assert best_mean_jct([_job("long", 100), _job("short", 10, 2.0)], 1000.0) == pytest.approx(6)
+    trace = make_trace(24, seed=3, load=0.9, tokens_per_s=5e4, size_scale=0.1)
+    floor = best_mean_jct(trace, 5e4)
+    for policy in POLICIES:
+        assert summarize(simulate_trace(trace, policy, 5e4, 8))["mean_jct_s"] >= floor - 1e-9
