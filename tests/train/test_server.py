@@ -159,7 +159,9 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
     server = _serve(tmp_path)
     try:
         _wait_info(tmp_path, server)
-        sort, add, upper = (_entry(tmp_path, n) for n in ("sort", "add", "upper"))
+        # sort trains long enough (~1 s on a fast CPU) for add to be admitted while it does
+        sort = _entry(tmp_path, "sort", steps=60)
+        add, upper = _entry(tmp_path, "add"), _entry(tmp_path, "upper")
         _submit(tmp_path, sort)
         _wait(tmp_path, "sort", {"running"}, server)
         _submit(
@@ -178,8 +180,9 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
         write_task("add", tmp_path / "gone.jsonl", 20, seed=1)
         _submit(tmp_path, gone)
         (tmp_path / "gone.jsonl").unlink()  # after submit, before the server reads it
-        for name in ("sort", "add", "upper"):
-            assert _wait(tmp_path, name, {"done", "failed"}, server)["status"] == "done", name
+        done = {n: _wait(tmp_path, n, {"done", "failed"}, server) for n in ("sort", "add", "upper")}
+        assert all(d["status"] == "done" for d in done.values()), done
+        assert done["add"]["started_at"] < done["sort"]["finished_at"], "add joined a running sort"
         failed = {n: _wait(tmp_path, n, {"done", "failed"}, server) for n in ("wild", "gone")}
         err = _finish(server)
     finally:
