@@ -231,9 +231,13 @@ class Session:
         self.shared_of[job.name] = self.shared if shared is None else shared
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
-        if self.settings.writes:  # its saves' staging memory, pinned now if it saves early
-            pin_now = bool(self.settings.save_every)
-            self.staging.add_job(self._save_numel(job, slot), pin_now=pin_now)
+        if self.settings.writes:  # its saves' staging memory: pinned now if it saves early,
+            pin_now = bool(self.settings.save_every)  # else in the background for its last
+            self.staging.add_job(
+                self._save_numel(job, slot),
+                pin_now=pin_now,
+                pin_ahead=not pin_now and self.staging.pinned,
+            )
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
