@@ -148,6 +148,28 @@ def test_staging_pool_sized_to_its_jobs_grows_to_their_largest_total_and_its_lim
     assert fixed.allocated == 0, "no room for the job's buffer: nothing pinned"
 
 
+def test_staging_pool_pins_ahead_without_holding_up_the_jobs_admitted_meanwhile(monkeypatch):
+    pool = StagingPool(None, pinned=False)
+    release = threading.Event()
+    real = pool._allocate
+
+    def slow(numel):  # a pinning that lasts until the test lets it end
+        assert release.wait(timeout=30)
+        return real(numel)
+
+    monkeypatch.setattr(pool, "_allocate", slow)
+    pinning = pool.add_job(10, pin_now=False, pin_ahead=True)
+    admitted = threading.Thread(target=pool.add_job, args=(20,), kwargs={"pin_now": False})
+    admitted.start()
+    admitted.join(timeout=5)
+    assert not admitted.is_alive(), "the next job's admission waited for the pinning"
+    assert not pinning.done()
+    release.set()
+    assert pinning.result(timeout=30) == 1
+    assert pool.allocated == 4 * 10
+    assert len(pool._free) == 1
+
+
 def test_host_staging_limit_is_a_quarter_of_the_memory_split_over_local_ranks(monkeypatch):
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     one = host_staging_limit(1)
