@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
     if kinds:
         _print_kinds(kinds, walls, gpu["F"], w)
-    if first is not None:
+    if first is not None and walls:  # a run with no microbatch has no profile
         _print_first(walls, kinds)
         first.dump_stats(args.first_cprofile)
         for order in ("tottime", "cumulative"):

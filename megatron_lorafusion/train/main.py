@@ -19,6 +19,7 @@ import torch
 from megatron_lorafusion.config import AdapterConfig, ConfigError, JobConfig
 from megatron_lorafusion.data import load_adapter_dataset, load_tokenizer, training_order
 from megatron_lorafusion.lifetime import command_age_s, die_with_parent
+from megatron_lorafusion.ops.kernel_warmup import start_kernel_warmup
 from megatron_lorafusion.planner import BackgroundPlanner, Plan, PlanProblem, iter_plan_chunks
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 from megatron_lorafusion.train.evaluate import LossSums, one_stage_loss_sums, split_eval_rows
@@ -352,6 +353,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing:
     _check_same_job(cfg, sizes)
     shards = _sequence_shards(cfg, device)
     graphs = _cuda_graphs(cfg, device)
+    warmup = start_kernel_warmup(device)  # Triton's per-process keys, while the model builds
     run = build_run(
         cfg.model,
         cfg.adapters,
@@ -367,6 +369,9 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing:
         graphs_max_seqlen=max(cfg.data.max_seq_length, GRAPH_PAD_TOKENS) if graphs else None,
     )
     timing.mark("building the model")
+    if warmup is not None:
+        warmup.join()
+        timing.mark("preparing Triton's kernels (beyond the build)")
     out = Path(cfg.train.output_dir)
     shard = Shard(sizes["tp_rank"], sizes["tp"], sizes["pp_rank"], sizes["pp"])
     stores = {

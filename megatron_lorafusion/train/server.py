@@ -33,6 +33,7 @@ from megatron_lorafusion.config import (
 )
 from megatron_lorafusion.data import DataError, load_tokenizer
 from megatron_lorafusion.inbox import FINISHED, ServerRoot
+from megatron_lorafusion.ops.kernel_warmup import start_kernel_warmup
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, CheckpointError, Shard
 from megatron_lorafusion.train.job import AdapterJob
 from megatron_lorafusion.train.main import (
@@ -463,6 +464,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
     _check_same_job(cfg, sizes)
     shards = _sequence_shards(cfg, device)
     rows = cfg.server.max_adapters
+    warmup = start_kernel_warmup(device)  # Triton's per-process keys, while the model builds
     run = build_run(
         cfg.model,
         _placeholders(cfg),
@@ -476,6 +478,8 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         track_grad_norms=True,
         comm_timeout_s=_COMM_TIMEOUT_S,
     )
+    if warmup is not None:
+        warmup.join()
     memory = _memory_model(run, cfg)
     if sizes["rank"] == 0:
         root.write_server_info(
