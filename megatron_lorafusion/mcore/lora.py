@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -75,6 +77,12 @@ def _init_seed(seed: int, adapter_name: str, layer_seed: int) -> int:
     """
     digest = hashlib.sha256(f"{seed}/{adapter_name}/{layer_seed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % (2**63)
+
+
+@functools.cache
+def _draw_pool() -> ThreadPoolExecutor:
+    """Threads drawing the adapters' initial factors, one pool for the process."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="lora-init")
 
 
 def _kaiming_uniform(rank: int, fan_in: int, generator: torch.Generator) -> torch.Tensor:
@@ -157,12 +165,21 @@ def _init_factors(
     wrapper.max_rank = max(wrapper.ranks)
     wrapper.in_features, wrapper.in_shard = in_features, in_shard  # `bind_adapter` draws A
     local_in = len(range(in_features)[in_shard])
-    lora_a = torch.zeros(len(adapters), wrapper.max_rank, local_in)
-    for a in targeted:
+    lora_a = torch.empty(len(adapters), wrapper.max_rank, local_in)
+
+    def draw(a: int) -> None:
         rank = wrapper.ranks[a]
+        if rank == 0:  # not targeting this linear
+            lora_a[a].zero_()
+            return
         generator = torch.Generator().manual_seed(_init_seed(seed, adapters[a].name, layer_seed))
         # Drawn at full width then sliced, so a TP shard equals the TP = 1 slice.
         lora_a[a, :rank] = _kaiming_uniform(rank, in_features, generator)[:, in_shard]
+        lora_a[a, rank:].zero_()
+
+    # Each adapter from its own generator, so in threads (torch's ops release the GIL): 64
+    # adapters on the 8B preset draw 0.9 G values.
+    list(_draw_pool().map(draw, range(len(adapters))))
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed

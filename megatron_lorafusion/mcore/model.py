@@ -268,7 +268,7 @@ def _draw_matrix(
 
 
 def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp_size: int):
-    """Draw every matrix from a generator keyed by ``(init_seed, global parameter name)``.
+    """Give every parameter of a model allocated empty its random value (`_random_values`).
 
     Megatron's own CPU init draws all weights from one stream in build order, so a pipeline
     stage would get different weights than the same layers in a one-stage model. Here each
@@ -277,24 +277,42 @@ def _init_base_weights(model: GPTModel, model_cfg: ModelConfig, tp_rank: int, tp
     Megatron's ``_initialize_affine_weight_cpu`` (chunks of ``partition_stride``). The model
     is therefore the same for every TP and PP size, and on every device: weights are drawn
     on the CPU, each with its own generator and so in parallel threads (one thread drew the
-    8B preset in ~40 s), and copied to where the model lives. Norm weights keep their ones.
-    With ``tie_word_embeddings`` the output layer gets the embedding's draw.
+    8B preset in ~40 s), and copied to where the model lives. Norm weights are ones, biases
+    zeros. With ``tie_word_embeddings`` the output layer gets the embedding's draw.
     """
     global_name = _global_name_fn(model)
+    values = _random_values(model_cfg, tp_rank, tp_size)
 
-    def draw(name: str, param: torch.Tensor) -> None:
-        full = _draw_matrix(model_cfg, tp_rank, tp_size, global_name(name), param)
+    def fill(name: str, param: torch.Tensor) -> None:
+        value = values(global_name(name), param)
         with torch.no_grad():
-            param.copy_(full)
+            param.copy_(value)
 
-    matrices = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
-    with ThreadPoolExecutor(max_workers=min(len(matrices), os.cpu_count() or 1) or 1) as pool:
-        for done in [pool.submit(draw, n, p) for n, p in matrices]:
+    params = list(model.named_parameters())
+    with ThreadPoolExecutor(max_workers=min(len(params), os.cpu_count() or 1) or 1) as pool:
+        for done in [pool.submit(fill, n, p) for n, p in params]:
             done.result()  # re-raises a draw's error here
 
 
+def _allocate_empty(model: GPTModel, device: torch.device) -> None:
+    """Give each meta parameter of ``model`` uninitialised memory on ``device``.
+
+    ``Module.to_empty`` would drop the marks Megatron sets on a parameter (its tensor-parallel
+    ``partition_dim`` and the like), which a TP shard's draw and the optimizer read; the new
+    parameter takes them over.
+    """
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                new = torch.nn.Parameter(
+                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                )
+                new.__dict__.update(param.__dict__)
+                module._parameters[name] = new
+
+
 def _random_values(model_cfg: ModelConfig, tp_rank: int, tp_size: int):
-    """`mcore.fp8.ValueSource` of the random base: `_init_base_weights`'s values, by name.
+    """The random base's values, by global name (`_init_base_weights`; a `mcore.fp8.ValueSource`).
 
     Matrices are drawn as there; norm weights are ones and biases zeros, as Megatron builds
     them.
@@ -458,8 +476,11 @@ def build_gpt_model(
         sequence_parallel=sequence_parallel,
         fused_loss=device.type == "cuda",
     )
-    # FP8: built on the meta device (nothing allocated), then loaded tensor by tensor.
-    where = torch.device("meta") if fp8 else contextlib.nullcontext()
+    # FP8: built on the meta device (nothing allocated), then loaded tensor by tensor; the
+    # random base: built there, then allocated and drawn where it lives (an 8B base's 16 GB
+    # were allocated on the host and copied before its draws, 4.2 s on the H200).
+    drawn = not fp8 and model_cfg.hf_path is None
+    where = torch.device("meta") if fp8 or drawn else contextlib.nullcontext()
     with torch.random.fork_rng(devices=[]):  # in case a Megatron module draws anyway
         with where:
             model = LoRAFusionGPTModel(
@@ -488,6 +509,6 @@ def build_gpt_model(
     if model_cfg.hf_path is not None:
         load_hf_weights(model, model_cfg, tp_rank)
         return model.to(device)
-    model.to(device)
+    _allocate_empty(model, device)
     _init_base_weights(model, model_cfg, tp_rank, tp_size)
-    return model
+    return model.to(device)  # the rotary table

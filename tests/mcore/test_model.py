@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from mcore_testing import TINY, make_packed_batch, run_model
 
 from megatron_lorafusion.mcore import VarlenCoreAttention, build_gpt_model
+from megatron_lorafusion.mcore.model import _name_seed
 
 # dtype -> tolerances of fp32 recomputations of the same function.
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
@@ -56,6 +57,24 @@ def test_build_gpt_model_is_deterministic_and_frozen(megatron_single_process):
         TINY.hidden_size,
     ), "GQA: qkv rows = H + 2 · groups · head_dim"
     assert tuple(layer.mlp.linear_fc1.weight.shape) == (2 * TINY.ffn_hidden_size, TINY.hidden_size)
+
+
+def test_random_base_holds_each_weights_own_draw_and_megatrons_marks(megatron_single_process):
+    """Built empty and drawn tensor by tensor: the values of a generator keyed by the weight's
+    name, Megatron's tensor-parallel marks kept (a TP shard is cut by them)."""
+    model = build_gpt_model(TINY, params_dtype=torch.bfloat16)
+    name = "decoder.layers.1.mlp.linear_fc1.weight"
+    fc1 = model.get_parameter(name)
+    generator = torch.Generator().manual_seed(_name_seed(TINY.init_seed, name))
+    drawn = torch.randn(tuple(fc1.shape), generator=generator) * TINY.init_method_std
+    torch.testing.assert_close(fc1, drawn.to(torch.bfloat16), atol=0, rtol=0)
+    assert (fc1.tensor_model_parallel, fc1.partition_dim, fc1.partition_stride) == (True, 0, 2)
+    proj = model.decoder.layers[0].self_attention.linear_proj.weight
+    assert (proj.tensor_model_parallel, proj.partition_dim) == (True, 1)
+    norm = model.decoder.layers[0].input_layernorm.weight
+    assert torch.equal(norm, torch.ones_like(norm))
+    assert norm.sequence_parallel is False
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def test_build_gpt_model_needs_parallel_state():
