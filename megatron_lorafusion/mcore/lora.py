@@ -80,8 +80,11 @@ def _init_seed(seed: int, adapter_name: str, layer_seed: int) -> int:
 
 
 @functools.cache
-def _draw_pool() -> ThreadPoolExecutor:
-    """Threads drawing the adapters' initial factors, one pool for the process."""
+def _draw_pool(pid: int) -> ThreadPoolExecutor:
+    """Threads drawing the adapters' initial factors, one pool per process ``pid``.
+
+    A forked child inherits its parent's pool without the pool's threads: it gets its own.
+    """
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="lora-init")
 
 
@@ -179,7 +182,7 @@ def _init_factors(
 
     # Each adapter from its own generator, so in threads (torch's ops release the GIL): 64
     # adapters on the 8B preset draw 0.9 G values.
-    list(_draw_pool().map(draw, range(len(adapters))))
+    list(_draw_pool(os.getpid()).map(draw, range(len(adapters))))
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
