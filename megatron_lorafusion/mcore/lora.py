@@ -79,15 +79,6 @@ def _init_seed(seed: int, adapter_name: str, layer_seed: int) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
-@functools.cache
-def _draw_pool(pid: int) -> ThreadPoolExecutor:
-    """Threads drawing the adapters' initial factors, one pool per process ``pid``.
-
-    A forked child inherits its parent's pool without the pool's threads: it gets its own.
-    """
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="lora-init")
-
-
 def _kaiming_uniform(rank: int, fan_in: int, generator: torch.Generator) -> torch.Tensor:
     """(rank, fan_in) fp32 like PEFT's ``kaiming_uniform_(a=sqrt(5))``: U(±1/sqrt(fan_in))."""
     bound = 1.0 / math.sqrt(fan_in)
@@ -181,8 +172,9 @@ def _init_factors(
         lora_a[a, rank:].zero_()
 
     # Each adapter from its own generator, so in threads (torch's ops release the GIL): 64
-    # adapters on the 8B preset draw 0.9 G values.
-    list(_draw_pool(os.getpid()).map(draw, range(len(adapters))))
+    # adapters on the 8B preset draw 0.9 G values. A pool per linear: no thread outlives it.
+    with ThreadPoolExecutor(max_workers=min(len(adapters), os.cpu_count() or 1)) as pool:
+        list(pool.map(draw, range(len(adapters))))
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed

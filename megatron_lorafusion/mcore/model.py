@@ -167,8 +167,9 @@ def _transformer_config(
 ) -> TransformerConfig:
     """Megatron config of a Llama-like decoder whose code paths all run on CPU.
 
-    ``use_cpu_initialization`` allocates on the CPU (the GPU path needs the CUDA RNG tracker)
-    and ``perform_initialization=False`` leaves the weights to `_init_base_weights`. Every
+    ``use_cpu_initialization`` allocates on the CPU (the GPU path needs the CUDA RNG
+    tracker), or on the meta device under it (the FP8 and random bases), and
+    ``perform_initialization=False`` leaves the weights to `_init_base_weights`. Every
     fusion is off because the fused kernels (bias+SwiGLU, RoPE, masked softmax, gradient
     accumulation) are CUDA-only. ``sequence_parallel`` takes effect only when ``tp_size > 1``
     (Megatron refuses it at TP = 1).
@@ -314,8 +315,8 @@ def _allocate_empty(model: GPTModel, device: torch.device) -> None:
 def _random_values(model_cfg: ModelConfig, tp_rank: int, tp_size: int):
     """The random base's values, by global name (`_init_base_weights`; a `mcore.fp8.ValueSource`).
 
-    Matrices are drawn as there; norm weights are ones and biases zeros, as Megatron builds
-    them.
+    Matrices are drawn as there; norm weights are ones, as Megatron builds them, and biases
+    zeros (Megatron leaves them uninitialised when it does not initialise).
     """
 
     def values(global_name: str, param: torch.Tensor) -> torch.Tensor:

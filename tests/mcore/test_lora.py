@@ -2,8 +2,6 @@
 
 import dataclasses
 import math
-import multiprocessing
-import os
 
 import pytest
 import torch
@@ -408,18 +406,3 @@ def test_replicated_columns_cover_every_replicated_factor_and_nothing_else(tiny_
             want = name in replicated
             assert bool(view.all()) == want, (a, name)
             assert bool(view.any()) == want, (a, name)
-
-
-def _draw_in_child() -> list[int]:
-    from megatron_lorafusion.mcore import lora
-
-    return list(lora._draw_pool(os.getpid()).map(abs, [-1, -2]))
-
-
-def test_factor_draws_run_in_a_forked_child_of_a_process_that_drew():
-    """A forked child inherits the parent's draw pool without its threads; it must not hang."""
-    from megatron_lorafusion.mcore import lora
-
-    assert list(lora._draw_pool(os.getpid()).map(abs, [-3])) == [3]  # the parent's threads
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        assert pool.apply_async(_draw_in_child).get(timeout=60) == [1, 2]

@@ -75,6 +75,9 @@ def test_random_base_holds_each_weights_own_draw_and_megatrons_marks(megatron_si
     assert torch.equal(norm, torch.ones_like(norm))
     assert norm.sequence_parallel is False
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    biased = build_gpt_model(dataclasses.replace(TINY, add_qkv_bias=True))
+    bias = biased.decoder.layers[0].self_attention.linear_qkv.bias
+    assert torch.equal(bias, torch.zeros_like(bias)), "a random base's biases are zeros"
 
 
 def test_build_gpt_model_needs_parallel_state():
