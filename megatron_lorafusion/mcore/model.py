@@ -39,6 +39,8 @@ from megatron_lorafusion.mcore.families import (
 from megatron_lorafusion.mcore.fp8 import (
     Fp8ColumnParallelLinear,
     Fp8RowParallelLinear,
+    _new_parameter,
+    _tensors,
     fp8_weight_bytes,
     materialize_fp8_model,
 )
@@ -300,16 +302,10 @@ def _allocate_empty(model: GPTModel, device: torch.device) -> None:
 
     ``Module.to_empty`` would drop the marks Megatron sets on a parameter (its tensor-parallel
     ``partition_dim`` and the like), which a TP shard's draw and the optimizer read; the new
-    parameter takes them over.
+    parameter takes them over, as the FP8 load's do (`mcore.fp8`).
     """
-    for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is not None and param.is_meta:
-                new = torch.nn.Parameter(
-                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
-                )
-                new.__dict__.update(param.__dict__)
-                module._parameters[name] = new
+    for _, owner, attribute, param in _tensors(model):
+        setattr(owner, attribute, _new_parameter(param, torch.empty_like(param, device=device)))
 
 
 def _random_values(model_cfg: ModelConfig, tp_rank: int, tp_size: int):
