@@ -15,6 +15,7 @@ from megatron_lorafusion.pipeline.runner import (
     adapter_losses,
     gpt_stage_forward,
     run_pipeline,
+    warm_up_stage,
 )
 from megatron_lorafusion.pipeline.schedule import (
     Action,
@@ -44,4 +45,5 @@ __all__ = [
     "run_pipeline",
     "schedule",
     "stage_actions",
+    "warm_up_stage",
 ]

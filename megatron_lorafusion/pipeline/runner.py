@@ -118,6 +118,9 @@ class AdapterOptimizer(Protocol):
         adapters queued to step (a stopped one only has its gradients dropped).
         """
 
+    def warm_up(self, adapter_ids: Iterable[int], *, with_losses: bool) -> None:
+        """Launch what `step` launches for these adapters, changing no row and no state."""
+
     def check(self) -> None:
         """Raise when the last step refused a non-finite loss or norm (names the adapter)."""
 
@@ -675,6 +678,60 @@ def run_pipeline(
         raise
     _share_losses(adapters, groups)
     return runner.state.events
+
+
+def warm_up_stage(
+    microbatch: Microbatch,
+    forward: StageForward,
+    make_batch: Callable[[Microbatch, int], PackedBatch],
+    optimizer: AdapterOptimizer,
+    grads: torch.Tensor,
+    groups: PipelineGroups,
+    *,
+    hidden_size: int,
+    activation_dtype: torch.dtype,
+    device: torch.device | str,
+    sequence_shards: int = 1,
+    wgrad_queue: WgradQueue | None = None,
+) -> bool:
+    """Train this replica's share of ``microbatch`` once and forget it: a run's one-off costs.
+
+    A process's first microbatch pays once for what later ones reuse: kernels loaded from
+    Triton's cache, CUDA modules torch loads lazily, cuBLAS's set-up, the allocator's and the
+    pinned pools' first blocks. This pays them before training, on the first microbatch of
+    the plan (the shapes training starts with). No peer is involved: a later stage gets zeros
+    for its input and an earlier one zeros for its output's gradient, so each rank warms up
+    on its own (TP ranks of a stage together, as they run the same collectives). Nothing
+    stays: the gradients it accumulated are zeroed (the table must hold none: a run's
+    start), and the optimizer launches a step that changes no row (`AdapterAdamW.warm_up`).
+
+    Returns:
+        Whether it ran (False when this replica's share of ``microbatch`` is empty).
+    """
+    share = data_parallel_share(microbatch, groups.dp_rank, groups.dp_size)
+    if share.is_idle:
+        return False
+    device = torch.device(device)
+    batch = make_batch(share, 0)
+    input_tensor = None
+    if not groups.is_first:
+        rows = batch.layout.num_tokens // sequence_shards
+        input_tensor = torch.zeros(
+            rows, 1, hidden_size, dtype=activation_dtype, device=device, requires_grad=True
+        )
+    output = forward(batch, input_tensor)
+    if groups.is_last:
+        denominators = torch.ones(grads.shape[0], device=device)
+        losses = adapter_losses(output, batch, denominators)
+        losses.sum().backward()
+    else:
+        torch.autograd.backward(output, grad_tensors=torch.zeros_like(output))
+    if wgrad_queue is not None:
+        wgrad_queue.seal(share.adapters)
+        wgrad_queue.run_all()
+    grads.zero_()
+    optimizer.warm_up(share.adapters, with_losses=groups.is_last)
+    return True
 
 
 def gpt_stage_forward(

@@ -425,6 +425,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing:
         writes=writes,
         single_shard=sizes["tp"] * sizes["pp"] == 1,
         cut_on_failure=sizes["world"] == 1,
+        warm_up=device.type == "cuda",  # the one-off costs it moves are a GPU's
     )
     session = Session(
         run,

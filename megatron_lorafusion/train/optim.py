@@ -273,6 +273,28 @@ class AdapterAdamW:
         self._losses = None if losses is None else (ids, HostCopy(losses))
         return tuple(stepping)
 
+    def warm_up(self, adapter_ids: Iterable[int], *, with_losses: bool) -> None:
+        """Launch what `step` launches for these adapters with every row's ``STEP`` unset.
+
+        Their norms (when a step reads them: a TP all-reduce under TP) and one launch of the
+        fused kernel that leaves every row, moment and gradient as it is; no step is counted
+        and nothing is left for `check`. A run's first step then finds its kernel loaded.
+        """
+        ids = tuple(adapter_ids)
+        device = self.lora.weights.device
+        norms = self.squared_norms(ids) if self.needs_norms(ids) else None
+        adapter_adamw_(
+            self.lora.weights,
+            self.lora.grads,
+            self.exp_avg,
+            self.exp_avg_sq,
+            _device_rows(ids, str(device)),
+            copy_to_device(torch.zeros(len(ids), HYPER_COLUMNS), device),
+            self._lr_groups,
+            squared_norms=norms,
+            losses=torch.zeros(len(ids), device=device) if with_losses else None,
+        )
+
     def check(self) -> None:
         """Raise `DivergenceError` when the last step refused an adapter, naming the first.
 

@@ -24,6 +24,7 @@ from megatron_lorafusion.pipeline import (
     adapter_losses,
     gpt_stage_forward,
     run_pipeline,
+    warm_up_stage,
 )
 from megatron_lorafusion.planner import Microbatch
 from megatron_lorafusion.train.optim import AdapterAdamW, tensor_parallel_squared_norms
@@ -108,6 +109,26 @@ class Run:
             log_every=log_every,
             record_events=record_events,
             graphs=self.graphs,
+        )
+
+    def warm_up(self, microbatch: Microbatch, make_batch: Callable) -> bool:
+        """`pipeline.warm_up_stage` of ``microbatch``: its one-off costs paid, nothing kept.
+
+        Call it before the run's first microbatch, while the gradient table holds nothing.
+        Returns whether this rank ran it (False: its replica has no share of ``microbatch``).
+        """
+        return warm_up_stage(
+            microbatch,
+            self.forward,
+            make_batch,
+            self.optimizer,
+            self.lora.grads,
+            self.groups,
+            hidden_size=self.model.config.hidden_size,
+            activation_dtype=self.activation_dtype,
+            device=self.device,
+            sequence_shards=self.sequence_shards,
+            wgrad_queue=self.lora.wgrad_queue,
         )
 
     def load_table(self, slot: int, table: str, tensors: dict[str, torch.Tensor]) -> None:

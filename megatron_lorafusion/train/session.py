@@ -67,6 +67,8 @@ class SessionSettings:
         cut_on_pause: end a segment as soon as ``until`` (`Session.train`) says stop, read
             after every microbatch (one process, for the same reason: several ranks read it
             between segments only).
+        warm_up: before the first microbatch, train it once and forget it (`Run.warm_up`), so
+            its one-off costs (kernel loads, lazy CUDA set-up) land in start-up, not in it.
     """
 
     save_every: int
@@ -80,6 +82,7 @@ class SessionSettings:
     single_shard: bool = True
     cut_on_failure: bool = True
     cut_on_pause: bool = False
+    warm_up: bool = False
 
 
 @dataclass
@@ -130,7 +133,8 @@ class Timing:
         }
         if self.startup:
             phases = dict(self.startup)
-            phases["planning and the first batch"] = first - (self._marked or self.start)
+            last = "the first batch" if "planning" in phases else "planning and the first batch"
+            phases[last] = first - (self._marked or self.start)
             out["startup_phases_s"] = phases
         if self.first_step is not None:
             out["first_step_s"] = self.first_step - first
@@ -204,6 +208,7 @@ class Session:
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
         self._until: Callable[[], bool] = lambda: False  # `train`'s
+        self._warmed = not settings.warm_up
 
     # -- admission and retirement ----------------------------------------------------------
     def admit(self, job: AdapterJob, slot: int | None = None, shared: dict | None = None) -> int:
@@ -304,7 +309,24 @@ class Session:
             first = next(items, _END)
         if first is _END:
             return None
+        if not self._warmed:
+            self._warm_up(first)
         return self._until_cut(first, items)
+
+    def _warm_up(self, first: Microbatch) -> None:
+        """Train ``first`` once and forget it (`Run.warm_up`); timed as two start-up phases."""
+        self._warmed = True
+        self.timing.mark("planning")
+        start = time.perf_counter()
+        if self.run.warm_up(first, lambda share, index: self._pack(share)):
+            if self.run.device.type == "cuda":
+                torch.cuda.synchronize(self.run.device)
+            self.timing.mark("warming up (the first microbatch trained once, then dropped)")
+            logger.info(
+                "warm-up: the first microbatch trained once and dropped in %.2f s (its "
+                "one-off costs: kernel loads, CUDA set-up)",
+                time.perf_counter() - start,
+            )
 
     def _until_cut(self, first: Microbatch, items: Iterator) -> Iterator[Microbatch]:
         """Microbatches up to the next cut.
@@ -348,6 +370,10 @@ class Session:
             self.timing.first_microbatch = time.perf_counter()
         self.timing.tokens += microbatch.tokens
         self.timing.microbatches += 1
+        return self._pack(microbatch)
+
+    def _pack(self, microbatch: Microbatch):
+        """`pack_microbatch` of a training microbatch (this replica's share)."""
         slots = range(self.run.lora.num_adapters)
         pad = self.settings.pad_to_multiple
         if (graphs := self.run.graphs) is not None and graphs.active:

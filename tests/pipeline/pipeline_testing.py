@@ -263,6 +263,9 @@ def _train_case(rank, world, casedir, name, tp, pp, sp, defer_wgrad, clip) -> No
         modes = {w.sequence_parallel for w in run.lora.wrappers.values()}
         assert modes == {sp and tp > 1}, f"{name}: LoRA wrappers' SP modes {modes}"
         norms, on_step = _recording_norms(run.optimizer, len(adapters))
+        # Every case warms up first, as `train` does on a GPU: what it trained must not
+        # stay (the one-process reference does not warm up).
+        run.warm_up(job.microbatches[0], make_batch_fn(job, len(adapters), run.sequence_shards))
         run_stage(job, run, on_step=on_step)
         sizes = parallel_sizes()
         evaluated = eval_stage(job, run, sizes["tp_rank"])

@@ -224,6 +224,51 @@ def test_an_adapter_trains_the_same_alone_among_others_and_reordered(tmp_path):
             )
 
 
+def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
+    """`SessionSettings.warm_up` (on a GPU in `train`) trains the first microbatch once and
+    forgets it: losses and exported weights equal a run without it, bit for bit (dropout on,
+    gradient norms tracked), and the run record names its start-up phase."""
+    from megatron_lorafusion.train import main as main_module
+    from megatron_lorafusion.train.recipe import Run
+
+    plain = main(_isolation_job(tmp_path, "plain", ["sort", "add"]))
+    real_settings, real_warm_up, ran = main_module.SessionSettings, Run.warm_up, []
+
+    def warm_up(self, microbatch, make_batch):
+        ran.append(real_warm_up(self, microbatch, make_batch))
+        return ran[-1]
+
+    with (
+        mock.patch.object(
+            main_module,
+            "SessionSettings",
+            lambda **kwargs: real_settings(**{**kwargs, "warm_up": True}),
+        ),
+        mock.patch.object(Run, "warm_up", warm_up),
+    ):
+        warmed = main(_isolation_job(tmp_path, "warmed", ["sort", "add"]))
+    assert ran == [True], "one warm-up, before the first microbatch"
+    assert warmed == plain, "warm-up changed the step losses"
+    for name in ("sort", "add"):
+        files = [
+            load_file(str(tmp_path / out / "adapters" / name / "adapter_model.safetensors"))
+            for out in ("plain", "warmed")
+        ]
+        assert files[0].keys() == files[1].keys()
+        for key, value in files[0].items():
+            torch.testing.assert_close(files[1][key], value, atol=0, rtol=0, msg=f"{name} {key}")
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "warmed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    phases = next(r["startup_phases_s"] for r in records if "startup_phases_s" in r)
+    assert list(phases)[-3:] == [
+        "planning",
+        "warming up (the first microbatch trained once, then dropped)",
+        "the first batch",
+    ], phases
+
+
 def test_train_recompute_modes_train_the_same_adapters(tmp_path):
     """`train.recompute` through `main` (one process, LoRA dropout on): selective and full
     give the losses and exported weights of none, bit for bit."""

@@ -74,6 +74,30 @@ def test_stopped_adapter_keeps_weights_and_drops_gradients():
     assert torch.count_nonzero(lora.grads) == 0, "a stopped adapter's gradients are dropped"
 
 
+def test_warm_up_launches_a_step_that_changes_nothing():
+    """`warm_up` (a run's first microbatch, trained and forgotten) leaves every table, step
+    count and learning rate as they were, with norms (clipping) and losses read."""
+    grads = torch.randn(3, 13, generator=torch.Generator().manual_seed(3))
+    lora = _table(grads)
+    opt = _optimizer(lora, [1.0, 0.0, 0.5])
+    tables = [t.clone() for t in (lora.weights, lora.grads, opt.exp_avg, opt.exp_avg_sq)]
+    opt.warm_up([0, 2], with_losses=True)
+    opt.warm_up([1], with_losses=False)
+    for name, before, after in zip(
+        ("weights", "grads", "exp_avg", "exp_avg_sq"),
+        tables,
+        (lora.weights, lora.grads, opt.exp_avg, opt.exp_avg_sq),
+        strict=True,
+    ):
+        assert torch.equal(after, before), f"warm_up changed {name}"
+    assert opt.steps == [0, 0, 0]
+    assert opt.last_lr == [0.0, 0.0, 0.0]
+    opt.check()  # nothing left to confirm
+    assert opt.confirm() == []
+    opt.step([0])
+    assert not torch.equal(lora.weights[0], tables[0][0]), "a real step still steps"
+
+
 def test_step_on_a_nan_gradient_or_loss_is_refused_and_changes_nothing():
     """The step is refused on the device; `check` (the next step's first act) raises."""
     grads = torch.randn(3, 11, generator=torch.Generator().manual_seed(2))
