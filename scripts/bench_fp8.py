@@ -413,42 +413,37 @@ def _adapter_configs(count: int) -> list[AdapterConfig]:
     ]
 
 
-def _model_rows(shape: str, precision: str, tokens: int, batches: list, recompute: str):
-    """Build ``shape`` in ``precision`` and time its floor and 4 adapters; returns (row, logits)."""
-    from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-    from megatron_lorafusion.mcore.recompute import apply_recompute
-    from megatron_lorafusion.train.optim import AdapterAdamW
+def _build_model(shape: str, precision: str):
+    """``shape`` (random, same seed) on the GPU with its base in ``precision``; (model, build s)."""
+    from megatron_lorafusion.mcore import build_gpt_model
 
     _free()
     cfg = ModelConfig(**{**MODEL_PRESETS[shape], "base_precision": precision})
     start = time.perf_counter()
     model = build_gpt_model(cfg, params_dtype=torch.bfloat16, device="cuda")
     torch.cuda.synchronize()
-    row = {
-        "build_s": time.perf_counter() - start,
-        "weights_gib": torch.cuda.memory_allocated() / 2**30,
-    }
-    logits = None
-    if shape != "llama3.1-70b":  # one 2048-token sample of the first microbatch
-        from megatron_lorafusion.mcore.parallel import packed_seq_params
+    return model, time.perf_counter() - start
 
-        one = AdapterLayout.from_samples([0], [2048], ADAPTERS, "cuda")
-        ids = batches[0][0][:, :2048]
-        pos = torch.arange(2048, device="cuda")[None]
-        with torch.no_grad():
-            logits = model.eval()(ids, pos, None, packed_seq_params=packed_seq_params(one))
-        logits = logits.float().cpu()
-    model.train()
 
+def _floor_step(model):
+    """The frozen floor's step (forward + backward, no adapters) and its hook, to remove before
+    adding adapters: the embedding's output requires grad, so backward runs through the base."""
     hook = model.embedding.register_forward_hook(lambda m, i, o: o.requires_grad_())
 
     def floor(batch):
         ids, pos, _, params = batch
         model(ids, pos, None, labels=ids, packed_seq_params=params).float().mean().backward()
 
-    if shape != "llama3.1-70b":
-        row["floor_tok_s"] = _time_microbatches(floor, batches, warmup=2)
-    hook.remove()
+    return floor, hook
+
+
+def _adapter_step(model, recompute: str):
+    """Add 4 adapters r 16 p 0.1 (B drawn, not zero) with ``recompute``; returns their step:
+    forward, backward and an optimizer step."""
+    from megatron_lorafusion.mcore import apply_lora
+    from megatron_lorafusion.mcore.recompute import apply_recompute
+    from megatron_lorafusion.train.optim import AdapterAdamW
+
     adapters = _adapter_configs(ADAPTERS)
     lora = apply_lora(model, adapters, seed=0)
     apply_recompute(model, lora, recompute)
@@ -465,6 +460,30 @@ def _model_rows(shape: str, precision: str, tokens: int, batches: list, recomput
         model(ids, pos, None, labels=ids, packed_seq_params=params).float().mean().backward()
         optimizer.step(layout.present_ids())
 
+    return train
+
+
+def _model_rows(shape: str, precision: str, tokens: int, batches: list, recompute: str):
+    """Build ``shape`` in ``precision`` and time its floor and 4 adapters; returns (row, logits)."""
+    model, build_s = _build_model(shape, precision)
+    row = {"build_s": build_s, "weights_gib": torch.cuda.memory_allocated() / 2**30}
+    logits = None
+    if shape != "llama3.1-70b":  # one 2048-token sample of the first microbatch
+        from megatron_lorafusion.mcore.parallel import packed_seq_params
+
+        one = AdapterLayout.from_samples([0], [2048], ADAPTERS, "cuda")
+        ids = batches[0][0][:, :2048]
+        pos = torch.arange(2048, device="cuda")[None]
+        with torch.no_grad():
+            logits = model.eval()(ids, pos, None, packed_seq_params=packed_seq_params(one))
+        logits = logits.float().cpu()
+    model.train()
+
+    floor, hook = _floor_step(model)
+    if shape != "llama3.1-70b":
+        row["floor_tok_s"] = _time_microbatches(floor, batches, warmup=2)
+    hook.remove()
+    train = _adapter_step(model, recompute)
     torch.cuda.reset_peak_memory_stats()
     row["ours_tok_s"] = _time_microbatches(train, batches, warmup=2)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
