@@ -209,6 +209,7 @@ class Session:
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
         self._until: Callable[[], bool] = lambda: False  # `train`'s
         self._warmed = not settings.warm_up
+        self._pin_ahead: list[int] = []  # staging buffers (values) to pin in the background
 
     # -- admission and retirement ----------------------------------------------------------
     def admit(self, job: AdapterJob, slot: int | None = None, shared: dict | None = None) -> int:
@@ -238,11 +239,12 @@ class Session:
         self._yielded_steps[job.name] = job.step
         if self.settings.writes:  # its saves' staging memory: pinned now if it saves early,
             pin_now = bool(self.settings.save_every)  # else in the background for its last
-            self.staging.add_job(
-                self._save_numel(job, slot),
-                pin_now=pin_now,
-                pin_ahead=not pin_now and self.staging.pinned,
-            )
+            numel = self._save_numel(job, slot)
+            self.staging.add_job(numel, pin_now=pin_now)
+            if not pin_now and self.staging.pinned:  # after the warm-up: `_warm_up`
+                self._pin_ahead.append(numel)
+                if self._warmed:
+                    self._start_pinning()
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
@@ -313,8 +315,17 @@ class Session:
             self._warm_up(first)
         return self._until_cut(first, items)
 
+    def _start_pinning(self) -> None:
+        for numel in self._pin_ahead:
+            self.staging.pin_ahead(numel)
+        self._pin_ahead.clear()
+
     def _warm_up(self, first: Microbatch) -> None:
-        """Train ``first`` once and forget it (`Run.warm_up`); timed as two start-up phases."""
+        """Train ``first`` once and forget it (`Run.warm_up`); timed as two start-up phases.
+
+        The saves' staging buffers are pinned after it: a pinning in flight holds every
+        ``cudaMalloc`` of the first microbatch (14 s instead of ~1 s for 64 adapters on 8B).
+        """
         self._warmed = True
         self.timing.mark("planning")
         start = time.perf_counter()
@@ -327,6 +338,7 @@ class Session:
                 "one-off costs: kernel loads, CUDA set-up)",
                 time.perf_counter() - start,
             )
+        self._start_pinning()
 
     def _until_cut(self, first: Microbatch, items: Iterator) -> Iterator[Microbatch]:
         """Microbatches up to the next cut.

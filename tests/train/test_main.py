@@ -5,6 +5,7 @@ import json
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -17,6 +18,7 @@ from megatron_lorafusion.data import write_task
 from megatron_lorafusion.mcore.recompute import apply_recompute
 from megatron_lorafusion.train.checkpoint import AdapterCheckpoints, Shard
 from megatron_lorafusion.train.main import main
+from megatron_lorafusion.train.writer import StagingPool
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -233,10 +235,24 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
 
     plain = main(_isolation_job(tmp_path, "plain", ["sort", "add"]))
     real_settings, real_warm_up, ran = main_module.SessionSettings, Run.warm_up, []
+    real_pool, real_pin_ahead, real_allocate = (
+        main_module.staging_pool,
+        StagingPool.pin_ahead,
+        StagingPool._allocate,
+    )
 
     def warm_up(self, microbatch, make_batch):
         ran.append(real_warm_up(self, microbatch, make_batch))
         return ran[-1]
+
+    def pinned_pool(gib, *, pinned):  # a GPU run's decisions, pageable buffers on this CPU
+        pool = real_pool(gib, pinned=False)
+        pool.pinned = True
+        return pool
+
+    def pin_ahead(self, numel):
+        ran.append("pin")
+        return real_pin_ahead(self, numel)
 
     with (
         mock.patch.object(
@@ -245,9 +261,16 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
             lambda **kwargs: real_settings(**{**kwargs, "warm_up": True}),
         ),
         mock.patch.object(Run, "warm_up", warm_up),
+        mock.patch.object(main_module, "staging_pool", pinned_pool),
+        mock.patch.object(StagingPool, "pin_ahead", pin_ahead),
+        mock.patch.object(
+            StagingPool,
+            "_allocate",
+            lambda self, n: real_allocate(SimpleNamespace(pinned=False), n),
+        ),
     ):
         warmed = main(_isolation_job(tmp_path, "warmed", ["sort", "add"]))
-    assert ran == [True], "one warm-up, before the first microbatch"
+    assert ran == [True, "pin", "pin"], "one warm-up, then the final saves' buffers pinned"
     assert warmed == plain, "warm-up changed the step losses"
     for name in ("sort", "add"):
         files = [
