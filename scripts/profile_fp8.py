@@ -161,7 +161,9 @@ def _print_kernels(case: str, result: dict) -> None:
 
 def _profile_model(shape: str, precision: str, batches: list, cases: dict) -> None:
     """Build ``shape`` in ``precision``, profile its floor, then 4 adapters, into ``cases``."""
-    model, _ = _build_model(shape, precision)
+    model, build_s = _build_model(shape, precision)
+    gib = torch.cuda.memory_allocated() / 2**30
+    print(f"\n{precision}: built in {build_s:.1f} s, {gib:.1f} GiB on the GPU")
     model.train()
     floor, hook = _floor_step(model)
     cases[(precision, "floor")] = _profile_step(floor, batches)
