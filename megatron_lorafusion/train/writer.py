@@ -40,9 +40,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _WARN_EVERY_S = 30.0  # at most one "saving is behind" warning per this many seconds
-# Between two background pinnings: the driver's lock is not handed over fairly, and a
-# training thread waiting on it would otherwise wait for every buffer of the queue.
-_PIN_PAUSE_S = 0.01
 
 
 class WriteError(RuntimeError):
@@ -320,19 +317,12 @@ class StagingPool:
     def pin_ahead(self, numel: int) -> Future:
         """Pin one buffer of ``numel`` values on a background thread; its future (buffers made).
 
-        Each pinning holds the CUDA driver for ~0.15 s per GB, and a ``cudaMalloc`` or a
-        pinned allocation meanwhile waits: start it once the caching allocator has its blocks
-        (after a run's warm-up). Pinnings are paced (`_PIN_PAUSE_S`) so such a wait lasts
-        one buffer's pinning at most.
+        Each pinning holds the CUDA driver for ~0.15 s per GB, and a ``cudaMalloc`` meanwhile
+        waits: start it once the caching allocator has its blocks (after a run's warm-up).
         """
         if self._pinner is None:
             self._pinner = ThreadPoolExecutor(1, thread_name_prefix="lorafusion-pin")
-        return self._pinner.submit(self._pin_paced, numel)
-
-    def _pin_paced(self, numel: int) -> int:
-        made = self.reserve(numel, 1)
-        time.sleep(_PIN_PAUSE_S)
-        return made
+        return self._pinner.submit(self.reserve, numel, 1)
 
     def remove_job(self, numel: int) -> None:
         """A job added with ``numel`` left (its last save may still be staged).
