@@ -7,18 +7,15 @@ the layer spec (`mcore.model.get_gpt_lora_layer_spec`): their ``weight`` is e4m3
 own TP / SP collectives. The LoRA wrappers wrap them like any Megatron linear.
 
 `materialize_fp8_model` loads a model built on the meta device one tensor at a time: each
-frozen linear's shard is read (checkpoint slice or random draw) and copied to the device in the
-compute dtype in worker threads, then quantized there and dropped, so neither host nor GPU ever
-holds the model in bf16 (Llama-3.1-70B: ~70 GB in e4m3 instead of ~140 GB; docs/fp8.md).
+frozen linear's shard is read (checkpoint slice or random draw), moved to the device in the
+compute dtype, quantized there and dropped, so neither host nor GPU ever holds the model in
+bf16 (Llama-3.1-70B: ~70 GB in e4m3 instead of ~140 GB; docs/fp8.md).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -36,10 +33,6 @@ from megatron_lorafusion.ops import Fp8Weight, fp8_linear, quantize_weight
 ValueSource = Callable[[str, torch.Tensor], torch.Tensor]
 """``(global parameter name, meta parameter) -> this rank's values`` (any device, any float
 dtype; the shape of the parameter)."""
-
-_DEVICE_WINDOW_BYTES = 2 << 30
-"""Bytes of values on the device ahead of the loop that quantizes them (`_pipelined`): a few
-tensors (Llama-3.1-70B's fc1 weight is 0.94 GB in bf16 at TP 1), however many threads draw."""
 
 _KEPT_ATTRIBUTES = (  # Megatron's marks on a parameter, carried to its materialized tensor
     "tensor_model_parallel",
@@ -196,73 +189,23 @@ def _tensors(model: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]
 
 
 def _pipelined(
-    items: list,
-    produce: Callable[[object], torch.Tensor],
-    place: Callable[[torch.Tensor], torch.Tensor],
-    nbytes: Callable[[object], int],
-    workers: int,
+    items: list, produce: Callable, workers: int
 ) -> Iterator[tuple[object, torch.Tensor]]:
-    """``(item, place(produce(item)))`` in order, both run ahead in threads.
+    """``(item, produce(item))`` in order, up to ``workers + 2`` produced ahead in threads.
 
-    ``produce`` (host work: a draw or a read) runs up to ``workers + 2`` items ahead, which
-    bounds host memory as a few tensors in flight, never the model. ``place`` (the copy to the
-    device) runs in its own threads, behind, on at most `_DEVICE_WINDOW_BYTES` (``nbytes`` of
-    each item; the next item always) not yet consumed: a byte bound on the producers would let
-    only two of the 70B's fc1 draws run at once. Torch's ops release the GIL. An error of either
-    is raised when its item is due; closing the generator cancels what has not started and
-    waits for what has.
+    The window bounds host memory (a few tensors in flight, never the model); torch's ops
+    release the GIL, so draws and reads run in parallel with the device copies.
     """
-    workers = max(1, workers)
-    sizes = [nbytes(item) for item in items]
-    producers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp8-load-produce")
-    placers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp8-load-copy")
-    produced: deque[Future] = deque()  # items[placed_count:produced_count], on the host
-    placed: deque[Future] = deque()  # items[i:placed_count], on the device when done
-    produced_count = placed_count = on_device = 0
-
-    def place_when_produced(host: Future) -> torch.Tensor:
-        return place(host.result())
-
-    try:
-        for i, item in enumerate(items):
-            while produced_count < min(len(items), i + workers + 2):
-                produced.append(producers.submit(produce, items[produced_count]))
-                produced_count += 1
-            while placed_count < produced_count and (
-                placed_count == i or on_device + sizes[placed_count] <= _DEVICE_WINDOW_BYTES
-            ):
-                placed.append(placers.submit(place_when_produced, produced.popleft()))
-                on_device += sizes[placed_count]
-                placed_count += 1
-            yield item, placed.popleft().result()  # no local name: freed once consumed
-            on_device -= sizes[i]
-    finally:
-        for pool in (producers, placers):
-            pool.shutdown(wait=False, cancel_futures=True)
-        for pool in (producers, placers):
-            pool.shutdown(wait=True)
-
-
-def _copier(device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function copying a tensor to ``device`` from any thread, finished when it returns.
-
-    On CUDA each thread copies on its own side stream (on the default stream the copies would
-    queue behind each other and behind the quantization) and waits for it: torch's blocking
-    copy from the host waits anyway, a copy from another device would not.
-    """
-    if device.type != "cuda":
-        return lambda value: value.to(device)
-    local = threading.local()
-
-    def copy(value: torch.Tensor) -> torch.Tensor:
-        if not hasattr(local, "stream"):
-            local.stream = torch.cuda.Stream(device)
-        with torch.cuda.stream(local.stream):
-            out = value.to(device)
-        local.stream.synchronize()
-        return out
-
-    return copy
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        pending: list[tuple[object, Future]] = []
+        ahead = max(1, workers) + 2
+        for item in items:
+            pending.append((item, pool.submit(produce, item)))
+            if len(pending) >= ahead:
+                first, done = pending.pop(0)
+                yield first, done.result()
+        for item, done in pending:
+            yield item, done.result()
 
 
 def materialize_fp8_model(
@@ -278,10 +221,6 @@ def materialize_fp8_model(
 ) -> None:
     """Give every meta parameter of ``model`` its values on ``device``, quantizing FP8 linears.
 
-    Worker threads produce each tensor in ``dtype`` on the host and copy it to ``device``; the
-    main thread quantizes (a row-parallel weight all-reduces over ``tp_group``, so every rank
-    keeps the same order) and sets the tensors, one at a time in ``named_parameters`` order.
-
     Args:
         model: built under ``torch.device("meta")`` with FP8 linears in its spec.
         values: this rank's values of a parameter (`ValueSource`), called in worker threads.
@@ -291,16 +230,13 @@ def materialize_fp8_model(
             before quantizing (so FP8 quantizes exactly the bf16 model's weights).
         tp_group: the tensor-parallel group (row-parallel scales are all-reduced over it).
         keep_transposed: also keep each weight's (H, N) e4m3 copy for the backward.
-        workers: threads producing values ahead of the main thread, and as many copying
-            them to the device (with at most `_DEVICE_WINDOW_BYTES` there ahead of it).
+        workers: threads producing values ahead of the device copies.
 
     Raises:
         ValueError: when a source gives a tensor of the wrong shape (names it).
         RuntimeError: when a tensor of ``model`` is left on the meta device.
     """
     items = _tensors(model)
-    if device.type == "cuda" and device.index is None:  # a worker thread's device is GPU 0
-        device = torch.device("cuda", torch.cuda.current_device())
 
     def produce(item) -> torch.Tensor:
         name, _, _, param = item
@@ -312,19 +248,13 @@ def materialize_fp8_model(
             )
         return value.to(dtype)  # the bf16 model's values, on the host
 
-    def nbytes(item) -> int:
-        return item[3].numel() * dtype.itemsize
-
-    pipeline = _pipelined(items, produce, _copier(device), nbytes, workers)
-    with closing(pipeline):
-        for (_, owner, attribute, param), value in pipeline:
-            if value.is_cuda:  # allocated on a copy thread's stream: no reuse there before
-                value.record_stream(torch.cuda.current_stream(value.device))  # we are done
-            if isinstance(owner, FP8_LINEARS) and attribute == "weight":
-                _quantize_into(owner, value, tp_group, keep_transposed)
-            else:
-                setattr(owner, attribute, _new_parameter(param, value))
-            del value
+    for (_, owner, attribute, param), value in _pipelined(items, produce, workers):
+        on_device = value.to(device, non_blocking=False)
+        if isinstance(owner, FP8_LINEARS) and attribute == "weight":
+            _quantize_into(owner, on_device, tp_group, keep_transposed)
+        else:
+            setattr(owner, attribute, _new_parameter(param, on_device))
+        del value, on_device
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"materialize_fp8_model left tensors on the meta device: {left}")

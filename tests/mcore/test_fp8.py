@@ -14,7 +14,6 @@ moves by 0.02 in bf16 and 0.21 in FP8 (docs/fp8.md).
 """
 
 import dataclasses
-import threading
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from megatron_lorafusion.mcore import (
     build_gpt_model,
     fp8_weight,
 )
-from megatron_lorafusion.mcore import fp8 as mcore_fp8
 from megatron_lorafusion.ops import FP8_DTYPE, quantize_weight
 
 FP8 = dataclasses.replace(TINY, base_precision="fp8")
@@ -154,94 +152,10 @@ def test_fp8_hf_import_quantizes_the_checkpoint_shard_by_shard(
             assert torch.equal(fp8_params[name], param), name
 
 
-def _load_threads():
-    return [t.name for t in threading.enumerate() if t.name.startswith("fp8-load")]
-
-
-def _one_byte(item):
-    return 1
-
-
-def test_fp8_load_raises_a_sources_error_and_leaves_no_thread(megatron_single_process, monkeypatch):
-    from megatron_lorafusion.mcore import model as mcore_model
-
-    random_values = mcore_model._random_values
-
-    def broken_values(model_cfg, tp_rank, tp_size):
-        values = random_values(model_cfg, tp_rank, tp_size)
-
-        def source(name, param):
-            if name.endswith("layers.0.mlp.linear_fc1.weight"):
-                return torch.zeros(3, 5)
-            return values(name, param)
-
-        return source
-
-    monkeypatch.setattr(mcore_model, "_random_values", broken_values)
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.linear_fc1\.weight have shape \(3, 5\)"):
-        build_gpt_model(FP8)
-    assert not _load_threads(), "a load thread outlived the error"
-
-
-def test_fp8_pipeline_stops_at_a_producers_error():
-    produced = []
-
-    def produce(item):
-        produced.append(item)
-        if item == 5:
-            raise ValueError("item 5 is broken")
-        return torch.zeros(1)
-
-    pipeline = mcore_fp8._pipelined(list(range(50)), produce, torch.clone, _one_byte, 1)
-    got = []
-    with pytest.raises(ValueError, match="item 5 is broken"):
-        got.extend(item for item, _ in pipeline)
-    assert got == [0, 1, 2, 3, 4], "items before the error come in order"
-    assert max(produced) <= 5 + 2, f"produced up to {max(produced)}, past 3 items ahead"
-    assert not _load_threads(), "a load thread outlived the error"
-
-
-def test_fp8_pipeline_closed_early_cancels_and_joins_its_threads():
-    produced = []
-
-    def produce(item):
-        produced.append(item)
-        return torch.zeros(1)
-
-    pipeline = mcore_fp8._pipelined(list(range(50)), produce, torch.clone, _one_byte, 1)
-    next(pipeline)
-    pipeline.close()
-    assert max(produced) <= 2, f"produced up to {max(produced)}, past 3 items ahead"
-    assert not _load_threads(), "a load thread outlived the closed pipeline"
-
-
-def test_fp8_pipeline_bounds_the_bytes_on_the_device():
-    """Copies run ahead on at most the window's bytes, but always on the next item (one
-    larger than the window alone)."""
-    window = mcore_fp8._DEVICE_WINDOW_BYTES
-    sizes = [window // 4, window // 2, window, 3 * window, window // 4, window // 8] * 3
-    lock, held, peaks = threading.Lock(), {}, []
-
-    def place(value):
-        with lock:
-            held[int(value)] = sizes[int(value)]
-            peaks.append((sum(held.values()), len(held)))
-        return value
-
-    items = list(range(len(sizes)))
-    pipeline = mcore_fp8._pipelined(items, torch.tensor, place, sizes.__getitem__, 8)
-    for item, value in pipeline:
-        assert int(value) == item, "items come in order"
-        with lock:
-            del held[item]
-    assert peaks, "nothing was placed"
-    for total, count in peaks:
-        assert total <= window or count == 1, f"{count} items of {total} bytes on the device"
-
-
 @pytest.mark.gpu
 def test_fp8_cuda_load_quantizes_the_full_precision_weights(megatron_single_process):
-    """On CUDA the copies run in threads on side streams; the weights are the same."""
+    """Loaded on CUDA (with the transposed copies kept), the weights are those of quantizing
+    the CUDA bf16 model."""
     full = build_gpt_model(TINY, device="cuda", params_dtype=torch.bfloat16)
     fp8 = build_gpt_model(FP8, device="cuda", params_dtype=torch.bfloat16)
     for layer in range(TINY.num_layers):
