@@ -95,7 +95,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _free() -> None:
+def free_memory() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -207,7 +207,7 @@ def section_check(failed: set) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for _, hidden, out in PROJECTIONS:
         _check_projection(hidden, out, tokens, failed)
-        _free()
+        free_memory()
 
 
 # ---- gemm ------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def section_gemm() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, hidden, out in PROJECTIONS:
         _gemm_projection(name, hidden, out, tokens)
-        _free()
+        free_memory()
 
 
 # ---- op --------------------------------------------------------------------------------------
@@ -369,13 +369,13 @@ def section_op(failed: set) -> None:
     print("|---|---|---|---|---|")
     for name, hidden, out in PROJECTIONS:
         _op_projection(name, hidden, out, tokens, failed)
-        _free()
+        free_memory()
 
 
 # ---- model -----------------------------------------------------------------------------------
 
 
-def _microbatches(tokens: int, count: int, vocab: int):
+def random_microbatches(tokens: int, count: int, vocab: int):
     from megatron_lorafusion.mcore.parallel import packed_seq_params
 
     out = []
@@ -413,11 +413,11 @@ def _adapter_configs(count: int) -> list[AdapterConfig]:
     ]
 
 
-def _build_model(shape: str, precision: str):
+def build_model(shape: str, precision: str):
     """``shape`` (random, same seed) on the GPU with its base in ``precision``; (model, build s)."""
     from megatron_lorafusion.mcore import build_gpt_model
 
-    _free()
+    free_memory()
     cfg = ModelConfig(**{**MODEL_PRESETS[shape], "base_precision": precision})
     start = time.perf_counter()
     model = build_gpt_model(cfg, params_dtype=torch.bfloat16, device="cuda")
@@ -425,7 +425,7 @@ def _build_model(shape: str, precision: str):
     return model, time.perf_counter() - start
 
 
-def _floor_step(model):
+def floor_step(model):
     """The frozen floor's step (forward + backward, no adapters) and its hook, to remove before
     adding adapters: the embedding's output requires grad, so backward runs through the base."""
     hook = model.embedding.register_forward_hook(lambda m, i, o: o.requires_grad_())
@@ -437,7 +437,7 @@ def _floor_step(model):
     return floor, hook
 
 
-def _adapter_step(model, recompute: str):
+def adapter_step(model, recompute: str):
     """Add 4 adapters r 16 p 0.1 (B drawn, not zero) with ``recompute``; returns their step:
     forward, backward and an optimizer step."""
     from megatron_lorafusion.mcore import apply_lora
@@ -465,7 +465,7 @@ def _adapter_step(model, recompute: str):
 
 def _model_rows(shape: str, precision: str, tokens: int, batches: list, recompute: str):
     """Build ``shape`` in ``precision`` and time its floor and 4 adapters; returns (row, logits)."""
-    model, build_s = _build_model(shape, precision)
+    model, build_s = build_model(shape, precision)
     row = {"build_s": build_s, "weights_gib": torch.cuda.memory_allocated() / 2**30}
     logits = None
     if shape != "llama3.1-70b":  # one 2048-token sample of the first microbatch
@@ -479,11 +479,11 @@ def _model_rows(shape: str, precision: str, tokens: int, batches: list, recomput
         logits = logits.float().cpu()
     model.train()
 
-    floor, hook = _floor_step(model)
+    floor, hook = floor_step(model)
     if shape != "llama3.1-70b":
         row["floor_tok_s"] = _time_microbatches(floor, batches, warmup=2)
     hook.remove()
-    train = _adapter_step(model, recompute)
+    train = adapter_step(model, recompute)
     torch.cuda.reset_peak_memory_stats()
     row["ours_tok_s"] = _time_microbatches(train, batches, warmup=2)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -501,7 +501,7 @@ def section_model(shape: str) -> None:
     init_model_parallel(1, 1, torch.device("cuda"), seed=0)
     rows, logits = {}, {}
     try:
-        batches = _microbatches(tokens, 6, MODEL_PRESETS[shape]["vocab_size"])
+        batches = random_microbatches(tokens, 6, MODEL_PRESETS[shape]["vocab_size"])
         for precision in ("bf16", "fp8"):
             try:
                 rows[precision], logits[precision] = _model_rows(
@@ -509,7 +509,7 @@ def section_model(shape: str) -> None:
                 )
             except torch.cuda.OutOfMemoryError as err:
                 rows[precision] = {"note": f"OOM: {str(err)[:80]}"}
-            _free()
+            free_memory()
     finally:
         destroy_model_parallel()
     print("| base | build s | weights GiB | floor tok/s | 4 adapters tok/s | peak GiB | note |")
@@ -539,7 +539,7 @@ def section_70b() -> None:
     )
     init_model_parallel(1, 1, torch.device("cuda"), seed=0)
     try:
-        batches = _microbatches(tokens, 3, MODEL_PRESETS["llama3.1-70b"]["vocab_size"])
+        batches = random_microbatches(tokens, 3, MODEL_PRESETS["llama3.1-70b"]["vocab_size"])
         try:
             row, _ = _model_rows("llama3.1-70b", "fp8", tokens, batches, "full")
         except torch.cuda.OutOfMemoryError as err:

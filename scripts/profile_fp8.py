@@ -22,11 +22,11 @@ from scripts.bench_fp8 import (
     ADAPTERS,
     DROPOUT,
     RANK,
-    _adapter_step,
-    _build_model,
-    _floor_step,
-    _free,
-    _microbatches,
+    adapter_step,
+    build_model,
+    floor_step,
+    free_memory,
+    random_microbatches,
 )
 
 # (category, lower-case substrings of the kernel name); the first match wins, so our own kernels
@@ -161,16 +161,16 @@ def _print_kernels(case: str, result: dict) -> None:
 
 def _profile_model(shape: str, precision: str, batches: list, cases: dict) -> None:
     """Build ``shape`` in ``precision``, profile its floor, then 4 adapters, into ``cases``."""
-    model, build_s = _build_model(shape, precision)
+    model, build_s = build_model(shape, precision)
     gib = torch.cuda.memory_allocated() / 2**30
     print(f"\n{precision}: built in {build_s:.1f} s, {gib:.1f} GiB on the GPU")
     model.train()
-    floor, hook = _floor_step(model)
+    floor, hook = floor_step(model)
     cases[(precision, "floor")] = _profile_step(floor, batches)
     hook.remove()
     _print_kernels(f"{precision} floor", cases[(precision, "floor")])
     mode = f"{ADAPTERS} adapters"
-    cases[(precision, mode)] = _profile_step(_adapter_step(model, "selective"), batches)
+    cases[(precision, mode)] = _profile_step(adapter_step(model, "selective"), batches)
     _print_kernels(f"{precision} {mode}", cases[(precision, mode)])
 
 
@@ -207,13 +207,13 @@ def section_profile(shape: str) -> None:
     cases: dict = {}
     try:
         count = PROFILE_WARMUP + PROFILE_MICROBATCHES
-        batches = _microbatches(tokens, count, MODEL_PRESETS[shape]["vocab_size"])
+        batches = random_microbatches(tokens, count, MODEL_PRESETS[shape]["vocab_size"])
         for precision in ("bf16", "fp8"):
             try:
                 _profile_model(shape, precision, batches, cases)
             except torch.cuda.OutOfMemoryError as err:
                 print(f"\n{precision}: OOM: {str(err)[:80]}")
-            _free()  # the model goes before the next one is built
+            free_memory()  # the model goes before the next one is built
     finally:
         destroy_model_parallel()
     _print_profile_summary(cases)

@@ -166,7 +166,7 @@ class MicrobatchGraphs:
         capture = seen >= CAPTURE_AT and len(self._graphs) < self.max_graphs
         if self.captures >= 8 and self.replays < 2 * self.captures:
             capture = False  # shapes rarely repeat here (many adapters): stay eager
-        with self._side_stream(batch.input_ids.device):
+        with self.side_stream(batch.input_ids.device):
             losses = self.loss(batch, denominators)
             losses.sum().backward()
             if capture and (graph := self._try_capture(batch, denominators)) is not None:
@@ -190,8 +190,12 @@ class MicrobatchGraphs:
             return None
 
     @contextlib.contextmanager
-    def _side_stream(self, device: torch.device):
+    def side_stream(self, device: torch.device):
         """Eager runs and captures on one side stream, ordered with the current one.
+
+        A run's warm-up trains there too while graphs are active (`Run.warm_up`): the
+        caching allocator keeps its blocks per stream, and the eager runs it warms up for
+        run there.
 
         Autograd records the stream each node ran on and makes the caller's stream wait for
         it at the end of backward: a capture whose nodes met an eager run's stream (the

@@ -68,6 +68,7 @@ __all__ = [
     "StageForward",
     "gpt_stage_forward",
     "run_pipeline",
+    "warm_up_stage",
 ]
 
 
@@ -118,8 +119,11 @@ class AdapterOptimizer(Protocol):
         adapters queued to step (a stopped one only has its gradients dropped).
         """
 
-    def warm_up(self, adapter_ids: Iterable[int], *, with_losses: bool) -> None:
-        """Launch what `step` launches for these adapters, changing no row and no state."""
+    def warm_up(self, adapter_ids: Iterable[int], *, losses: torch.Tensor | None) -> None:
+        """Launch what `step` launches for these adapters, changing no row and no state.
+
+        ``losses``: (k,) on the device, of the dtype `step`'s will have, or None as there.
+        """
 
     def check(self) -> None:
         """Raise when the last step refused a non-finite loss or norm (names the adapter)."""
@@ -699,11 +703,14 @@ def warm_up_stage(
     A process's first microbatch pays once for what later ones reuse: kernels loaded from
     Triton's cache, CUDA modules torch loads lazily, cuBLAS's set-up, the allocator's and the
     pinned pools' first blocks. This pays them before training, on the first microbatch of
-    the plan (the shapes training starts with). No peer is involved: a later stage gets zeros
-    for its input and an earlier one zeros for its output's gradient, so each rank warms up
-    on its own (TP ranks of a stage together, as they run the same collectives). Nothing
-    stays: the gradients it accumulated are zeroed (the table must hold none: a run's
-    start), and the optimizer launches a step that changes no row (`AdapterAdamW.warm_up`).
+    the plan (the shapes training starts with; ``make_batch`` gets plan position 0). No peer
+    is involved: a later stage gets zeros for its input and an earlier one zeros for its
+    output's gradient, so each rank warms up on its own (TP ranks of a stage together, as
+    they run the same collectives). Nothing it learned stays: the whole gradient table is
+    zeroed after it, even when it fails (so it must hold nothing before: a run's start),
+    and the optimizer launches a step that changes no row (`AdapterAdamW.warm_up`). The
+    LoRA context keeps the microbatch's layout and the model its zero input tensor, both
+    replaced by the next forward.
 
     Returns:
         Whether it ran (False when this replica's share of ``microbatch`` is empty).
@@ -713,24 +720,42 @@ def warm_up_stage(
         return False
     device = torch.device(device)
     batch = make_batch(share, 0)
-    input_tensor = None
-    if not groups.is_first:
-        rows = batch.layout.num_tokens // sequence_shards
-        input_tensor = torch.zeros(
-            rows, 1, hidden_size, dtype=activation_dtype, device=device, requires_grad=True
+    tokens = batch.layout.num_tokens
+    if tokens % sequence_shards:
+        raise ValueError(
+            f"a microbatch of {tokens} tokens cannot be split over {sequence_shards} "
+            "sequence-parallel ranks; pad it to a multiple (pack_microbatch(pad_to_multiple=tp))"
         )
-    output = forward(batch, input_tensor)
-    if groups.is_last:
-        denominators = torch.ones(grads.shape[0], device=device)
-        losses = adapter_losses(output, batch, denominators)
-        losses.sum().backward()
-    else:
-        torch.autograd.backward(output, grad_tensors=torch.zeros_like(output))
-    if wgrad_queue is not None:
-        wgrad_queue.seal(share.adapters)
-        wgrad_queue.run_all()
-    grads.zero_()
-    optimizer.warm_up(share.adapters, with_losses=groups.is_last)
+    try:
+        input_tensor = None
+        if not groups.is_first:
+            input_tensor = torch.zeros(
+                tokens // sequence_shards,
+                1,
+                hidden_size,
+                dtype=activation_dtype,
+                device=device,
+                requires_grad=True,
+            )
+        output = forward(batch, input_tensor)
+        if groups.is_last:
+            denominators = torch.ones(grads.shape[0], device=device)
+            adapter_losses(output, batch, denominators).sum().backward()
+        else:
+            torch.autograd.backward(output, grad_tensors=torch.zeros_like(output))
+        if wgrad_queue is not None:
+            wgrad_queue.seal(share.adapters)
+            wgrad_queue.run_all()
+    except BaseException:
+        if wgrad_queue is not None:
+            wgrad_queue.clear()
+        raise
+    finally:
+        grads.zero_()
+    # The loss sums a step reads: the runner's fp64 sums in one replica, the DP bucket's dtype.
+    loss_dtype = torch.float64 if groups.dp_size == 1 else grads.dtype
+    losses = torch.zeros(len(share.adapters), dtype=loss_dtype, device=device)
+    optimizer.warm_up(share.adapters, losses=losses if groups.is_last else None)
     return True
 
 

@@ -273,12 +273,13 @@ class AdapterAdamW:
         self._losses = None if losses is None else (ids, HostCopy(losses))
         return tuple(stepping)
 
-    def warm_up(self, adapter_ids: Iterable[int], *, with_losses: bool) -> None:
+    def warm_up(self, adapter_ids: Iterable[int], *, losses: torch.Tensor | None) -> None:
         """Launch what `step` launches for these adapters with every row's ``STEP`` unset.
 
         Their norms (when a step reads them: a TP all-reduce under TP) and one launch of the
         fused kernel that leaves every row, moment and gradient as it is; no step is counted
-        and nothing is left for `check`. A run's first step then finds its kernel loaded.
+        and nothing is left for `check`. A run's first step then finds its kernel loaded:
+        ``losses`` must be what that step will pass (its dtype picks the kernel), or None.
         """
         ids = tuple(adapter_ids)
         device = self.lora.weights.device
@@ -292,7 +293,7 @@ class AdapterAdamW:
             copy_to_device(torch.zeros(len(ids), HYPER_COLUMNS), device),
             self._lr_groups,
             squared_norms=norms,
-            losses=torch.zeros(len(ids), device=device) if with_losses else None,
+            losses=losses,
         )
 
     def check(self) -> None:

@@ -9,6 +9,7 @@ state must be initialised first (`mcore.parallel.init_model_parallel`); one proc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -114,22 +115,26 @@ class Run:
     def warm_up(self, microbatch: Microbatch, make_batch: Callable) -> bool:
         """`pipeline.warm_up_stage` of ``microbatch``: its one-off costs paid, nothing kept.
 
-        Call it before the run's first microbatch, while the gradient table holds nothing.
-        Returns whether this rank ran it (False: its replica has no share of ``microbatch``).
+        Call it before the run's first microbatch, while the gradient table holds nothing
+        (it zeroes the whole table). While CUDA graphs are active it runs on their side
+        stream, where the first (eager) microbatches will run. Returns whether this rank
+        ran it (False: its replica has no share of ``microbatch``).
         """
-        return warm_up_stage(
-            microbatch,
-            self.forward,
-            make_batch,
-            self.optimizer,
-            self.lora.grads,
-            self.groups,
-            hidden_size=self.model.config.hidden_size,
-            activation_dtype=self.activation_dtype,
-            device=self.device,
-            sequence_shards=self.sequence_shards,
-            wgrad_queue=self.lora.wgrad_queue,
-        )
+        graphs = self.graphs is not None and self.graphs.active
+        with self.graphs.side_stream(self.device) if graphs else contextlib.nullcontext():
+            return warm_up_stage(
+                microbatch,
+                self.forward,
+                make_batch,
+                self.optimizer,
+                self.lora.grads,
+                self.groups,
+                hidden_size=self.model.config.hidden_size,
+                activation_dtype=self.activation_dtype,
+                device=self.device,
+                sequence_shards=self.sequence_shards,
+                wgrad_queue=self.lora.wgrad_queue,
+            )
 
     def load_table(self, slot: int, table: str, tensors: dict[str, torch.Tensor]) -> None:
         """Load one adapter's tensors of one table (`checkpoint.TABLES`) into row ``slot``.

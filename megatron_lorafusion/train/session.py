@@ -42,6 +42,7 @@ __all__ = ["Session", "SessionSettings", "Timing"]
 logger = logging.getLogger(__name__)
 
 _END = object()  # the stream ran out
+PLANNING = "planning"  # the start-up phase before a warm-up (`Timing.record` names the last)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Timing:
         }
         if self.startup:
             phases = dict(self.startup)
-            last = "the first batch" if "planning" in phases else "planning and the first batch"
+            last = "the first batch" if PLANNING in phases else "planning and the first batch"
             phases[last] = first - (self._marked or self.start)
             out["startup_phases_s"] = phases
         if self.first_step is not None:
@@ -209,7 +210,7 @@ class Session:
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
         self._until: Callable[[], bool] = lambda: False  # `train`'s
         self._warmed = not settings.warm_up
-        self._pin_ahead: list[int] = []  # staging buffers (values) to pin in the background
+        self._pin_ahead: dict[str, int] = {}  # job -> its staging buffer (values) to pin
 
     # -- admission and retirement ----------------------------------------------------------
     def admit(self, job: AdapterJob, slot: int | None = None, shared: dict | None = None) -> int:
@@ -242,7 +243,7 @@ class Session:
             numel = self._save_numel(job, slot)
             self.staging.add_job(numel, pin_now=pin_now)
             if not pin_now and self.staging.pinned:  # after the warm-up: `_warm_up`
-                self._pin_ahead.append(numel)
+                self._pin_ahead[job.name] = numel
                 if self._warmed:
                     self._start_pinning()
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
@@ -272,6 +273,7 @@ class Session:
         held = self._held.pop(job.name, None)
         if held is not None and job.status == "failed":
             held.rows.release()
+        self._pin_ahead.pop(job.name, None)  # not pinned yet: no buffer for a job gone
         if self.settings.writes:
             self.staging.remove_job(self._save_numel(job, slot))
         self._forget_packing(job)
@@ -316,29 +318,32 @@ class Session:
         return self._until_cut(first, items)
 
     def _start_pinning(self) -> None:
-        for numel in self._pin_ahead:
+        for numel in self._pin_ahead.values():
             self.staging.pin_ahead(numel)
         self._pin_ahead.clear()
 
     def _warm_up(self, first: Microbatch) -> None:
-        """Train ``first`` once and forget it (`Run.warm_up`); timed as two start-up phases.
+        """Train ``first`` once and forget it (`Run.warm_up`), timed as a start-up phase.
 
-        The saves' staging buffers are pinned after it: a pinning in flight holds every
-        ``cudaMalloc`` of the first microbatch (14 s instead of ~1 s for 64 adapters on 8B).
+        The saves' staging buffers are pinned after it: each pinning blocks kernel launches
+        and ``cudaMalloc`` while it lasts (the warm-up of 64 adapters on 8B took 14 s instead
+        of ~1 s beside them; docs/throughput.md).
         """
         self._warmed = True
-        self.timing.mark("planning")
+        self.timing.mark(PLANNING)
         start = time.perf_counter()
-        if self.run.warm_up(first, lambda share, index: self._pack(share)):
-            if self.run.device.type == "cuda":
-                torch.cuda.synchronize(self.run.device)
-            self.timing.mark("warming up (the first microbatch trained once, then dropped)")
-            logger.info(
-                "warm-up: the first microbatch trained once and dropped in %.2f s (its "
-                "one-off costs: kernel loads, CUDA set-up)",
-                time.perf_counter() - start,
-            )
-        self._start_pinning()
+        try:
+            if self.run.warm_up(first, lambda share, index: self._pack(share)):
+                if self.run.device.type == "cuda":
+                    torch.cuda.synchronize(self.run.device)
+                self.timing.mark("warming up (the first microbatch trained once, then dropped)")
+                logger.info(
+                    "warm-up: the first microbatch trained once and dropped in %.2f s (its "
+                    "one-off costs: kernel loads, CUDA set-up)",
+                    time.perf_counter() - start,
+                )
+        finally:
+            self._start_pinning()
 
     def _until_cut(self, first: Microbatch, items: Iterator) -> Iterator[Microbatch]:
         """Microbatches up to the next cut.

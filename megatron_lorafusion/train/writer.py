@@ -242,7 +242,7 @@ class StagingPool:
         self._free: list[torch.Tensor] = []  # smallest first
         self._cond = threading.Condition()
         self._warned = -_WARN_EVERY_S
-        self._pinner: ThreadPoolExecutor | None = None  # `add_job`'s pin_ahead
+        self._pinner: ThreadPoolExecutor | None = None  # `pin_ahead`'s thread
 
     def _new(self, numel: int) -> torch.Tensor:
         """A new buffer; frees unused ones first where it would pass the capacity (locked)."""
@@ -290,17 +290,13 @@ class StagingPool:
             made += 1
         return made
 
-    def add_job(self, numel: int, *, pin_now: bool, pin_ahead: bool = False) -> Future | None:
+    def add_job(self, numel: int, *, pin_now: bool) -> None:
         """A job whose saves take ``numel`` values each joins; it may pin one buffer.
 
         Pinning host memory takes time (~0.15 s per GB; the first save would pay it in the
         training loop, 9 s for 64 final saves of Llama-3.1-8B adapters). ``pin_now`` pins
-        the job's buffer here (a job that saves before its end: at admission);
-        ``pin_ahead`` pins it on a background thread while training goes on (a job that
-        saves only at its end).
-
-        Returns:
-            The background pinning's future (its result: buffers made), or None.
+        the job's buffer here (a job that saves before its end: at admission); a job that
+        saves only at its end may have it pinned in the background (`pin_ahead`).
         """
         with self._cond:
             if self.sized_to_jobs:
@@ -310,9 +306,6 @@ class StagingPool:
                 self._cond.notify_all()
         if pin_now:
             self.reserve(numel, 1)
-        elif pin_ahead:
-            return self.pin_ahead(numel)
-        return None
 
     def pin_ahead(self, numel: int) -> Future:
         """Pin one buffer of ``numel`` values on a background thread; its future (buffers made).

@@ -172,10 +172,13 @@ def test_fp8_cuda_load_quantizes_the_full_precision_weights(megatron_single_proc
             assert torch.equal(fp8_params[name], param), f"{name}: not a linear, must be equal"
 
 
-FP8_8B_LOGITS_REL_ERR = 0.65  # the 8B preset's random base: measured 0.578 (docs/fp8.md)
+# The 8B preset's random base: this test measured 0.578 on the H200 (twentieth session, device
+# run 5), as `scripts.bench_fp8 --sections model` did in the fourteenth.
+FP8_8B_LOGITS_REL_ERR = 0.65
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 def test_fp8_logits_of_the_8b_preset_stay_within_their_measured_bound(megatron_single_process):
     """Llama-3.1-8B's preset (its random base, init std 0.02) on one 2048-token sample: the
     FP8 base's logits against the bf16 base's. A random base amplifies any perturbation layer

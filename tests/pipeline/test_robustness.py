@@ -72,3 +72,43 @@ def test_failed_rank_ends_every_rank_with_an_error(tmp_path, fault):
         for p in procs:
             if p.is_alive():
                 p.kill()
+
+
+def test_a_failed_warm_up_leaves_no_gradient_and_no_deferred_work():
+    """`warm_up_stage` raising in its backward: the table is zeroed and the queue emptied."""
+    from types import SimpleNamespace
+
+    from megatron_lorafusion.mcore import WgradQueue
+    from megatron_lorafusion.pipeline import one_stage_groups, warm_up_stage
+    from megatron_lorafusion.planner import Microbatch, Sample
+
+    grads = torch.zeros(2, 5)
+    queue = WgradQueue(max_pending=4)
+
+    def forward(batch, input_tensor):
+        grads.add_(1.0)  # what a backward accumulates before it fails
+        queue.push(lambda: None)
+        raise RuntimeError("backward failed")
+
+    class NoStep:  # the optimizer must not be reached
+        def warm_up(self, adapter_ids, *, losses):
+            raise AssertionError("warm_up after a failure")
+
+    microbatch = Microbatch((Sample(0, 0, 4),), finishes=(0,))
+    batch = SimpleNamespace(layout=SimpleNamespace(num_tokens=4))
+    with pytest.raises(RuntimeError, match="backward failed"):
+        warm_up_stage(
+            microbatch,
+            forward,
+            lambda share, index: batch,
+            NoStep(),
+            grads,
+            one_stage_groups(),
+            hidden_size=8,
+            activation_dtype=torch.float32,
+            device="cpu",
+            wgrad_queue=queue,
+        )
+    assert torch.count_nonzero(grads) == 0, "a failed warm-up must leave no gradient"
+    queue.seal([0])  # a pass only if the failed backward's work were still open
+    assert not queue.run_oldest(), "a failed warm-up must leave no deferred pass"

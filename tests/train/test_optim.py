@@ -81,8 +81,8 @@ def test_warm_up_launches_a_step_that_changes_nothing():
     lora = _table(grads)
     opt = _optimizer(lora, [1.0, 0.0, 0.5])
     tables = [t.clone() for t in (lora.weights, lora.grads, opt.exp_avg, opt.exp_avg_sq)]
-    opt.warm_up([0, 2], with_losses=True)
-    opt.warm_up([1], with_losses=False)
+    opt.warm_up([0, 2], losses=torch.zeros(2, dtype=torch.float64))
+    opt.warm_up([1], losses=None)
     for name, before, after in zip(
         ("weights", "grads", "exp_avg", "exp_avg_sq"),
         tables,

@@ -140,7 +140,8 @@ def test_staging_pool_sized_to_its_jobs_grows_to_their_largest_total_and_its_lim
     assert pool.capacity == 4 * 80, "the jobs of now (40 values) want less than the largest"
     pool.add_job(30, pin_now=False)
     assert pool.capacity == 4 * 100, "at most the limit"
-    assert pool.add_job(5, pin_now=False, pin_ahead=True).result() == 1, "pinned behind"
+    pool.add_job(5, pin_now=False)
+    assert pool.pin_ahead(5).result() == 1, "pinned behind"
     assert pool.allocated == 4 * 15, "the job's buffer was made on the pinning thread"
     fixed = StagingPool(4 * 7, pinned=False)
     fixed.add_job(50, pin_now=True)
@@ -158,7 +159,8 @@ def test_staging_pool_pins_ahead_without_holding_up_the_jobs_admitted_meanwhile(
         return real(numel)
 
     monkeypatch.setattr(pool, "_allocate", slow)
-    pinning = pool.add_job(10, pin_now=False, pin_ahead=True)
+    pool.add_job(10, pin_now=False)
+    pinning = pool.pin_ahead(10)
     admitted = threading.Thread(target=pool.add_job, args=(20,), kwargs={"pin_now": False})
     admitted.start()
     admitted.join(timeout=5)
