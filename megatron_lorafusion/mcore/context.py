@@ -7,7 +7,9 @@ caller sets each microbatch's `AdapterLayout` and reads or loads one adapter's w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -490,6 +492,28 @@ def apply_lora(
             "apply LoRA before wrapping the model in DDP"
         )
     context = LoRAContext(adapters, {})
+    # One pool draws every linear's A factors, ended with the call (no thread outlives it,
+    # so a process forked later inherits none): a pool per linear started cpu_count threads
+    # for each of them (128 wrapped linears in the 8B preset).
+    workers = min(len(adapters), os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers, thread_name_prefix="lorafusion-draw") as pool:
+        _wrap_layers(decoder, adapters, blocks, context, seed, tp_group, pool)
+    if not context.wrappers:
+        raise ValueError("apply_lora found no targeted linear in the model's decoder layers")
+    context.pack()
+    return context
+
+
+def _wrap_layers(
+    decoder: nn.Module,
+    adapters: Sequence[AdapterConfig],
+    blocks: list,
+    context: LoRAContext,
+    seed: int,
+    tp_group: torch.distributed.ProcessGroup | None,
+    pool: Executor,
+) -> None:
+    """`apply_lora`'s loop: each targeted linear of each layer wrapped, into ``context``."""
     for layer in decoder.layers:
         index = layer.layer_number - 1  # global, 0-based
         if isinstance(layer, RecomputedLayer):
@@ -517,11 +541,8 @@ def apply_lora(
                 seed=seed,
                 layer_seed=4 * index + target_index,
                 tp_group=tp_group,
+                draw_pool=pool,
                 **extra,
             )
             setattr(parent, target, wrapper)
             context.wrappers[f"decoder.layers.{index}.{parent_name}.{target}"] = wrapper
-    if not context.wrappers:
-        raise ValueError("apply_lora found no targeted linear in the model's decoder layers")
-    context.pack()
-    return context

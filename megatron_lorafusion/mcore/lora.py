@@ -25,7 +25,7 @@ import hashlib
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -133,6 +133,7 @@ def _init_factors(
     layer_seed: int,
     device: torch.device,
     row_blocks: RowBlocks | None = None,
+    draw_pool: Executor | None = None,
 ) -> None:
     """Give ``wrapper`` its packed factors and the per-adapter constants of the op.
 
@@ -172,9 +173,13 @@ def _init_factors(
         lora_a[a, rank:].zero_()
 
     # Each adapter from its own generator, so in threads (torch's ops release the GIL): 64
-    # adapters on the 8B preset draw 0.9 G values. A pool per linear: no thread outlives it.
-    with ThreadPoolExecutor(max_workers=min(len(adapters), os.cpu_count() or 1)) as pool:
-        list(pool.map(draw, range(len(adapters))))
+    # adapters on the 8B preset draw 0.9 G values. ``draw_pool``: the caller's threads (one
+    # pool for every linear of `apply_lora`), else a pool for this linear alone.
+    if draw_pool is not None:
+        list(draw_pool.map(draw, range(len(adapters))))
+    else:
+        with ThreadPoolExecutor(max_workers=min(len(adapters), os.cpu_count() or 1)) as pool:
+            list(pool.map(draw, range(len(adapters))))
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
@@ -700,6 +705,8 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         tp_group: tensor-parallel group; defaults to ``base.tp_group``.
         row_blocks: adapters with per-projection targets on this fused linear (`RowBlocks`,
             on this rank's output rows); the others adapt it as one LoRA.
+        draw_pool: threads that draw the adapters' A factors (`apply_lora` shares one
+            over every linear); None: a pool for this linear's draws alone.
 
     Raises:
         NotImplementedError: for an MoE-expert base.
@@ -716,6 +723,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         layer_seed: int,
         tp_group: torch.distributed.ProcessGroup | None = None,
         row_blocks: RowBlocks | None = None,
+        draw_pool: Executor | None = None,
     ):
         super().__init__(base, context, layer_seed, tp_group, is_column=True)
         out_local, in_features = base.weight.shape
@@ -730,6 +738,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
             layer_seed=layer_seed,
             device=base.weight.device,
             row_blocks=row_blocks,
+            draw_pool=draw_pool,
         )
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
@@ -773,6 +782,7 @@ class LoRARowParallelLinear(_LoRAWrapper):
         seed: int,
         layer_seed: int,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        draw_pool: Executor | None = None,
     ):
         if not base.input_is_parallel:
             raise NotImplementedError(
@@ -791,6 +801,7 @@ class LoRARowParallelLinear(_LoRAWrapper):
             seed=seed,
             layer_seed=layer_seed,
             device=base.weight.device,
+            draw_pool=draw_pool,
         )
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):

@@ -406,3 +406,27 @@ def test_replicated_columns_cover_every_replicated_factor_and_nothing_else(tiny_
             want = name in replicated
             assert bool(view.all()) == want, (a, name)
             assert bool(view.any()) == want, (a, name)
+
+
+def test_apply_lora_draws_in_one_pool_that_ends_with_the_call(tiny_model):
+    """Every linear's A factors are drawn by one pool of `apply_lora`'s own, and none of its
+    threads outlives the call (a process forked later must not inherit a pool)."""
+    import threading
+    from unittest import mock
+
+    from megatron_lorafusion.mcore import lora
+
+    pools = []
+    real = lora._init_factors
+
+    def spy(*args, **kwargs):
+        pools.append(kwargs["draw_pool"])
+        return real(*args, **kwargs)
+
+    with mock.patch.object(lora, "_init_factors", spy):
+        context = apply_lora(tiny_model, ADAPTERS, seed=7)
+    assert len(pools) == len(context.wrappers), "one draw per wrapped linear"
+    assert pools[0] is not None, "apply_lora passes its pool"
+    assert all(pool is pools[0] for pool in pools), "one pool for every linear"
+    left = [t.name for t in threading.enumerate() if t.name.startswith("lorafusion-draw")]
+    assert not left, f"draw threads outlived apply_lora: {left}"
