@@ -23,9 +23,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor
 from typing import Protocol
 
 import torch
@@ -172,14 +171,10 @@ def _init_factors(
         lora_a[a, :rank] = _kaiming_uniform(rank, in_features, generator)[:, in_shard]
         lora_a[a, rank:].zero_()
 
-    # Each adapter from its own generator, so in threads (torch's ops release the GIL): 64
-    # adapters on the 8B preset draw 0.9 G values. ``draw_pool``: the caller's threads (one
-    # pool for every linear of `apply_lora`), else a pool for this linear alone.
-    if draw_pool is not None:
-        list(draw_pool.map(draw, range(len(adapters))))
-    else:
-        with ThreadPoolExecutor(max_workers=min(len(adapters), os.cpu_count() or 1)) as pool:
-            list(pool.map(draw, range(len(adapters))))
+    # Each adapter from its own generator, so in the caller's threads when it has some
+    # (`apply_lora`'s pool; torch's ops release the GIL): 64 adapters on the 8B preset draw
+    # 0.9 G values. The values do not depend on the threads.
+    list((draw_pool.map if draw_pool is not None else map)(draw, range(len(adapters))))
     wrapper.lora_A = lora_a.to(device)
     wrapper.lora_B = torch.zeros(len(adapters), out_local, wrapper.max_rank, device=device)
     wrapper.lora_A_grad = wrapper.lora_B_grad = None  # views of the gradient table, once packed
@@ -706,7 +701,7 @@ class LoRAColumnParallelLinear(_LoRAWrapper):
         row_blocks: adapters with per-projection targets on this fused linear (`RowBlocks`,
             on this rank's output rows); the others adapt it as one LoRA.
         draw_pool: threads that draw the adapters' A factors (`apply_lora` shares one
-            over every linear); None: a pool for this linear's draws alone.
+            over every linear); None: drawn in the calling thread.
 
     Raises:
         NotImplementedError: for an MoE-expert base.

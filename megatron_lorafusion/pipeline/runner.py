@@ -210,6 +210,20 @@ def _recording(microbatches: Iterable[Microbatch], store: dict[int, Microbatch])
         yield mb
 
 
+def _stage_rows(tokens: int, sequence_shards: int) -> int:
+    """Token rows of the hidden states a stage passes on: ``T / tp`` under sequence parallelism.
+
+    Raises:
+        ValueError: when the microbatch does not split evenly over the shards.
+    """
+    if tokens % sequence_shards:
+        raise ValueError(
+            f"a microbatch of {tokens} tokens cannot be split over {sequence_shards} "
+            "sequence-parallel ranks; pad it to a multiple (pack_microbatch(pad_to_multiple=tp))"
+        )
+    return tokens // sequence_shards
+
+
 class _Runner:
     """One stage's executor; `run_pipeline` is its only caller."""
 
@@ -299,15 +313,8 @@ class _Runner:
     def _post_recv(
         self, tokens: int, src: int, group: dist.ProcessGroup
     ) -> tuple[dist.Work, torch.Tensor]:
-        # The shape comes from the plan (every stage packs the microbatch itself); under
-        # sequence parallelism a TP rank holds T / tp rows of the hidden states.
-        if tokens % self.sequence_shards:
-            raise ValueError(
-                f"a microbatch of {tokens} tokens cannot be split over "
-                f"{self.sequence_shards} sequence-parallel ranks; pad it to a "
-                "multiple (pack_microbatch(pad_to_multiple=tp))"
-            )
-        rows = tokens // self.sequence_shards
+        # The shape comes from the plan (every stage packs the microbatch itself).
+        rows = _stage_rows(tokens, self.sequence_shards)
         buf = torch.empty(rows, 1, self.hidden, dtype=self.dtype, device=self.device)
         return dist.irecv(buf, src=src, group=group), buf
 
@@ -720,17 +727,12 @@ def warm_up_stage(
         return False
     device = torch.device(device)
     batch = make_batch(share, 0)
-    tokens = batch.layout.num_tokens
-    if tokens % sequence_shards:
-        raise ValueError(
-            f"a microbatch of {tokens} tokens cannot be split over {sequence_shards} "
-            "sequence-parallel ranks; pad it to a multiple (pack_microbatch(pad_to_multiple=tp))"
-        )
+    rows = _stage_rows(batch.layout.num_tokens, sequence_shards)
     try:
         input_tensor = None
         if not groups.is_first:
             input_tensor = torch.zeros(
-                tokens // sequence_shards,
+                rows,
                 1,
                 hidden_size,
                 dtype=activation_dtype,

@@ -253,18 +253,7 @@ class AdapterAdamW:
             row[LR_B] = self.last_lr[a] * self.adapters[a].loraplus_lr_ratio
             row[MAX_NORM] = self.adapters[a].max_grad_norm
             rows.append(row)
-        device = self.lora.weights.device
-        adapter_adamw_(
-            self.lora.weights,
-            self.lora.grads,
-            self.exp_avg,
-            self.exp_avg_sq,
-            _device_rows(ids, str(device)),
-            copy_to_device(torch.tensor(rows, dtype=torch.float32), device),
-            self._lr_groups,
-            squared_norms=norms,
-            losses=losses,
-        )
+        self._launch(ids, torch.tensor(rows, dtype=torch.float32), norms, losses)
         for a in stepping:
             self.steps[a] += 1
         self._unchecked = stepping
@@ -282,15 +271,25 @@ class AdapterAdamW:
         ``losses`` must be what that step will pass (its dtype picks the kernel), or None.
         """
         ids = tuple(adapter_ids)
-        device = self.lora.weights.device
         norms = self.squared_norms(ids) if self.needs_norms(ids) else None
+        self._launch(ids, torch.zeros(len(ids), HYPER_COLUMNS), norms, losses)
+
+    def _launch(
+        self,
+        ids: tuple[int, ...],
+        hyper: torch.Tensor,
+        norms: torch.Tensor | None,
+        losses: torch.Tensor | None,
+    ) -> None:
+        """One `adapter_adamw_` launch over rows ``ids``, with (k, HYPER_COLUMNS) fp32 ``hyper``."""
+        device = self.lora.weights.device
         adapter_adamw_(
             self.lora.weights,
             self.lora.grads,
             self.exp_avg,
             self.exp_avg_sq,
             _device_rows(ids, str(device)),
-            copy_to_device(torch.zeros(len(ids), HYPER_COLUMNS), device),
+            copy_to_device(hyper, device),
             self._lr_groups,
             squared_norms=norms,
             losses=losses,

@@ -310,8 +310,8 @@ class StagingPool:
     def pin_ahead(self, numel: int) -> Future:
         """Pin one buffer of ``numel`` values on a background thread; its future (buffers made).
 
-        Each pinning holds the CUDA driver for ~0.15 s per GB, and a ``cudaMalloc`` meanwhile
-        waits: start it once the caching allocator has its blocks (after a run's warm-up).
+        Each pinning takes ~0.15 s per GB and blocks kernel launches and ``cudaMalloc``
+        while it lasts: a run starts it after its warm-up (`Session._warm_up`).
         """
         if self._pinner is None:
             self._pinner = ThreadPoolExecutor(1, thread_name_prefix="lorafusion-pin")
