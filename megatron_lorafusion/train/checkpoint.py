@@ -140,8 +140,9 @@ def rows_to_tensors(packed: torch.Tensor, packing: RowPacking) -> dict[str, torc
     """Named tensors of one adapter from its packed rows (what a checkpoint file holds).
 
     Args:
-        packed: (len(TABLES), K) fp32 host rows (weights, exp_avg, exp_avg_sq), packed by
-            ``packing`` (the staging buffer the GPU gathered its ``columns`` into).
+        packed: (T, K) fp32 host rows, the first T of `TABLES` (weights, exp_avg,
+            exp_avg_sq; an export's: the weights alone), packed by ``packing`` (the staging
+            buffer the GPU gathered its ``columns`` into).
         packing: the adapter's `RowPacking`.
 
     Returns:
@@ -151,7 +152,7 @@ def rows_to_tensors(packed: torch.Tensor, packing: RowPacking) -> dict[str, torc
         those (a byte per entry, a twelfth of B's three dense fp32 tables).
     """
     out: dict[str, torch.Tensor] = {}
-    for table, row in zip(TABLES, packed, strict=True):
+    for table, row in zip(TABLES[: len(packed)], packed, strict=True):
         for name, offset, shape in packing.factors:
             out[f"{table}/{name}"] = row[offset : offset + math.prod(shape)].view(shape)
     for name, mask in packing.live.items():

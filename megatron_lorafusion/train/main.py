@@ -30,7 +30,7 @@ from megatron_lorafusion.train.resume import restore_job, shared_identity
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings, Timing
 from megatron_lorafusion.train.stream import JobStream
-from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
+from megatron_lorafusion.train.writer import WRITER_THREADS, BackgroundWriter, staging_pool
 from megatron_lorafusion.validation import (
     GRAPH_PAD_TOKENS,
     graph_blockers,
@@ -43,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _COMM_TIMEOUT_S = 600.0  # a dead or stuck peer makes every rank fail within this time
-# Files of four adapters written, hashed and synced at once (enough to keep a disk busy): a
-# save is a few calls on one packed buffer, so the threads hardly take the GIL from training.
-_WRITER_THREADS = 4
 
 
 class JobsFailedError(RuntimeError):
@@ -396,7 +393,7 @@ def _train(cfg: JobConfig, jobs: list[AdapterJob], device: torch.device, timing:
         sum(job.step if not job.finished else job.total_steps for job in jobs),
         enabled=cfg.logging.progress_bar and _writes_metrics(sizes, run),
     )
-    writer = BackgroundWriter(_WRITER_THREADS)
+    writer = BackgroundWriter(WRITER_THREADS)
     saver = Saver(
         writer,
         cfg.model,

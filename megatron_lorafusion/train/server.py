@@ -39,7 +39,6 @@ from megatron_lorafusion.train.job import AdapterJob
 from megatron_lorafusion.train.main import (
     _COMM_TIMEOUT_S,
     _DTYPES,
-    _WRITER_THREADS,
     _check_same_job,
     _collectives,
     _device,
@@ -56,7 +55,7 @@ from megatron_lorafusion.train.resume import check_restorable, restore_job, shar
 from megatron_lorafusion.train.saving import Saver
 from megatron_lorafusion.train.session import Session, SessionSettings
 from megatron_lorafusion.train.stream import JobStream
-from megatron_lorafusion.train.writer import BackgroundWriter, staging_pool
+from megatron_lorafusion.train.writer import WRITER_THREADS, BackgroundWriter, staging_pool
 
 __all__ = ["serve"]
 
@@ -493,7 +492,7 @@ def _serve(cfg: JobConfig, root: ServerRoot, device: torch.device) -> None:
         )
     logger.info("server %s: %s", root.root, memory["capacity"])
     agree_flags = _collectives(sizes, device)[1]
-    writer = BackgroundWriter(_WRITER_THREADS)
+    writer = BackgroundWriter(WRITER_THREADS)
     holder: dict[str, _Server] = {}
     saver = Saver(
         writer,

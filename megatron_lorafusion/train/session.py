@@ -239,17 +239,16 @@ class Session:
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
         if self.settings.writes:  # its saves' staging memory: pinned now if it saves early,
-            pin_now = bool(self.settings.save_every)  # else in the background for its last
-            numel = self._save_numel(job, slot)
-            self.staging.add_job(numel, pin_now=pin_now)
+            pin_now = bool(self.settings.save_every)  # else shared buffers for its last
+            self.staging.add_job(self._save_numel(job, slot), pin_now=pin_now)
             if not pin_now and self.staging.pinned:  # after the warm-up: `_warm_up`
-                self._pin_ahead[job.name] = numel
+                self._pin_ahead[job.name] = self._save_numel(job, slot, final=True)
                 if self._warmed:
                     self._start_pinning()
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
-                self._commit(job, self._stage(job, slot, job.step, checkpoint=False))
+                self._commit(job, self._stage(job, slot, job.step, checkpoint=False, final=True))
             self._retire(job)
         return slot
 
@@ -438,19 +437,28 @@ class Session:
             return
         # One shard exports its last step straight from the staged rows: no checkpoint then.
         last_export = final and self.settings.single_shard
-        request = self._stage(job, slot, step, checkpoint=saved and not last_export)
+        request = self._stage(job, slot, step, checkpoint=saved and not last_export, final=final)
         if evaluated:
             request.rows.hold(True)  # never waited for: only this thread releases it
             self._held[job.name] = request  # committed once its evaluation is in
         else:
             self._commit(job, request)
 
-    def _stage(self, job: AdapterJob, slot: int, step: int, *, checkpoint: bool) -> SaveRequest:
-        """Copy ``slot``'s rows out (side stream; its next step waits for the copy)."""
+    def _stage(
+        self, job: AdapterJob, slot: int, step: int, *, checkpoint: bool, final: bool = False
+    ) -> SaveRequest:
+        """Copy ``slot``'s rows out (side stream; its next step waits for the copy).
+
+        The save at the job's end (``final``) takes a shared staging buffer
+        (`StagingPool.acquire`'s ``reuse``); where one shard exports it without a checkpoint,
+        only its weights are copied (a third of the bytes).
+        """
         run = self.run
         tables = (run.lora.weights, run.optimizer.exp_avg, run.optimizer.exp_avg_sq)
+        if final and not checkpoint and self.settings.single_shard:
+            tables = tables[:1]
         packing = self._packing(job, slot)
-        rows = self.staging.copy_rows(tables, slot, packing.columns, self._side)
+        rows = self.staging.copy_rows(tables, slot, packing.columns, self._side, reuse=final)
         run.optimizer.fence(slot, rows.done)
         if self._sharding is None:
             self._sharding = run.lora.sharding()
@@ -478,9 +486,14 @@ class Session:
             self._packings[job.name] = key
         return self._layouts[self._packings[job.name]][0]
 
-    def _save_numel(self, job: AdapterJob, slot: int) -> int:
-        """Values of one save of ``job`` (its packed weights and moments)."""
-        return len(TABLES) * self._packing(job, slot).width
+    def _save_numel(self, job: AdapterJob, slot: int, *, final: bool = False) -> int:
+        """Values of one save of ``job``: its packed weights and moments.
+
+        A ``final`` save that one shard exports without a checkpoint keeps the weights alone
+        (`_stage`).
+        """
+        width = self._packing(job, slot).width
+        return width if final and self.settings.single_shard else len(TABLES) * width
 
     def _forget_packing(self, job: AdapterJob) -> None:
         key = self._packings.pop(job.name, None)

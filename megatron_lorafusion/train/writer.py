@@ -26,7 +26,9 @@ import torch
 
 __all__ = [
     "DIRECT_ALIGN",
+    "FINAL_BUFFERS",
     "SAVES_IN_FLIGHT",
+    "WRITER_THREADS",
     "BackgroundWriter",
     "HostRows",
     "StagingPool",
@@ -50,6 +52,17 @@ SAVES_IN_FLIGHT = 2
 """Saves of each job a pool sized to the jobs holds: at 8B with 64 adapters saving every
 step, room for 1.25 saves each kept training at its saves-off rate, 0.63 did not (0.88x;
 docs/throughput.md)."""
+
+WRITER_THREADS = 4
+"""Writer threads of a run: files of four adapters written, hashed and synced at once (enough
+to keep a disk busy); a save is a few calls on one packed buffer, so the threads hardly take
+the GIL from training."""
+
+FINAL_BUFFERS = 2 * WRITER_THREADS
+"""Staging buffers pinned ahead for the saves at jobs' ends, shared by every job
+(`StagingPool.pin_ahead`): while the writers write four, four more wait staged. One per job
+was 64 pinnings of 0.5 GB for 64 adapters of Llama-3.1-8B, 15 s during which kernel launches
+waited (docs/throughput.md)."""
 
 
 def host_staging_limit(local_ranks: int) -> int:
@@ -174,8 +187,9 @@ class HostRows:
     """One adapter's packed rows of the fp32 tables, on their way to the host.
 
     Attributes:
-        rows: (3, K) fp32 host tensor: weights, exp_avg, exp_avg_sq, packed by the
-            adapter's `checkpoint.RowPacking` (a view of a staging buffer).
+        rows: (T, K) fp32 host tensor: the first T of weights, exp_avg, exp_avg_sq (all
+            three for a checkpoint, the weights for an export), packed by the adapter's
+            `checkpoint.RowPacking` (a view of a staging buffer).
         done: the side stream's event after the copy (None on CPU: already copied).
     """
 
@@ -217,6 +231,8 @@ class StagingPool:
     a request takes the smallest free buffer that holds it. `acquire` blocks while the pool
     is full, the only point where saving can stall the training loop, and warns with the
     wait. Free buffers are unpinned when new ones of another size would pass the capacity.
+    The saves at jobs' ends share `FINAL_BUFFERS` buffers pinned ahead (`pin_ahead`,
+    ``acquire(reuse=True)``).
 
     Sized to the jobs (``capacity_bytes=None``), the capacity is `SAVES_IN_FLIGHT` saves of
     every job trained at once (`add_job`, `remove_job`) at their largest total, at most
@@ -240,6 +256,7 @@ class StagingPool:
         self.allocated = 0  # bytes of every buffer, free or handed out
         self.waited_s = 0.0
         self._free: list[torch.Tensor] = []  # smallest first
+        self._lent: dict[int, list] = {}  # data_ptr -> [values, held] of each handed-out one
         self._cond = threading.Condition()
         self._warned = -_WARN_EVERY_S
         self._pinner: ThreadPoolExecutor | None = None  # `pin_ahead`'s thread
@@ -295,8 +312,8 @@ class StagingPool:
 
         Pinning host memory takes time (~0.15 s per GB; the first save would pay it in the
         training loop, 9 s for 64 final saves of Llama-3.1-8B adapters). ``pin_now`` pins
-        the job's buffer here (a job that saves before its end: at admission); a job that
-        saves only at its end may have it pinned in the background (`pin_ahead`).
+        the job's buffer here (a job that saves before its end: at admission); the saves at
+        jobs' ends share buffers pinned in the background (`pin_ahead`).
         """
         with self._cond:
             if self.sized_to_jobs:
@@ -308,14 +325,25 @@ class StagingPool:
             self.reserve(numel, 1)
 
     def pin_ahead(self, numel: int) -> Future:
-        """Pin one buffer of ``numel`` values on a background thread; its future (buffers made).
+        """Pin buffers of ``numel`` values on a background thread, for the saves at jobs' ends.
 
-        Each pinning takes ~0.15 s per GB and blocks kernel launches and ``cudaMalloc``
-        while it lasts: a run starts it after its warm-up (`Session._warm_up`).
+        The thread makes buffers until `FINAL_BUFFERS` hold ``numel`` (free or handed out),
+        within the capacity; every job calls it, the first one pins. Each pinning takes
+        ~0.15-0.25 s per GB and blocks kernel launches and ``cudaMalloc`` while it lasts: a
+        run starts it after its warm-up (`Session._warm_up`).
+
+        Returns:
+            The future of how many buffers it made.
         """
         if self._pinner is None:
             self._pinner = ThreadPoolExecutor(1, thread_name_prefix="lorafusion-pin")
-        return self._pinner.submit(self.reserve, numel, 1)
+        return self._pinner.submit(self._pin_up_to, numel)
+
+    def _pin_up_to(self, numel: int) -> int:
+        with self._cond:
+            sizes = [b.numel() for b in self._free] + [n for n, _ in self._lent.values()]
+            missing = FINAL_BUFFERS - sum(n >= numel for n in sizes)
+        return self.reserve(numel, missing) if missing > 0 else 0
 
     def remove_job(self, numel: int) -> None:
         """A job added with ``numel`` left (its last save may still be staged).
@@ -328,16 +356,30 @@ class StagingPool:
             if self.sized_to_jobs:
                 self._wanted -= SAVES_IN_FLIGHT * 4 * numel
 
-    def acquire(self, numel: int) -> torch.Tensor:
-        """A flat fp32 host buffer of >= ``numel``; waits while the pool is full."""
+    def acquire(self, numel: int, *, reuse: bool = False) -> torch.Tensor:
+        """A flat fp32 host buffer of >= ``numel``; waits while the pool is full.
+
+        ``reuse`` (a save at a job's end): where no free buffer holds ``numel`` but a writer
+        will give one back, wait for it rather than pin another (a final save is written in
+        ~0.25 s; pinning blocks kernel launches).
+        """
         start = time.perf_counter()
         with self._cond:
-            # Wait only while a writer will free something: held buffers wait for this thread.
-            while self.in_use > self.held and self.in_use + 4 * numel > self.capacity:
+            while True:
+                # Wait only while a writer will free something: held buffers wait for this
+                # thread.
+                if not (self.in_use > self.held and self.in_use + 4 * numel > self.capacity):
+                    fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+                    if fits:
+                        buf = self._free.pop(fits[0])
+                        break
+                    coming = any(n >= numel and not held for n, held in self._lent.values())
+                    if not (reuse and coming):
+                        buf = self._new(numel)
+                        break
                 self._cond.wait(timeout=1.0)
-            fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
-            buf = self._free.pop(fits[0]) if fits else self._new(numel)
             self.in_use += 4 * buf.numel()
+            self._lent[buf.data_ptr()] = [buf.numel(), False]
         waited = time.perf_counter() - start
         self.waited_s += waited
         if waited > 0.5 and time.perf_counter() - self._warned > _WARN_EVERY_S:
@@ -353,16 +395,24 @@ class StagingPool:
     def _count_held(self, buf: torch.Tensor, held: bool) -> None:
         with self._cond:
             self.held += (4 if held else -4) * buf.numel()
+            self._lent[buf.data_ptr()][1] = held
 
     def release(self, buf: torch.Tensor) -> None:
         """Return ``buf`` for reuse and wake a waiting `acquire`."""
         with self._cond:
             self.in_use -= 4 * buf.numel()
+            del self._lent[buf.data_ptr()]
             self._put(buf)
             self._cond.notify_all()
 
     def copy_rows(
-        self, tables: tuple[torch.Tensor, ...], row: int, columns: torch.Tensor, stream=None
+        self,
+        tables: tuple[torch.Tensor, ...],
+        row: int,
+        columns: torch.Tensor,
+        stream=None,
+        *,
+        reuse: bool = False,
     ) -> HostRows:
         """Queue the copy of ``columns`` of row ``row`` of each (A, S) table to the host.
 
@@ -377,9 +427,10 @@ class StagingPool:
             columns: (K,) int32 or int64 columns to keep, on the tables' device
                 (`checkpoint.RowPacking.columns`).
             stream: the side CUDA stream of the copies (None on CPU).
+            reuse: a save at a job's end (`acquire`).
         """
         width = columns.numel()
-        buf = self.acquire(len(tables) * width)
+        buf = self.acquire(len(tables) * width, reuse=reuse)
         rows = buf[: len(tables) * width].view(len(tables), width)
         if tables[0].device.type != "cuda":
             for i, table in enumerate(tables):

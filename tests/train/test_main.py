@@ -240,6 +240,7 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
         StagingPool.pin_ahead,
         StagingPool._allocate,
     )
+    real_add_job, real_acquire, saves = StagingPool.add_job, StagingPool.acquire, []
 
     def warm_up(self, microbatch, make_batch):
         ran.append(real_warm_up(self, microbatch, make_batch))
@@ -254,6 +255,14 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
         ran.append("pin")
         return real_pin_ahead(self, numel)
 
+    def add_job(self, numel, *, pin_now):
+        saves.append(("job", numel))
+        return real_add_job(self, numel, pin_now=pin_now)
+
+    def acquire(self, numel, *, reuse=False):
+        saves.append(("final" if reuse else "other", numel))
+        return real_acquire(self, numel, reuse=reuse)
+
     with (
         mock.patch.object(
             main_module,
@@ -263,6 +272,8 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
         mock.patch.object(Run, "warm_up", warm_up),
         mock.patch.object(main_module, "staging_pool", pinned_pool),
         mock.patch.object(StagingPool, "pin_ahead", pin_ahead),
+        mock.patch.object(StagingPool, "add_job", add_job),
+        mock.patch.object(StagingPool, "acquire", acquire),
         mock.patch.object(
             StagingPool,
             "_allocate",
@@ -272,6 +283,12 @@ def test_warm_up_trains_the_same_adapters_and_is_a_startup_phase(tmp_path):
         warmed = main(_isolation_job(tmp_path, "warmed", ["sort", "add"]))
     assert ran == [True, "pin", "pin"], "one warm-up, then the final saves' buffers pinned"
     assert warmed == plain, "warm-up changed the step losses"
+    jobs = sorted(n for kind, n in saves if kind == "job")
+    assert sorted(n for kind, n in saves if kind != "job") == [n // 3 for n in jobs], (
+        "each job's final save stages its weights alone (no moments), in a shared buffer",
+        saves,
+    )
+    assert {kind for kind, _ in saves} == {"job", "final"}, saves
     for name in ("sort", "add"):
         files = [
             load_file(str(tmp_path / out / "adapters" / name / "adapter_model.safetensors"))
