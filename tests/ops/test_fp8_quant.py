@@ -2,8 +2,8 @@
 
 CPU: the interpreter. Its own fp32 -> e4m3 cast rounds wrongly when the mantissa carries into
 the exponent (triton 3.8: 126.04 -> 64), which the kernel avoids by rounding to the e4m3 grid
-itself; an fp32 ``q`` shows the grid values, an e4m3 ``q`` the stored ones. GPU: the hardware
-cast, the same bits.
+itself; an fp32 ``q`` shows the grid values, an e4m3 ``q`` the stored ones. GPU: an e4m3
+``q`` is the hardware's cast, the same bits.
 """
 
 import pytest
@@ -78,7 +78,10 @@ def test_quantize_rows_kernel_rounds_every_e4m3_step_to_nearest_even(device):
     scale = torch.empty(1, device=device)
     quantize_rows_fwd(values, grid, scale, None)
     assert float(scale) == 1.0
-    assert torch.equal(grid, values.to(FP8_DTYPE).float()), "torch's cast rounds to nearest even"
+    want = values.to(FP8_DTYPE)
+    assert torch.equal(grid, want.float()), "torch's cast rounds to nearest even"
+    q, _ = quantize_rows(values)  # on a GPU: the hardware's cast
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
