@@ -31,7 +31,7 @@ from megatron_lorafusion.train.checkpoint import (
     table_tensors,
 )
 from megatron_lorafusion.train.export import ExportError, write_peft_folder
-from megatron_lorafusion.train.writer import BackgroundWriter, HostRows
+from megatron_lorafusion.train.writer import BackgroundWriter, DeferredRows, HostRows
 
 __all__ = ["SaveRequest", "Saver"]
 
@@ -48,7 +48,8 @@ class SaveRequest:
         name: the adapter.
         config: its config (the export's).
         step: its optimizer steps when the rows were copied.
-        rows: the staged rows (weights, exp_avg, exp_avg_sq), packed by ``packing``.
+        rows: the rows (weights, exp_avg, exp_avg_sq; an export without a checkpoint: the
+            weights), packed by ``packing``: staged, or a finished job's still in the tables.
         packing: where its factors lie in the packed rows (`checkpoint.RowPacking`).
         sharding: per factor name, its TP split (`LoRAContext.sharding`).
         state: the job's state and identity at ``step`` (JSON).
@@ -61,7 +62,7 @@ class SaveRequest:
     name: str
     config: AdapterConfig
     step: int
-    rows: HostRows
+    rows: HostRows | DeferredRows
     packing: RowPacking
     sharding: dict
     state: dict

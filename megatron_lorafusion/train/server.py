@@ -177,7 +177,7 @@ class _Server:
         every rank.
         """
         slot = self.session.free[0]
-        self.run.optimizer.wait_fence(slot)  # its last job's final rows may still be copied out
+        self.session.settle_row(slot)  # its last job's final rows copied out first
         try:
             adapter = job_from_dict({"adapters": [job["adapter"]]}).adapters[0]
             train = self.cfg.train

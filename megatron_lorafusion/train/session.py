@@ -8,10 +8,12 @@ serve` admits jobs from its inbox between segments (`train.server`).
 
 Each job saves on its own: right after one of its optimizer steps (every
 ``train.save_every`` of its steps, at an evaluation that improves under early stopping, and
-at its end), its rows are copied to a staging buffer on a side stream and a writer thread
-writes them (`saving.Saver`); the segment goes on. A job that finishes is exported at once,
-in the background. A job whose loss or weights turn NaN fails alone: its last good
-checkpoint stays, the others train on, and the run ends with exit status 2.
+at its end), a writer thread writes its rows (`saving.Saver`); the segment goes on. The rows
+of a job that trains on are first copied to a staging buffer on a side stream; a finished
+job's stay in the tables until the writer copies them (`writer.DeferredRows`), and its row
+goes to no other job before. A job that finishes is exported at once, in the background. A
+job whose loss or weights turn NaN fails alone: its last good checkpoint stays, the others
+train on, and the run ends with exit status 2.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from megatron_lorafusion.train.metrics import MetricsWriter, ProgressBar
 from megatron_lorafusion.train.recipe import Run
 from megatron_lorafusion.train.saving import Saver, SaveRequest
 from megatron_lorafusion.train.stream import CUT, JobStream
-from megatron_lorafusion.train.writer import StagingPool
+from megatron_lorafusion.train.writer import DeferredRows, StagingPool
 
 __all__ = ["Session", "SessionSettings", "Timing"]
 
@@ -210,7 +212,7 @@ class Session:
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
         self._until: Callable[[], bool] = lambda: False  # `train`'s
         self._warmed = not settings.warm_up
-        self._pin_ahead: dict[str, int] = {}  # job -> its staging buffer (values) to pin
+        self._unsaved: dict[int, DeferredRows] = {}  # row -> a finished job's rows to copy
 
     # -- admission and retirement ----------------------------------------------------------
     def admit(self, job: AdapterJob, slot: int | None = None, shared: dict | None = None) -> int:
@@ -238,13 +240,9 @@ class Session:
         self.shared_of[job.name] = self.shared if shared is None else shared
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
-        if self.settings.writes:  # its saves' staging memory: pinned now if it saves early,
-            pin_now = bool(self.settings.save_every)  # else shared buffers for its last
+        if self.settings.writes:  # its staging memory, pinned now if it saves before its end
+            pin_now = bool(self.settings.save_every)
             self.staging.add_job(self._save_numel(job, slot), pin_now=pin_now)
-            if not pin_now and self.staging.pinned:  # after the warm-up: `_warm_up`
-                self._pin_ahead[job.name] = self._save_numel(job, slot, final=True)
-                if self._warmed:
-                    self._start_pinning()
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
             if self.settings.writes:
@@ -259,8 +257,19 @@ class Session:
         """
         job.status, job.reason = "cancelled", f"cancelled at step {job.step}"
         if self.settings.writes:
-            self._commit(job, self._stage(job, job.slot, job.step, checkpoint=True))
+            self._commit(job, self._stage(job, job.slot, job.step, checkpoint=True, final=True))
         self._retire(job)
+
+    def settle_row(self, slot: int) -> None:
+        """Before row ``slot`` goes to another job: its last job's rows copied out.
+
+        A final save the writer has not reached yet is copied here (`DeferredRows.settle`);
+        the staged copies of its earlier saves are waited for on the GPU.
+        """
+        rows = self._unsaved.pop(slot, None)
+        if rows is not None:
+            rows.settle()
+        self.run.optimizer.wait_fence(slot)
 
     def _retire(self, job: AdapterJob) -> None:
         slot = job.slot
@@ -272,7 +281,6 @@ class Session:
         held = self._held.pop(job.name, None)
         if held is not None and job.status == "failed":
             held.rows.release()
-        self._pin_ahead.pop(job.name, None)  # not pinned yet: no buffer for a job gone
         if self.settings.writes:
             self.staging.remove_job(self._save_numel(job, slot))
         self._forget_packing(job)
@@ -316,33 +324,20 @@ class Session:
             self._warm_up(first)
         return self._until_cut(first, items)
 
-    def _start_pinning(self) -> None:
-        for numel in self._pin_ahead.values():
-            self.staging.pin_ahead(numel)
-        self._pin_ahead.clear()
-
     def _warm_up(self, first: Microbatch) -> None:
-        """Train ``first`` once and forget it (`Run.warm_up`), timed as a start-up phase.
-
-        The saves' staging buffers are pinned after it: each pinning blocks kernel launches
-        and ``cudaMalloc`` while it lasts (the warm-up of 64 adapters on 8B took 14 s instead
-        of ~1 s beside them; docs/throughput.md).
-        """
+        """Train ``first`` once and forget it (`Run.warm_up`), timed as a start-up phase."""
         self._warmed = True
         self.timing.mark(PLANNING)
         start = time.perf_counter()
-        try:
-            if self.run.warm_up(first, lambda share, index: self._pack(share)):
-                if self.run.device.type == "cuda":
-                    torch.cuda.synchronize(self.run.device)
-                self.timing.mark("warming up (the first microbatch trained once, then dropped)")
-                logger.info(
-                    "warm-up: the first microbatch trained once and dropped in %.2f s (its "
-                    "one-off costs: kernel loads, CUDA set-up)",
-                    time.perf_counter() - start,
-                )
-        finally:
-            self._start_pinning()
+        if self.run.warm_up(first, lambda share, index: self._pack(share)):
+            if self.run.device.type == "cuda":
+                torch.cuda.synchronize(self.run.device)
+            self.timing.mark("warming up (the first microbatch trained once, then dropped)")
+            logger.info(
+                "warm-up: the first microbatch trained once and dropped in %.2f s (its "
+                "one-off costs: kernel loads, CUDA set-up)",
+                time.perf_counter() - start,
+            )
 
     def _until_cut(self, first: Microbatch, items: Iterator) -> Iterator[Microbatch]:
         """Microbatches up to the next cut.
@@ -447,19 +442,26 @@ class Session:
     def _stage(
         self, job: AdapterJob, slot: int, step: int, *, checkpoint: bool, final: bool = False
     ) -> SaveRequest:
-        """Copy ``slot``'s rows out (side stream; its next step waits for the copy).
+        """``slot``'s rows on their way out to the writer.
 
-        The save at the job's end (``final``) takes a shared staging buffer
-        (`StagingPool.acquire`'s ``reuse``); where one shard exports it without a checkpoint,
-        only its weights are copied (a third of the bytes).
+        Copied now, on the side stream (the job's next step waits for the copy); or, for a
+        job that will not train again (``final``), left in the tables for the writer to copy
+        (`DeferredRows`; an export without a checkpoint takes the weights alone).
         """
         run = self.run
         tables = (run.lora.weights, run.optimizer.exp_avg, run.optimizer.exp_avg_sq)
-        if final and not checkpoint and self.settings.single_shard:
-            tables = tables[:1]
         packing = self._packing(job, slot)
-        rows = self.staging.copy_rows(tables, slot, packing.columns, self._side, reuse=final)
-        run.optimizer.fence(slot, rows.done)
+        if final:
+            keep = tables if checkpoint or not self.settings.single_shard else tables[:1]
+            ready = None
+            if self._side is not None:
+                ready = torch.cuda.Event()
+                ready.record()
+            columns = self._layouts[self._packings[job.name]][2]
+            rows = self._unsaved[slot] = DeferredRows(keep, slot, columns, ready, self._side)
+        else:
+            rows = self.staging.copy_rows(tables, slot, packing.columns, self._side)
+            run.optimizer.fence(slot, rows.done)
         if self._sharding is None:
             self._sharding = run.lora.sharding()
         return SaveRequest(
@@ -470,8 +472,8 @@ class Session:
         """The job's `RowPacking`, its columns on the device (int32), shared by its layout.
 
         Jobs of one layout (rank, targets) share one copy of the columns, 4 bytes per value a
-        save keeps (143 MB at Llama-3.1-8B, r 16, default targets), freed when the last of
-        them retires.
+        save keeps (143 MB at Llama-3.1-8B, r 16, default targets), and the host's (8 bytes
+        per value, for `DeferredRows`), freed when the last of them retires.
         """
         if job.name not in self._packings:
             slots = self.run.lora.adapter_slots(slot)
@@ -481,19 +483,18 @@ class Session:
             if key not in self._layouts:
                 packing = row_packing(slots, self.run.lora.weights.shape[1])
                 columns = packing.columns.to(self.run.device, torch.int32)
-                self._layouts[key] = [dataclasses.replace(packing, columns=columns), 0]
+                self._layouts[key] = [
+                    dataclasses.replace(packing, columns=columns),
+                    0,
+                    packing.columns,  # on the host: `DeferredRows` gathers there
+                ]
             self._layouts[key][1] += 1
             self._packings[job.name] = key
         return self._layouts[self._packings[job.name]][0]
 
-    def _save_numel(self, job: AdapterJob, slot: int, *, final: bool = False) -> int:
-        """Values of one save of ``job``: its packed weights and moments.
-
-        A ``final`` save that one shard exports without a checkpoint keeps the weights alone
-        (`_stage`).
-        """
-        width = self._packing(job, slot).width
-        return width if final and self.settings.single_shard else len(TABLES) * width
+    def _save_numel(self, job: AdapterJob, slot: int) -> int:
+        """Values of one save of ``job`` (its packed weights and moments)."""
+        return len(TABLES) * self._packing(job, slot).width
 
     def _forget_packing(self, job: AdapterJob) -> None:
         key = self._packings.pop(job.name, None)

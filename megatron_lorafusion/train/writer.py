@@ -5,8 +5,10 @@ without zero blocks) and copies them into a host buffer, on a side CUDA stream t
 the optimizer step (`StagingPool`), and a writer thread turns them into files while training
 goes on (`BackgroundWriter`). The
 training loop waits only when every staging byte is taken (a disk slower than the saves),
-and says so in a warning. A task that fails (disk full, permission denied) is re-raised by
-the next `BackgroundWriter.check`, naming the path and the bytes it needed.
+and says so in a warning. A save of a job that will not train again needs no staging: its
+rows stay in the tables, and the writer copies them out when it gets to them
+(`DeferredRows`). A task that fails (disk full, permission denied) is re-raised by the next
+`BackgroundWriter.check`, naming the path and the bytes it needed.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ import torch
 
 __all__ = [
     "DIRECT_ALIGN",
-    "FINAL_BUFFERS",
     "SAVES_IN_FLIGHT",
     "WRITER_THREADS",
     "BackgroundWriter",
+    "DeferredRows",
     "HostRows",
     "StagingPool",
     "WriteError",
@@ -57,12 +59,6 @@ WRITER_THREADS = 4
 """Writer threads of a run: files of four adapters written, hashed and synced at once (enough
 to keep a disk busy); a save is a few calls on one packed buffer, so the threads hardly take
 the GIL from training."""
-
-FINAL_BUFFERS = 2 * WRITER_THREADS
-"""Staging buffers pinned ahead for the saves at jobs' ends, shared by every job
-(`StagingPool.pin_ahead`): while the writers write four, four more wait staged. One per job
-was 64 pinnings of 0.5 GB for 64 adapters of Llama-3.1-8B, 15 s during which kernel launches
-waited (docs/throughput.md)."""
 
 
 def host_staging_limit(local_ranks: int) -> int:
@@ -187,9 +183,8 @@ class HostRows:
     """One adapter's packed rows of the fp32 tables, on their way to the host.
 
     Attributes:
-        rows: (T, K) fp32 host tensor: the first T of weights, exp_avg, exp_avg_sq (all
-            three for a checkpoint, the weights for an export), packed by the adapter's
-            `checkpoint.RowPacking` (a view of a staging buffer).
+        rows: (T, K) fp32 host tensor: the first T of weights, exp_avg, exp_avg_sq, packed
+            by the adapter's `checkpoint.RowPacking` (a view of a staging buffer).
         done: the side stream's event after the copy (None on CPU: already copied).
     """
 
@@ -224,6 +219,76 @@ class HostRows:
             self._pool = self._buffer = None
 
 
+class DeferredRows:
+    """A finished job's rows, copied out of the tables by whoever needs them first.
+
+    A job that will not train again leaves its row unchanged (it steps no more), so its
+    last save needs no staging buffer and the training loop does nothing for it: a writer
+    thread copies the rows to pageable host memory when it reaches the save (`wait`), or the
+    session does before the row goes to another job (`settle`). The copy runs on a side
+    stream after the event of the job's last step; only the copying thread waits.
+
+    Args:
+        tables: the (A, S) fp32 tables to copy a row of (the weights alone for an export).
+        row: the job's row.
+        columns: (K,) int64 CPU columns to keep (`checkpoint.RowPacking.columns`).
+        ready: recorded after the job's last optimizer step (None on CPU).
+        stream: the side CUDA stream of the copy (None on CPU).
+    """
+
+    def __init__(
+        self,
+        tables: tuple[torch.Tensor, ...],
+        row: int,
+        columns: torch.Tensor,
+        ready: torch.cuda.Event | None = None,
+        stream=None,
+    ):
+        self._tables, self._row, self._columns = tables, row, columns
+        self._ready, self._stream = ready, stream
+        self._rows: torch.Tensor | None = None
+        self._released = False
+        self._lock = threading.Lock()
+
+    def wait(self) -> torch.Tensor:
+        """(T, K) fp32 host rows, packed by the job's `checkpoint.RowPacking`.
+
+        Copied now where no one did yet.
+        """
+        with self._lock:
+            if self._rows is None:
+                if self._released:
+                    raise RuntimeError(f"the rows of table row {self._row} were released")
+                self._rows = self._copy()
+            return self._rows
+
+    def settle(self) -> None:
+        """Copy the rows out now unless released: the row is about to change."""
+        with self._lock:
+            if self._rows is None and not self._released:
+                self._rows = self._copy()
+
+    def _copy(self) -> torch.Tensor:
+        rows = torch.empty(len(self._tables), self._columns.numel(), dtype=torch.float32)
+        for i, table in enumerate(self._tables):
+            whole = table[self._row].detach()
+            if whole.is_cuda:
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(self._ready)
+                    whole = whole.to("cpu")  # pageable: this thread waits, training does not
+            torch.index_select(whole, 0, self._columns, out=rows[i])
+        self._tables = ()
+        return rows
+
+    def hold(self, held: bool) -> None:
+        """Nothing to hold: no staging buffer is taken."""
+
+    def release(self) -> None:
+        """Drop the copied rows (a row never copied is no longer wanted)."""
+        with self._lock:
+            self._released, self._rows, self._tables = True, None, ()
+
+
 class StagingPool:
     """Flat fp32 host buffers for staged rows, about ``capacity_bytes`` in use at once.
 
@@ -231,8 +296,6 @@ class StagingPool:
     a request takes the smallest free buffer that holds it. `acquire` blocks while the pool
     is full, the only point where saving can stall the training loop, and warns with the
     wait. Free buffers are unpinned when new ones of another size would pass the capacity.
-    The saves at jobs' ends share `FINAL_BUFFERS` buffers pinned ahead (`pin_ahead`,
-    ``acquire(reuse=True)``).
 
     Sized to the jobs (``capacity_bytes=None``), the capacity is `SAVES_IN_FLIGHT` saves of
     every job trained at once (`add_job`, `remove_job`) at their largest total, at most
@@ -256,10 +319,8 @@ class StagingPool:
         self.allocated = 0  # bytes of every buffer, free or handed out
         self.waited_s = 0.0
         self._free: list[torch.Tensor] = []  # smallest first
-        self._lent: dict[int, list] = {}  # data_ptr -> [values, held] of each handed-out one
         self._cond = threading.Condition()
         self._warned = -_WARN_EVERY_S
-        self._pinner: ThreadPoolExecutor | None = None  # `pin_ahead`'s thread
 
     def _new(self, numel: int) -> torch.Tensor:
         """A new buffer; frees unused ones first where it would pass the capacity (locked)."""
@@ -310,10 +371,9 @@ class StagingPool:
     def add_job(self, numel: int, *, pin_now: bool) -> None:
         """A job whose saves take ``numel`` values each joins; it may pin one buffer.
 
-        Pinning host memory takes time (~0.15 s per GB; the first save would pay it in the
-        training loop, 9 s for 64 final saves of Llama-3.1-8B adapters). ``pin_now`` pins
-        the job's buffer here (a job that saves before its end: at admission); the saves at
-        jobs' ends share buffers pinned in the background (`pin_ahead`).
+        Pinning host memory takes time (~0.15-0.25 s per GB, during which kernel launches
+        wait; the first save would pay it in the training loop). ``pin_now`` pins the job's
+        buffer here (a job that saves before its end: at admission).
         """
         with self._cond:
             if self.sized_to_jobs:
@@ -323,27 +383,6 @@ class StagingPool:
                 self._cond.notify_all()
         if pin_now:
             self.reserve(numel, 1)
-
-    def pin_ahead(self, numel: int) -> Future:
-        """Pin buffers of ``numel`` values on a background thread, for the saves at jobs' ends.
-
-        The thread makes buffers until `FINAL_BUFFERS` hold ``numel`` (free or handed out),
-        within the capacity; every job calls it, the first one pins. Each pinning takes
-        ~0.15-0.25 s per GB and blocks kernel launches and ``cudaMalloc`` while it lasts: a
-        run starts it after its warm-up (`Session._warm_up`).
-
-        Returns:
-            The future of how many buffers it made.
-        """
-        if self._pinner is None:
-            self._pinner = ThreadPoolExecutor(1, thread_name_prefix="lorafusion-pin")
-        return self._pinner.submit(self._pin_up_to, numel)
-
-    def _pin_up_to(self, numel: int) -> int:
-        with self._cond:
-            sizes = [b.numel() for b in self._free] + [n for n, _ in self._lent.values()]
-            missing = FINAL_BUFFERS - sum(n >= numel for n in sizes)
-        return self.reserve(numel, missing) if missing > 0 else 0
 
     def remove_job(self, numel: int) -> None:
         """A job added with ``numel`` left (its last save may still be staged).
@@ -356,30 +395,16 @@ class StagingPool:
             if self.sized_to_jobs:
                 self._wanted -= SAVES_IN_FLIGHT * 4 * numel
 
-    def acquire(self, numel: int, *, reuse: bool = False) -> torch.Tensor:
-        """A flat fp32 host buffer of >= ``numel``; waits while the pool is full.
-
-        ``reuse`` (a save at a job's end): where no free buffer holds ``numel`` but a writer
-        will give one back, wait for it rather than pin another (a final save is written in
-        ~0.25 s; pinning blocks kernel launches).
-        """
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A flat fp32 host buffer of >= ``numel``; waits while the pool is full."""
         start = time.perf_counter()
         with self._cond:
-            while True:
-                # Wait only while a writer will free something: held buffers wait for this
-                # thread.
-                if not (self.in_use > self.held and self.in_use + 4 * numel > self.capacity):
-                    fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
-                    if fits:
-                        buf = self._free.pop(fits[0])
-                        break
-                    coming = any(n >= numel and not held for n, held in self._lent.values())
-                    if not (reuse and coming):
-                        buf = self._new(numel)
-                        break
+            # Wait only while a writer will free something: held buffers wait for this thread.
+            while self.in_use > self.held and self.in_use + 4 * numel > self.capacity:
                 self._cond.wait(timeout=1.0)
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= numel]
+            buf = self._free.pop(fits[0]) if fits else self._new(numel)
             self.in_use += 4 * buf.numel()
-            self._lent[buf.data_ptr()] = [buf.numel(), False]
         waited = time.perf_counter() - start
         self.waited_s += waited
         if waited > 0.5 and time.perf_counter() - self._warned > _WARN_EVERY_S:
@@ -395,24 +420,16 @@ class StagingPool:
     def _count_held(self, buf: torch.Tensor, held: bool) -> None:
         with self._cond:
             self.held += (4 if held else -4) * buf.numel()
-            self._lent[buf.data_ptr()][1] = held
 
     def release(self, buf: torch.Tensor) -> None:
         """Return ``buf`` for reuse and wake a waiting `acquire`."""
         with self._cond:
             self.in_use -= 4 * buf.numel()
-            del self._lent[buf.data_ptr()]
             self._put(buf)
             self._cond.notify_all()
 
     def copy_rows(
-        self,
-        tables: tuple[torch.Tensor, ...],
-        row: int,
-        columns: torch.Tensor,
-        stream=None,
-        *,
-        reuse: bool = False,
+        self, tables: tuple[torch.Tensor, ...], row: int, columns: torch.Tensor, stream=None
     ) -> HostRows:
         """Queue the copy of ``columns`` of row ``row`` of each (A, S) table to the host.
 
@@ -427,10 +444,9 @@ class StagingPool:
             columns: (K,) int32 or int64 columns to keep, on the tables' device
                 (`checkpoint.RowPacking.columns`).
             stream: the side CUDA stream of the copies (None on CPU).
-            reuse: a save at a job's end (`acquire`).
         """
         width = columns.numel()
-        buf = self.acquire(len(tables) * width, reuse=reuse)
+        buf = self.acquire(len(tables) * width)
         rows = buf[: len(tables) * width].view(len(tables), width)
         if tables[0].device.type != "cuda":
             for i, table in enumerate(tables):

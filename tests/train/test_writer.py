@@ -13,10 +13,9 @@ import torch
 from megatron_lorafusion.train import writer as writer_module
 from megatron_lorafusion.train.writer import (
     DIRECT_ALIGN,
-    FINAL_BUFFERS,
     SAVES_IN_FLIGHT,
     BackgroundWriter,
-    HostRows,
+    DeferredRows,
     StagingPool,
     WriteError,
     direct_bytes,
@@ -92,12 +91,11 @@ def test_writer_skips_an_adapters_tasks_after_its_failure():
     writer.close()
 
 
-def _acquire_waits(pool: StagingPool, numel: int, why: str, *, reuse: bool = False):
-    """Start ``pool.acquire(numel, reuse=reuse)`` on a thread and check it waits; returns a
-    function that gives what it acquired (``[buffer]``, or ``[]`` if it still waits 5 s
-    later)."""
+def _acquire_waits(pool: StagingPool, numel: int, why: str):
+    """Start ``pool.acquire(numel)`` on a thread and check it waits; returns a function that
+    gives what it acquired (``[buffer]``, or ``[]`` if it still waits 5 s later)."""
     got = []
-    waiter = threading.Thread(target=lambda: got.append(pool.acquire(numel, reuse=reuse)))
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(numel)))
     waiter.start()
     waiter.join(0.3)
     assert waiter.is_alive(), why
@@ -143,74 +141,30 @@ def test_staging_pool_sized_to_its_jobs_grows_to_their_largest_total_and_its_lim
     assert pool.capacity == 4 * 80, "the jobs of now (40 values) want less than the largest"
     pool.add_job(30, pin_now=False)
     assert pool.capacity == 4 * 100, "at most the limit"
-    pool.add_job(5, pin_now=False)
-    made = FINAL_BUFFERS - 1  # the job of 10 values pinned one that holds 5
-    assert pool.pin_ahead(5).result() == made, "pinned behind, up to the shared buffers"
-    assert pool.allocated == 4 * (10 + 5 * made), "made on the pinning thread"
     fixed = StagingPool(4 * 7, pinned=False)
     fixed.add_job(50, pin_now=True)
     assert fixed.capacity == 4 * 7, "a set capacity stays"
     assert fixed.allocated == 0, "no room for the job's buffer: nothing pinned"
 
 
-def test_staging_pool_pins_ahead_without_holding_up_the_jobs_admitted_meanwhile(monkeypatch):
-    pool = StagingPool(None, pinned=False)
-    release = threading.Event()
-    real = pool._allocate
-
-    def slow(numel):  # a pinning that lasts until the test lets it end
-        assert release.wait(timeout=30)
-        return real(numel)
-
-    monkeypatch.setattr(pool, "_allocate", slow)
-    pool.add_job(10, pin_now=False)
-    pinning = pool.pin_ahead(10)
-    admitted = threading.Thread(target=pool.add_job, args=(20,), kwargs={"pin_now": False})
-    admitted.start()
-    admitted.join(timeout=5)
-    assert not admitted.is_alive(), "the next job's admission waited for the pinning"
-    assert not pinning.done()
-    release.set()
-    made = SAVES_IN_FLIGHT * 3  # the capacity of the two jobs: 60 values
-    assert pinning.result(timeout=30) == made, "as many as the capacity holds"
-    assert pool.allocated == 4 * 10 * made
-    assert len(pool._free) == made
-
-
-def test_the_saves_at_jobs_ends_share_buffers_pinned_ahead():
-    """Every job asks `pin_ahead` for its final save; `FINAL_BUFFERS` are made once and
-    shared, and a final save waits for one a writer gives back instead of pinning another."""
-    pool = StagingPool(None, pinned=False)
-    for _ in range(3 * FINAL_BUFFERS):
-        pool.add_job(30, pin_now=False)
-    made = [pool.pin_ahead(10).result() for _ in range(3 * FINAL_BUFFERS)]
-    assert made == [FINAL_BUFFERS] + [0] * (3 * FINAL_BUFFERS - 1), "the first call pins"
-    assert pool.pin_ahead(20).result() == FINAL_BUFFERS, "a larger save pins its own"
-    pool.pin_ahead(20).result()
-    staged = [pool.acquire(20, reuse=True) for _ in range(FINAL_BUFFERS)]
-    assert {b.numel() for b in staged} == {20}, "the buffers of 20 are taken first, not new"
-    got = _acquire_waits(
-        pool, 20, "a final save waits for a buffer a writer gives back", reuse=True
-    )
-    pool.release(staged.pop())
-    assert got(), "the waiting acquire takes the buffer released"
-    assert pool.allocated == 4 * FINAL_BUFFERS * 30, "no buffer was made for it"
-    staged.append(got()[0])
-    small = [pool.acquire(10, reuse=True) for _ in range(FINAL_BUFFERS)]
-    assert {b.numel() for b in small} == {10}, "the buffers of 10 for saves of 10"
-    for buf in staged:
-        pool.release(buf)
-    staged[0] = pool.acquire(25, reuse=True)
-    assert staged[0].numel() == 25, "no buffer holds 25 values, none will: a new one"
-    held_pool = StagingPool(None, pinned=False)
-    held_pool.add_job(10, pin_now=False)
-    assert held_pool.pin_ahead(10).result() == SAVES_IN_FLIGHT, "what the capacity holds"
-    for _ in range(SAVES_IN_FLIGHT):
-        buf = held_pool.acquire(10, reuse=True)
-        HostRows(buf.view(1, 10), None, held_pool, buf).hold(True)
-    start = time.perf_counter()
-    held_pool.acquire(10, reuse=True)
-    assert time.perf_counter() - start < 0.5, "held buffers come back from this thread only"
+def test_deferred_rows_are_copied_by_whoever_needs_them_first():
+    """A finished job's rows stay in the table: the writer's `wait` copies the packed columns
+    then, `settle` copies them before the row changes, and a released save copies nothing."""
+    table = torch.arange(40, dtype=torch.float32).view(4, 10)
+    moments = -table
+    columns = torch.tensor([7, 0, 3])
+    rows = DeferredRows((table, moments), 2, columns)
+    want = torch.stack([table[2, [7, 0, 3]], moments[2, [7, 0, 3]]])
+    rows.settle()
+    table[2] = 0.0  # a new job's factors bound into the row
+    torch.testing.assert_close(rows.wait(), want, atol=0, rtol=0, msg="settled before")
+    late = DeferredRows((table,), 1, columns)
+    table[1] += 100.0  # unchanged rows are the contract; a late copy sees what is there
+    torch.testing.assert_close(late.wait(), table[1, [7, 0, 3]][None], atol=0, rtol=0)
+    late.release()
+    late.settle()  # released: nothing to copy
+    with pytest.raises(RuntimeError, match="released"):
+        late.wait()
 
 
 def test_host_staging_limit_is_a_quarter_of_the_memory_split_over_local_ranks(monkeypatch):
@@ -335,3 +289,21 @@ def test_pinned_staged_rows_are_written_direct(tmp_path):
     if _direct_supported(tmp_path):
         assert direct_bytes() > before, "pinned staging buffers go through O_DIRECT"
     staged.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_deferred_rows_wait_for_the_last_step_on_the_gpu():
+    """The copy waits for the event of the job's last step, on a side stream, into pageable
+    memory (the copying thread waits; nothing is pinned)."""
+    table = torch.zeros(2, 1 << 20, device="cuda")
+    torch.cuda._sleep(100_000_000)  # the last step still running when the save is queued
+    table[1].fill_(3.0)
+    ready = torch.cuda.Event()
+    ready.record()
+    columns = torch.arange(0, 1 << 20, 2)
+    rows = DeferredRows((table,), 1, columns, ready, torch.cuda.Stream())
+    got = rows.wait()
+    assert not got.is_pinned()
+    assert got.shape == (1, columns.numel())
+    assert torch.all(got == 3.0), "copied before the step that wrote it ended"
