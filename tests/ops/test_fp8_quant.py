@@ -51,9 +51,10 @@ def test_quantize_rows_ref_column_scale_and_given_amax():
     assert torch.equal(scale4[live], own[live] * 4)
 
 
+@pytest.mark.parametrize("width", [100, 12])  # the interpreter's rows of 16: two passes, one
 @pytest.mark.parametrize("with_col_scale", [False, True])
-def test_quantize_rows_kernel_equals_reference(with_col_scale, device):
-    x = _rows(device)
+def test_quantize_rows_kernel_equals_reference(with_col_scale, width, device):
+    x = _rows(device, width=width)
     col = (torch.rand(x.shape[1]) + 0.5).to(device) if with_col_scale else None
     want_q, want_scale = quantize_rows_ref(x, col)
     grid = torch.empty(x.shape, device=device)  # fp32: the grid values before the cast
@@ -116,8 +117,9 @@ def test_quantize_weight_keeps_channels_and_the_transpose():
 
 
 @pytest.mark.gpu
-def test_quantize_rows_hardware_cast_matches_reference():
-    x = _rows("cuda", rows=301, width=4096 + 24, seed=3).bfloat16()
+@pytest.mark.parametrize("width", [4096 + 24, 14336, 28672 + 8])  # one pass, two passes
+def test_quantize_rows_hardware_cast_matches_reference(width):
+    x = _rows("cuda", rows=301, width=width, seed=3).bfloat16()
     col = torch.rand(x.shape[1], device="cuda") + 0.5
     for c in (None, col):
         got_q, got_scale = quantize_rows(x, c)
