@@ -297,6 +297,51 @@ def test_full_server_queues_cancel_exports_and_two_servers_refuse_one_root(tmp_p
     assert cli_main(["cancel", "--server", str(tmp_path / "root"), "nobody"]) == 2
 
 
+# The server with its writers slowed down: a finished job's rows wait in the tables 3 s
+# before a writer copies them, and a copy the session makes first says so on stderr.
+_SLOW_WRITERS = """
+import sys, time
+from megatron_lorafusion.cli import main
+from megatron_lorafusion.train import writer
+wait, settle = writer.DeferredRows.wait, writer.DeferredRows.settle
+def slow_wait(self):
+    time.sleep(3.0)
+    return wait(self)
+def loud_settle(self):
+    if self._rows is None and not self._released:
+        print("settled before its writer", file=sys.stderr, flush=True)
+    settle(self)
+writer.DeferredRows.wait, writer.DeferredRows.settle = slow_wait, loud_settle
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_row_goes_to_the_next_job_once_its_finished_jobs_rows_are_copied(tmp_path):
+    """One row; the writers take 3 s to reach a finished job's rows, so the next job is
+    admitted into the row first: the session copies them out before the row is bound
+    (`Session.settle_row`), and the first job's export is what `train` makes of it."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_WRITERS, "serve", _server_yaml(tmp_path)]
+        + ["server.max_adapters=1"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    entries = [_entry(tmp_path, "sort"), _entry(tmp_path, "add")]
+    try:
+        _wait_info(tmp_path, server)
+        _submit(tmp_path, *entries)
+        for entry in entries:
+            assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
+        err = _finish(server)
+    finally:
+        server.kill()
+    assert "settled before its writer" in err, err[-3000:]
+    for entry in entries:
+        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+
+
 def _wait_step(tmp_path, name: str, step: int, server) -> None:
     deadline = time.monotonic() + 240
     while _status(tmp_path, name).get("step", 0) < step:
