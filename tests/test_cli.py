@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from save_testing import every_checkpoint_written
 
 from megatron_lorafusion.cli import main
 
@@ -179,25 +180,10 @@ def test_cli_checkpoint_that_is_not_safetensors_is_skipped_by_train_refused_by_e
     assert (out / "adapters" / "a" / "adapter_model.safetensors").is_file(), "trained anew"
 
 
-def _every_checkpoint_written(monkeypatch) -> None:
-    """An export waits for its adapter's queued checkpoints instead of superseding them (a
-    busy writer would otherwise leave fewer checkpoints than the test needs)."""
-    from megatron_lorafusion.train.saving import Saver
-
-    real_submit = Saver.submit
-
-    def submit(self, request):
-        if request.export_step is not None:
-            self.writer.drain()
-        real_submit(self, request)
-
-    monkeypatch.setattr(Saver, "submit", submit)
-
-
 def test_cli_export_refuses_a_damaged_newest_checkpoint_and_names_the_older(
     tmp_path, capsys, monkeypatch
 ):
-    _every_checkpoint_written(monkeypatch)
+    every_checkpoint_written(monkeypatch)
     assert main(["train", str(_job(tmp_path)), "train.steps=3", "train.save_every=1"]) == 0
     out = tmp_path / "out"
     _unfinished(out, "a")

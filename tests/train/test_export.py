@@ -6,6 +6,7 @@ import pytest
 import torch
 from model_testing import MCORE_MODEL as MODEL  # 4 heads of 16 in 2 groups
 from safetensors.torch import load_file
+from save_testing import every_checkpoint_written
 
 from megatron_lorafusion.config import FUSED_LINEARS, AdapterConfig
 from megatron_lorafusion.train import peft_state_dict, write_peft_folder
@@ -134,6 +135,7 @@ def test_export_trained_adapters_match_peft_and_merged_logits(tmp_path, monkeypa
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     cfg = load_config(tmp_path / "job.yaml")
     states = exported_states(monkeypatch)
+    every_checkpoint_written(monkeypatch)  # step 2's checkpoint is read below
     train_main(cfg)
     assert cli_main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--merge"]) == 0
     newest = tmp_path / "run" / "checkpoints" / "add" / "step_00000002"

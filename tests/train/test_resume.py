@@ -20,6 +20,7 @@ import torch
 import yaml
 from dist_testing import torchrun_train
 from safetensors.torch import load_file
+from save_testing import every_checkpoint_written
 
 from megatron_lorafusion.cli import main as cli_main
 from megatron_lorafusion.config import load_config
@@ -106,10 +107,14 @@ def _assert_same(got, want, what: str) -> None:
 _DORA_PLUS = {0: {"use_dora": True, "loraplus_lr_ratio": 4.0}}  # adapter 0; adapter 1 LoRA
 
 
-def test_resume_continues_each_adapter_and_equals_the_uninterrupted_run(tmp_path, caplog):
+def test_resume_continues_each_adapter_and_equals_the_uninterrupted_run(
+    tmp_path, caplog, monkeypatch
+):
     full = main(load_config(_job(tmp_path, "full", adapter_keys=_DORA_PLUS)))
     job = _job(tmp_path, "cut", adapter_keys=_DORA_PLUS)
-    main(load_config(job))
+    with monkeypatch.context() as patch:
+        every_checkpoint_written(patch)
+        main(load_config(job))
     out = tmp_path / "cut"
     _interrupt(out, "sort", after_step=4)
     _interrupt(out, "add", after_step=2)
