@@ -6,6 +6,8 @@
         --save-every 0 2                          # issue 31: saves off, then on
     python -m scripts.bench_train_cli --device cpu --presets tiny --adapters 2 --samples 64 \
         --max-seq-length 1024                     # the tiny preset's positions
+    python -m scripts.bench_train_cli --presets llama3.1-8b --adapters 64 --samples 1024 \
+        --from-checkpoint /tmp/bases              # start-up from a local checkpoint
 
 Each cell writes the workload (XSum-like byte lengths lognormal(6.2, 0.55) clipped to
 [64, 2000], 85 % prompt, split evenly over the adapters, at least ``--min-steps`` global
@@ -18,6 +20,11 @@ last optimizer step: start-up and the first step's Triton compilation left out),
 (saves and exports), microbatches and fill. It
 also reports the checkpoint bytes per adapter saved and the run folder's peak size, then
 deletes the folder (an 8B, 64-adapter job's checkpoints fill a small disk).
+
+``--from-checkpoint DIR`` loads each preset's base from a local Hugging Face checkpoint
+instead of drawing it: ``DIR/<preset>``, written once with the preset's sizes and random
+bf16 weights (std 0.02, norms ones) where it has no ``config.json`` yet; the cells then set
+``model.hf_path`` (with the byte tokenizer) and say ``(checkpoint)`` after the preset.
 """
 
 import argparse
@@ -31,14 +38,100 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors.torch import save_file
 
+from megatron_lorafusion.config import MODEL_PRESETS, ModelConfig
 from megatron_lorafusion.data import write_lengths
+
+_SHARD_BYTES = 5 * 2**30  # the checkpoint's files, as transformers' save_pretrained splits
 
 
 def _lengths(count: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [min(max(round(rng.lognormvariate(6.2, 0.55)), 64), 2000) for _ in range(count)]
+
+
+def write_random_base(folder: Path, preset: str, device: str = "cpu") -> float:
+    """A Llama checkpoint of ``preset``'s sizes in ``folder``, random bf16 weights.
+
+    ``config.json``, safetensors files of at most 5 GiB and their index: what
+    ``model.hf_path`` reads. Weights are normal with std 0.02 (drawn on ``device``), norm
+    weights ones.
+
+    Returns:
+        Seconds taken.
+
+    Raises:
+        ValueError: for a preset that is not a plain Llama (another family, biases, RoPE
+            scaling).
+    """
+    start = time.perf_counter()
+    m = ModelConfig(**MODEL_PRESETS[preset])
+    if m.family != "llama" or m.add_qkv_bias or m.rope_scaling_factor is not None:
+        raise ValueError(f"--from-checkpoint writes plain Llama bases; {preset!r} is not one")
+    head = m.hidden_size // m.num_attention_heads
+    shapes = {"model.embed_tokens.weight": (m.vocab_size, m.hidden_size)}
+    for i in range(m.num_layers):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "input_layernorm.weight": (m.hidden_size,),
+            layer + "self_attn.q_proj.weight": (m.num_attention_heads * head, m.hidden_size),
+            layer + "self_attn.k_proj.weight": (m.num_query_groups * head, m.hidden_size),
+            layer + "self_attn.v_proj.weight": (m.num_query_groups * head, m.hidden_size),
+            layer + "self_attn.o_proj.weight": (m.hidden_size, m.num_attention_heads * head),
+            layer + "post_attention_layernorm.weight": (m.hidden_size,),
+            layer + "mlp.gate_proj.weight": (m.ffn_hidden_size, m.hidden_size),
+            layer + "mlp.up_proj.weight": (m.ffn_hidden_size, m.hidden_size),
+            layer + "mlp.down_proj.weight": (m.hidden_size, m.ffn_hidden_size),
+        }
+    shapes["model.norm.weight"] = (m.hidden_size,)
+    if not m.tie_word_embeddings:
+        shapes["lm_head.weight"] = (m.vocab_size, m.hidden_size)
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device).manual_seed(m.init_seed)
+    files: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            value = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            drawn = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+            value = drawn.mul_(0.02).cpu()
+        if size and size + 2 * value.numel() > _SHARD_BYTES:
+            files.append({})
+            size = 0
+        files[-1][name] = value
+        size += 2 * value.numel()
+    weight_map = {}
+    for i, tensors in enumerate(files):
+        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file)
+    index = {"metadata": {"total_size": 2 * sum(math.prod(s) for s in shapes.values())}}
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({**index, "weight_map": weight_map}, indent=2)
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.ffn_hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": head,
+        "vocab_size": m.vocab_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_theta": m.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))  # last: the commit mark
+    return time.perf_counter() - start
 
 
 def _job(
@@ -60,13 +153,18 @@ def _job(
                 "global_batch_size": gbs,
             }
         )
-    model = {"preset": preset}
-    if preset == "tiny":
-        model["num_layers"] = 1
+    data = {"max_seq_length": args.max_seq_length}
+    if args.from_checkpoint:
+        model = {"hf_path": str(Path(args.from_checkpoint) / preset)}
+        data["tokenizer"] = "byte"
+    else:
+        model = {"preset": preset}
+        if preset == "tiny":
+            model["num_layers"] = 1
     job = {
         "model": model,
         "adapters": entries,
-        "data": {"max_seq_length": args.max_seq_length},
+        "data": data,
         "planner": {"token_capacity": args.capacity},
         "train": {
             "epochs": 1,
@@ -106,7 +204,7 @@ def _cell(args, preset: str, adapters: int, gbs: int, save_every: int, graphs: s
     err = log.read_text(encoding="utf-8", errors="replace")
     wall = time.perf_counter() - start
     row = {
-        "preset": preset,
+        "preset": preset + (" (checkpoint)" if args.from_checkpoint else ""),
         "adapters": adapters,
         "gbs": gbs,
         "save_every": save_every,
@@ -210,8 +308,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--runs-dir", default="runs/bench_cli")
     parser.add_argument("--keep-runs", action="store_true")
+    parser.add_argument(
+        "--from-checkpoint",
+        metavar="DIR",
+        help="load each preset from a local checkpoint DIR/<preset> (written first if absent)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "4")
+    for preset in args.presets if args.from_checkpoint else []:
+        base = Path(args.from_checkpoint) / preset
+        if not (base / "config.json").is_file():
+            seconds = write_random_base(base, preset, args.device)
+            print(f"wrote a random {preset} checkpoint to {base} in {seconds:.1f} s", flush=True)
     rows = [
         _cell(args, preset, adapters, gbs, save_every, graphs)
         for preset in args.presets
