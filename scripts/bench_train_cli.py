@@ -58,7 +58,7 @@ def write_random_base(folder: Path, preset: str, device: str = "cpu") -> float:
 
     ``config.json``, safetensors files of at most 5 GiB and their index: what
     ``model.hf_path`` reads. Weights are normal with std 0.02 (drawn on ``device``), norm
-    weights ones.
+    weights ones; one file's tensors are held at a time (70B: 141 GB in all).
 
     Returns:
         Seconds taken.
@@ -89,26 +89,29 @@ def write_random_base(folder: Path, preset: str, device: str = "cpu") -> float:
     shapes["model.norm.weight"] = (m.hidden_size,)
     if not m.tie_word_embeddings:
         shapes["lm_head.weight"] = (m.vocab_size, m.hidden_size)
-    folder.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator(device).manual_seed(m.init_seed)
-    files: list[dict[str, torch.Tensor]] = [{}]
+    shards: list[list[str]] = [[]]  # names per file, planned first: one file drawn at a time
     size = 0
     for name, shape in shapes.items():
-        if len(shape) == 1:
-            value = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            drawn = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
-            value = drawn.mul_(0.02).cpu()
-        if size and size + 2 * value.numel() > _SHARD_BYTES:
-            files.append({})
+        if size and size + 2 * math.prod(shape) > _SHARD_BYTES:
+            shards.append([])
             size = 0
-        files[-1][name] = value
-        size += 2 * value.numel()
+        shards[-1].append(name)
+        size += 2 * math.prod(shape)
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator(device).manual_seed(m.init_seed)
     weight_map = {}
-    for i, tensors in enumerate(files):
-        file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+    for i, names in enumerate(shards):
+        tensors = {}
+        for name in names:
+            shape = shapes[name]
+            if len(shape) == 1:
+                tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                drawn = torch.randn(shape, generator=generator, device=device, dtype=torch.bfloat16)
+                tensors[name] = drawn.mul_(0.02).cpu()
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(tensors, file)
+        weight_map |= dict.fromkeys(names, file)
     index = {"metadata": {"total_size": 2 * sum(math.prod(s) for s in shapes.values())}}
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({**index, "weight_map": weight_map}, indent=2)

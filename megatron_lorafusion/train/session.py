@@ -205,6 +205,9 @@ class Session:
         self._held: dict[str, SaveRequest] = {}  # saves waiting for their evaluation
         self._yielded_steps: dict[str, int] = {}  # steps whose batches the stream finished
         self._side = torch.cuda.Stream(run.device) if run.device.type == "cuda" else None
+        # Finished jobs' rows go out on a stream of their own: a writer's whole-row copy
+        # never delays a staged copy that a job's next step waits for.
+        self._final_side = torch.cuda.Stream(run.device) if self._side is not None else None
         self._packings: dict[str, tuple] = {}  # name -> its layout's key
         self._layouts: dict[tuple, list] = {}  # key -> [RowPacking on the device, jobs]
         self._sharding: dict | None = None
@@ -241,7 +244,8 @@ class Session:
         self.stream.jobs[slot] = job
         self._yielded_steps[job.name] = job.step
         if self.settings.writes:  # its staging memory, pinned now if it saves before its end
-            pin_now = bool(self.settings.save_every)
+            evaluated = bool(job.held) and 0 < self.settings.eval_every < job.total_steps
+            pin_now = bool(self.settings.save_every) or evaluated
             self.staging.add_job(self._save_numel(job, slot), pin_now=pin_now)
         if ended or job.step >= job.total_steps:  # resumed, killed before its export
             job.status = job.status if ended else "done"
@@ -458,7 +462,8 @@ class Session:
                 ready = torch.cuda.Event()
                 ready.record()
             columns = self._layouts[self._packings[job.name]][2]
-            rows = self._unsaved[slot] = DeferredRows(keep, slot, columns, ready, self._side)
+            rows = DeferredRows(keep, slot, columns, ready, self._final_side)
+            self._unsaved[slot] = rows
         else:
             rows = self.staging.copy_rows(tables, slot, packing.columns, self._side)
             run.optimizer.fence(slot, rows.done)
@@ -534,6 +539,7 @@ class Session:
         """Check saves, agree on failures, evaluate what is due, commit, retire."""
         self.saver.writer.check()
         self._saver_failures()
+        self._unsaved = {s: r for s, r in self._unsaved.items() if r.pending}
         self._failed_since_cut = False
         self._agree_failures()
         self._evaluate()

@@ -265,7 +265,7 @@ class DeferredRows:
     def settle(self) -> None:
         """Copy the rows out now unless released: the row is about to change."""
         with self._lock:
-            if self._rows is None and not self._released:
+            if self.pending:
                 self._rows = self._copy()
 
     def _copy(self) -> torch.Tensor:
@@ -277,8 +277,13 @@ class DeferredRows:
                     self._stream.wait_event(self._ready)
                     whole = whole.to("cpu")  # pageable: this thread waits, training does not
             torch.index_select(whole, 0, self._columns, out=rows[i])
-        self._tables = ()
+        self._tables, self._columns = (), None
         return rows
+
+    @property
+    def pending(self) -> bool:
+        """Neither copied nor released yet."""
+        return self._rows is None and not self._released
 
     def hold(self, held: bool) -> None:
         """Nothing to hold: no staging buffer is taken."""
@@ -286,7 +291,7 @@ class DeferredRows:
     def release(self) -> None:
         """Drop the copied rows (a row never copied is no longer wanted)."""
         with self._lock:
-            self._released, self._rows, self._tables = True, None, ()
+            self._released, self._rows, self._tables, self._columns = True, None, (), None
 
 
 class StagingPool:

@@ -155,13 +155,16 @@ def test_deferred_rows_are_copied_by_whoever_needs_them_first():
     columns = torch.tensor([7, 0, 3])
     rows = DeferredRows((table, moments), 2, columns)
     want = torch.stack([table[2, [7, 0, 3]], moments[2, [7, 0, 3]]])
+    assert rows.pending
     rows.settle()
+    assert not rows.pending, "copied: the session forgets it"
     table[2] = 0.0  # a new job's factors bound into the row
     torch.testing.assert_close(rows.wait(), want, atol=0, rtol=0, msg="settled before")
     late = DeferredRows((table,), 1, columns)
     table[1] += 100.0  # unchanged rows are the contract; a late copy sees what is there
     torch.testing.assert_close(late.wait(), table[1, [7, 0, 3]][None], atol=0, rtol=0)
     late.release()
+    assert not late.pending
     late.settle()  # released: nothing to copy
     with pytest.raises(RuntimeError, match="released"):
         late.wait()
