@@ -209,7 +209,7 @@ class Session:
         # never delays a staged copy that a job's next step waits for.
         self._final_side = torch.cuda.Stream(run.device) if self._side is not None else None
         self._packings: dict[str, tuple] = {}  # name -> its layout's key
-        self._layouts: dict[tuple, list] = {}  # key -> [RowPacking on the device, jobs]
+        self._layouts: dict[tuple, list] = {}  # key -> [device RowPacking, jobs, host columns]
         self._sharding: dict | None = None
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls

@@ -87,9 +87,12 @@ def _submit(tmp_path, *entries) -> None:
     assert cli_main(["submit", "--server", str(tmp_path / "root"), str(path)]) == 0
 
 
-def _serve(tmp_path, *overrides) -> subprocess.Popen:
+def _serve(tmp_path, *overrides, code: str | None = None) -> subprocess.Popen:
+    """``lorafusion serve`` in a child process (``code``: a ``python -c`` program in place of
+    ``-m megatron_lorafusion``, taking the same arguments)."""
+    run = ["-m", "megatron_lorafusion"] if code is None else ["-c", code]
     return subprocess.Popen(
-        [sys.executable, "-m", "megatron_lorafusion", "serve", _server_yaml(tmp_path), *overrides],
+        [sys.executable, *run, "serve", _server_yaml(tmp_path), *overrides],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -120,6 +123,18 @@ def _finish(server) -> str:
     assert server.wait(timeout=120) == 0, err[-3000:]
     server.stderr.close()
     return err
+
+
+def _serve_all(tmp_path, server, entries: list[dict]) -> str:
+    """Submit ``entries``, wait until each is done, stop ``server``; its stderr."""
+    try:
+        _wait_info(tmp_path, server)
+        _submit(tmp_path, *entries)
+        for entry in entries:
+            assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
+        return _finish(server)
+    finally:
+        server.kill()
 
 
 def _trained(tmp_path, entry: dict, model: dict | None = None) -> dict:
@@ -205,14 +220,7 @@ def test_shortest_first_trains_the_shortest_jobs_first_and_each_as_train_does(tm
         tmp_path, "server.policy=shortest", "server.max_adapters=3", "planner.token_capacity=48"
     )
     entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
-    try:
-        _wait_info(tmp_path, server)
-        _submit(tmp_path, *entries)
-        for entry in entries:
-            assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
-        err = _finish(server)
-    finally:
-        server.kill()
+    err = _serve_all(tmp_path, server, entries)
     plans = re.findall(r"planning \d+ samples of (\d+) jobs", err)
     assert plans, err[-3000:]
     assert "3" not in plans, f"never all three at once: {plans}"
@@ -321,22 +329,9 @@ def test_a_row_goes_to_the_next_job_once_its_finished_jobs_rows_are_copied(tmp_p
     """One row; the writers take 3 s to reach a finished job's rows, so the next job is
     admitted into the row first: the session copies them out before the row is bound
     (`Session.settle_row`), and the first job's export is what `train` makes of it."""
-    server = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_WRITERS, "serve", _server_yaml(tmp_path)]
-        + ["server.max_adapters=1"],
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    server = _serve(tmp_path, "server.max_adapters=1", code=_SLOW_WRITERS)
     entries = [_entry(tmp_path, "sort"), _entry(tmp_path, "add")]
-    try:
-        _wait_info(tmp_path, server)
-        _submit(tmp_path, *entries)
-        for entry in entries:
-            assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
-        err = _finish(server)
-    finally:
-        server.kill()
+    err = _serve_all(tmp_path, server, entries)
     assert "settled before its writer" in err, err[-3000:]
     for entry in entries:
         _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
