@@ -89,6 +89,15 @@ class SessionSettings:
 
 
 @dataclass
+class _SharedLayout:
+    """One layout's (rank, targets) save packing, shared by the jobs that have it."""
+
+    packing: RowPacking  # its columns on the device (int32)
+    host_columns: torch.Tensor  # the same columns on the host: `DeferredRows` gathers there
+    jobs: int = 0  # jobs holding it; it is dropped with the last
+
+
+@dataclass
 class Timing:
     """Where a run's wall time went (seconds), for its last line and ``metrics.jsonl``.
 
@@ -209,7 +218,7 @@ class Session:
         # never delays a staged copy that a job's next step waits for.
         self._final_side = torch.cuda.Stream(run.device) if self._side is not None else None
         self._packings: dict[str, tuple] = {}  # name -> its layout's key
-        self._layouts: dict[tuple, list] = {}  # key -> [device RowPacking, jobs, host columns]
+        self._layouts: dict[tuple, _SharedLayout] = {}  # by layout key
         self._sharding: dict | None = None
         self._failed_since_cut = False
         self._items: Iterator | None = None  # the stream's microbatches, across `train` calls
@@ -461,7 +470,7 @@ class Session:
             if self._side is not None:
                 ready = torch.cuda.Event()
                 ready.record()
-            columns = self._layouts[self._packings[job.name]][2]
+            columns = self._layouts[self._packings[job.name]].host_columns
             rows = DeferredRows(keep, slot, columns, ready, self._final_side)
             self._unsaved[slot] = rows
         else:
@@ -488,14 +497,12 @@ class Session:
             if key not in self._layouts:
                 packing = row_packing(slots, self.run.lora.weights.shape[1])
                 columns = packing.columns.to(self.run.device, torch.int32)
-                self._layouts[key] = [
-                    dataclasses.replace(packing, columns=columns),
-                    0,
-                    packing.columns,  # on the host: `DeferredRows` gathers there
-                ]
-            self._layouts[key][1] += 1
+                self._layouts[key] = _SharedLayout(
+                    dataclasses.replace(packing, columns=columns), packing.columns
+                )
+            self._layouts[key].jobs += 1
             self._packings[job.name] = key
-        return self._layouts[self._packings[job.name]][0]
+        return self._layouts[self._packings[job.name]].packing
 
     def _save_numel(self, job: AdapterJob, slot: int) -> int:
         """Values of one save of ``job`` (its packed weights and moments)."""
@@ -504,8 +511,8 @@ class Session:
     def _forget_packing(self, job: AdapterJob) -> None:
         key = self._packings.pop(job.name, None)
         if key is not None:
-            self._layouts[key][1] -= 1
-            if not self._layouts[key][1]:
+            self._layouts[key].jobs -= 1
+            if not self._layouts[key].jobs:
                 del self._layouts[key]  # saves still queued keep their own reference
 
     def _commit(self, job: AdapterJob, request: SaveRequest) -> None:
