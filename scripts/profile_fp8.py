@@ -2,11 +2,12 @@
 
     python -m scripts.profile_fp8                          # the 8B preset, ~2 min on an H200
     python -m scripts.profile_fp8 --model-shape llama3.2-1b
+    python -m scripts.profile_fp8 --precisions fp8 --recompute none
 
 `torch.profiler` (CUDA activity only) over 2 microbatches of 8192 tokens after 2 warm-up ones,
 for the bf16 and the FP8 base, each as the frozen floor (no adapters) and with 4 adapters
-r 16 p 0.1 (selective recompute, an optimizer step per microbatch): `scripts.bench_fp8`'s
-models and steps. Prints the top kernels of each case, ms per microbatch by
+r 16 p 0.1 (``--recompute``, selective by default; an optimizer step per microbatch):
+`scripts.bench_fp8`'s models and steps. Prints the top kernels of each case, ms per microbatch by
 `KERNEL_CATEGORIES`, and GPU busy time against the wall clock of the same microbatches run
 without the profiler (docs/fp8.md has the H200's tables).
 """
@@ -18,6 +19,7 @@ import torch
 from torch.autograd import DeviceType
 
 from megatron_lorafusion.config import MODEL_PRESETS
+from megatron_lorafusion.mcore.recompute import RECOMPUTE_MODES
 from scripts.bench_fp8 import (
     ADAPTERS,
     DROPOUT,
@@ -159,7 +161,7 @@ def _print_kernels(case: str, result: dict) -> None:
         )
 
 
-def _profile_model(shape: str, precision: str, batches: list, cases: dict) -> None:
+def _profile_model(shape: str, precision: str, recompute: str, batches: list, cases: dict) -> None:
     """Build ``shape`` in ``precision``, profile its floor, then 4 adapters, into ``cases``."""
     model, build_s = build_model(shape, precision)
     gib = torch.cuda.memory_allocated() / 2**30
@@ -170,7 +172,7 @@ def _profile_model(shape: str, precision: str, batches: list, cases: dict) -> No
     hook.remove()
     _print_kernels(f"{precision} floor", cases[(precision, "floor")])
     mode = f"{ADAPTERS} adapters"
-    cases[(precision, mode)] = _profile_step(adapter_step(model, "selective"), batches)
+    cases[(precision, mode)] = _profile_step(adapter_step(model, recompute), batches)
     _print_kernels(f"{precision} {mode}", cases[(precision, mode)])
 
 
@@ -194,23 +196,24 @@ def _print_profile_summary(cases: dict) -> None:
         )
 
 
-def section_profile(shape: str) -> None:
+def section_profile(shape: str, precisions: list[str], recompute: str) -> None:
     from megatron_lorafusion.mcore.parallel import destroy_model_parallel, init_model_parallel
 
     tokens = 8192
+    bases = " against ".join(precisions)
     print(
         f"\n## profile: {shape}, CUDA kernel time per {tokens}-token microbatch (mean of "
-        f"{PROFILE_MICROBATCHES} after {PROFILE_WARMUP} warm-up), bf16 against FP8 base, floor "
-        f"and {ADAPTERS} adapters r {RANK} p {DROPOUT}, selective recompute\n"
+        f"{PROFILE_MICROBATCHES} after {PROFILE_WARMUP} warm-up), {bases} base, floor "
+        f"and {ADAPTERS} adapters r {RANK} p {DROPOUT}, recompute {recompute}\n"
     )
     init_model_parallel(1, 1, torch.device("cuda"), seed=0)
     cases: dict = {}
     try:
         count = PROFILE_WARMUP + PROFILE_MICROBATCHES
         batches = random_microbatches(tokens, count, MODEL_PRESETS[shape]["vocab_size"])
-        for precision in ("bf16", "fp8"):
+        for precision in precisions:
             try:
-                _profile_model(shape, precision, batches, cases)
+                _profile_model(shape, precision, recompute, batches, cases)
             except torch.cuda.OutOfMemoryError as err:
                 print(f"\n{precision}: OOM: {str(err)[:80]}")
             free_memory()  # the model goes before the next one is built
@@ -224,8 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model-shape", default="llama3.1-8b", choices=["llama3.2-1b", "llama3.1-8b"]
     )
+    parser.add_argument("--precisions", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
+    parser.add_argument("--recompute", default="selective", choices=RECOMPUTE_MODES)
     args = parser.parse_args(argv)
-    section_profile(args.model_shape)
+    section_profile(args.model_shape, args.precisions, args.recompute)
 
 
 if __name__ == "__main__":
