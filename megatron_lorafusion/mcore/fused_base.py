@@ -9,7 +9,7 @@ module at call time, so a test can switch the Triton path on under the interpret
   ``F.rms_norm`` everywhere, faster than ours and Liger's on the H200);
 - `FusedSwiGLU` / `FusedGeGLU`: MLP's activation module (``MLPSubmodules.activation_func``,
   which Megatron builds when ``config.use_te_activation_func`` is set; nothing of Transformer
-  Engine is used);
+  Engine is used); `Fp8SwiGLU` under an FP8 base also quantizes for the FP8 linears around it;
 - `fused_loss_processor`: the ``output_processor`` hook of ``GPTModel.forward``, which
   `LoRAFusionGPTModel` passes when labels are given: per-token loss from the final hidden
   states by chunked linear cross-entropy, never the full ``(T, V)`` fp32 logits;
@@ -32,10 +32,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_lorafusion.ops import (
     geglu,
     geglu_ref,
+    grad_col_scale,
     linear_cross_entropy,
     rope,
     rope_ref,
     swiglu,
+    swiglu_fp8,
     swiglu_ref,
     triton_usable,
 )
@@ -135,6 +137,25 @@ class FusedSwiGLU(torch.nn.Module):
         if use_fused_kernels(x):
             return swiglu(x.contiguous())
         return swiglu_ref(x)
+
+
+class Fp8SwiGLU(FusedSwiGLU):
+    """`FusedSwiGLU` of an FP8 base (``model.base_precision: fp8``).
+
+    On CUDA its kernels also quantize what the FP8 linears next to it would (`ops.swiglu_fp8`):
+    its output for fc2, and in backward fc1's incoming gradient, with the weight scales fc1's
+    output carries (`ops.grad_col_scale`). The linears take them instead of reading the
+    tensors again. Values are `FusedSwiGLU`'s; elsewhere (CPU, batches of b > 1 whose fc2
+    input is a copy, inference mode) it is `FusedSwiGLU`.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[s, b, F]`` from ``[s, b, 2F]``, carrying its e4m3 rows and `input_rebuild`'s mark."""
+        packed = x.dim() != 3 or x.shape[1] == 1  # b > 1: fc2 reads a tokens-major copy
+        if not (use_fused_kernels(x) and packed) or torch.is_inference_mode_enabled():
+            return super().forward(x)
+        col_scale = grad_col_scale(x) if torch.is_grad_enabled() and x.requires_grad else None
+        return _mark_rebuildable(swiglu_fp8(x.contiguous(), col_scale), self._activate, x)
 
 
 class FusedGeGLU(FusedSwiGLU):

@@ -44,7 +44,12 @@ from megatron_lorafusion.mcore.fp8 import (
     fp8_weight_bytes,
     materialize_fp8_model,
 )
-from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, LoRAFusionGPTModel
+from megatron_lorafusion.mcore.fused_base import (
+    Fp8SwiGLU,
+    FrozenRMSNorm,
+    FusedSwiGLU,
+    LoRAFusionGPTModel,
+)
 from megatron_lorafusion.mcore.hf_import import check_hf_config, hf_weight_source, load_hf_weights
 from megatron_lorafusion.ops import check_fp8_device
 
@@ -371,7 +376,8 @@ def get_gpt_lora_layer_spec(family: str = "llama", base_precision: str = "bf16")
     is `FusedSwiGLU` or `FusedGeGLU` (built by Megatron's MLP when the config sets
     ``use_te_activation_func``, as `_transformer_config` does). With
     ``base_precision="fp8"`` the four linears are `Fp8ColumnParallelLinear` /
-    `Fp8RowParallelLinear`.
+    `Fp8RowParallelLinear`, and SwiGLU is `Fp8SwiGLU` (it quantizes fc2's input and fc1's
+    incoming gradient as it writes them).
     """
     spec = family_layer_spec(family)
     if base_precision != "fp8":
@@ -380,10 +386,12 @@ def get_gpt_lora_layer_spec(family: str = "llama", base_precision: str = "bf16")
     attention.submodules.linear_qkv = Fp8ColumnParallelLinear
     attention.submodules.linear_proj = Fp8RowParallelLinear
     mlp = spec.submodules.mlp  # functools.partial(<MLP builder>, submodules=...)
+    activation = mlp.keywords["submodules"].activation_func
     submodules = dataclasses.replace(
         mlp.keywords["submodules"],
         linear_fc1=Fp8ColumnParallelLinear,
         linear_fc2=Fp8RowParallelLinear,
+        activation_func=Fp8SwiGLU if activation is FusedSwiGLU else activation,
     )
     spec.submodules.mlp = functools.partial(
         mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules}

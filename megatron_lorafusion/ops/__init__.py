@@ -27,7 +27,12 @@ from megatron_lorafusion.ops.dora_scale import (
 )
 from megatron_lorafusion.ops.fp8 import FP8_DTYPE, Fp8Weight, check_fp8_device, fp8_problem
 from megatron_lorafusion.ops.fp8_linear import Fp8LinearFunction, fp8_linear, fp8_linear_ref
-from megatron_lorafusion.ops.fp8_quant import quantize_rows, quantize_rows_ref, quantize_weight
+from megatron_lorafusion.ops.fp8_quant import (
+    grad_col_scale,
+    quantize_rows,
+    quantize_rows_ref,
+    quantize_weight,
+)
 from megatron_lorafusion.ops.fused_lora_linear import (
     LoRALinearFunction,
     fused_lora_linear,
@@ -72,7 +77,7 @@ from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.row_norms import row_squared_norms, row_squared_norms_ref
 from megatron_lorafusion.ops.saved_input import InputRebuild
-from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_ref
+from megatron_lorafusion.ops.swiglu import SwiGLUFunction, swiglu, swiglu_fp8, swiglu_ref
 
 __all__ = [
     "FP8_DTYPE",
@@ -113,6 +118,7 @@ __all__ = [
     "fused_lora_up",
     "geglu",
     "geglu_ref",
+    "grad_col_scale",
     "linear_cross_entropy",
     "linear_cross_entropy_ref",
     "lora_down",
@@ -142,6 +148,7 @@ __all__ = [
     "row_squared_norms",
     "row_squared_norms_ref",
     "swiglu",
+    "swiglu_fp8",
     "swiglu_ref",
     "triton_usable",
     "weight_sq_norm",

@@ -6,8 +6,11 @@ Forward: X is quantized per token (`quantize_rows`), W is stored per output chan
 CUDA >= 12.9, CUTLASS otherwise). Backward: ``dX = dY·W = (dY·diag(s_w))·W_q``, so dY is
 multiplied by the channel scales before it is quantized per token, and the GEMM takes W_q as
 it is stored, transposed to K-major (Hopper's FP8 MMA reads both operands K-major). No weight
-gradient. `fp8_linear_ref` fake-quantizes the same way in torch (any device, fp32 sums): the
-oracle of the kernels and the path an FP8 model takes on CPU. docs/fp8.md has the choices.
+gradient. Where X's or dY's producer already quantized it (the SwiGLU kernels under an FP8
+base), its result is taken (`fp8_quant.take_quantized`) instead of quantizing again; the
+output carries the weight's scales for dY's producer (`fp8_quant.mark_grad_col_scale`).
+`fp8_linear_ref` fake-quantizes the same way in torch (any device, fp32 sums): the oracle of
+the kernels and the path an FP8 model takes on CPU. docs/fp8.md has the choices.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.fp8 import FP8_DTYPE, Fp8Weight, check_fp8_device
-from megatron_lorafusion.ops.fp8_quant import quantize_rows, quantize_rows_ref, unit_scales
+from megatron_lorafusion.ops.fp8_quant import (
+    mark_grad_col_scale,
+    quantize_rows,
+    quantize_rows_ref,
+    take_quantized,
+    unit_scales,
+)
 
 FAST_ACCUM_FORWARD = True
 """Forward GEMMs accumulate without cuBLASLt's periodic fp32 promotion (Transformer Engine's
@@ -67,9 +76,17 @@ def fp8_matmul(
     return out.add_(bias) if late_bias else out
 
 
+def quantized_rows(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(x, col_scale)``: the one ``x``'s producer attached, else computed."""
+    taken = take_quantized(x, col_scale)
+    return taken if taken is not None else quantize_rows(x, col_scale=col_scale)
+
+
 def frozen_dgrad(dy: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
     """``dX = dY·W`` (T, H) through FP8: dY·diag(s_w) quantized per token, times W_q."""
-    dy_q, dy_scale = quantize_rows(dy, col_scale=weight.scale)  # (T, N), (T,)
+    dy_q, dy_scale = quantized_rows(dy, weight.scale)  # (T, N), (T,)
     w_t = weight.transposed()  # (H, N): K-major for this GEMM
     return fp8_matmul(dy_q, w_t, dy_scale, unit_scales(w_t.shape[0], str(dy.device)), out_dtype)
 
@@ -80,8 +97,10 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, data, scale, data_t, bias):
         """``x`` (T, H); ``data``/``scale``/``data_t`` an `Fp8Weight`'s; ``bias`` or None."""
-        x_q, x_scale = quantize_rows(x)
+        x_q, x_scale = quantized_rows(x)
         y = fp8_matmul(x_q, data, x_scale, scale, x.dtype, fast_accum=FAST_ACCUM_FORWARD, bias=bias)
+        if ctx.needs_input_grad[0]:
+            mark_grad_col_scale(y, scale)
         ctx.save_for_backward(data, scale, data_t)
         ctx.has_bias = bias is not None
         return y

@@ -7,6 +7,11 @@ one per token (row); an incoming gradient (T, N) is first multiplied by the weig
 scales (``col_scale``), which moves them out of the contraction of ``dX = dY·W``
 (docs/fp8.md). Powers of two make dequantization exact and let the kernel and the torch
 reference compute the same scale with integer operations, bit for bit.
+
+A tensor's producer may quantize it as it writes it and hand the result to the FP8 linear
+that reads it (`attach_quantized`, `take_quantized`: the SwiGLU kernels under an FP8 base);
+`load_scaled_rows`, `pow2_row_scales` and `store_e4m3_rows` are the Triton helpers such
+kernels share with the quantizer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from megatron_lorafusion.ops._utils import triton
 from megatron_lorafusion.ops.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
 
 _AMAX_FLOOR = 2.0**-100  # an all-zero (or subnormal) row gets scale 2^-108, not inf or NaN
+_QUANTIZED = "_lorafusion_fp8"  # tensor attribute: (q, scale, col_scale, the tensor's version)
+_GRAD_COL_SCALE = "_lorafusion_fp8_grad_col_scale"  # tensor attribute: its gradient's col_scale
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,7 @@ if triton is not None:
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE: tl.constexpr):
+    def load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE: tl.constexpr):
         """(BLOCK_R, BLOCK_D) fp32 values of ``cols`` of the rows, times the column scales."""
         v = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_COL_SCALE:
@@ -111,7 +118,7 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _store_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
+    def store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
         """Store ``v / scale`` of the rows in e4m3 (or its grid values in fp32)."""
         v = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
         if HW_CAST:  # cvt.rn.satfinite: to nearest even, as `_e4m3_grid`
@@ -121,7 +128,7 @@ if triton is not None:
         tl.store(q_rows + cols[None, :], q, mask=ok)
 
     @triton.jit
-    def _row_scales(amax):
+    def pow2_row_scales(amax):
         """``2^k`` and ``2^-k`` from the bits of each row's largest magnitude (`_pow2_scale`)."""
         bits = tl.maximum(amax, 7.888609052210118e-31).to(tl.int32, bitcast=True)  # 2^-100
         k = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
@@ -133,43 +140,59 @@ if triton is not None:
     def _quantize_rows_kernel(
         x_ptr,
         col_ptr,
+        parts_ptr,
         q_ptr,
         scale_ptr,
         R,
         D,
+        NUM_PARTS,
         stride_xr,
         stride_qr,
         HAS_COL_SCALE: tl.constexpr,
+        HAS_PARTS: tl.constexpr,
         HW_CAST: tl.constexpr,
         ONE_PASS: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        BLOCK_P: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < R
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qr
-        if ONE_PASS:  # BLOCK_D >= D: the rows held in registers, read once
+        if HAS_PARTS:  # the producer's maxima of column blocks: one pass over the rows
+            parts = tl.arange(0, BLOCK_P)
+            part_ok = row_ok[:, None] & (parts < NUM_PARTS)[None, :]
+            part_rows = parts_ptr + rows.to(tl.int64)[:, None] * NUM_PARTS
+            amax = tl.max(tl.load(part_rows + parts[None, :], mask=part_ok, other=0.0), axis=1)
+            scale, inv = pow2_row_scales(amax)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            for d0 in range(0, D, BLOCK_D):
+                cols = d0 + tl.arange(0, BLOCK_D)
+                ok = row_ok[:, None] & (cols < D)[None, :]
+                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+                store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
+        elif ONE_PASS:  # BLOCK_D >= D: the rows held in registers, read once
             cols = tl.arange(0, BLOCK_D)
             ok = row_ok[:, None] & (cols < D)[None, :]
-            v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-            scale, inv = _row_scales(tl.max(tl.abs(v), axis=1))
+            v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+            scale, inv = pow2_row_scales(tl.max(tl.abs(v), axis=1))
             tl.store(scale_ptr + rows, scale, mask=row_ok)
-            _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
+            store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
         else:
             amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
             for d0 in range(0, D, BLOCK_D):  # pass 1: each row's largest magnitude
                 cols = d0 + tl.arange(0, BLOCK_D)
                 ok = row_ok[:, None] & (cols < D)[None, :]
-                v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
                 amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
-            scale, inv = _row_scales(amax)
+            scale, inv = pow2_row_scales(amax)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
             for d0 in range(0, D, BLOCK_D):  # pass 2: the rows again (from L2), quantized
                 cols = d0 + tl.arange(0, BLOCK_D)
                 ok = row_ok[:, None] & (cols < D)[None, :]
-                v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-                _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
+                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+                store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
 
 
 # Memory-bound. A row of up to 8192 values is read once (held in registers); a longer one
@@ -190,14 +213,20 @@ def _gpu_blocks(width: int) -> tuple[int, int, int]:
 
 
 def quantize_rows_fwd(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col_scale: torch.Tensor | None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    col_scale: torch.Tensor | None,
+    amax_parts: torch.Tensor | None = None,
 ) -> None:
     """Launch the row quantization into ``q`` (R, D) and ``scale`` (R,), inputs checked.
 
     ``q`` is e4m3, or fp32 in tests: the kernel rounds to the e4m3 grid itself, so an fp32
     ``q`` holds the exact values the e4m3 one would. An e4m3 ``q`` on a GPU is cast by the
     hardware (the same values in one instruction instead of ~25 integer operations: 37 ms
-    of an 8B microbatch's quantization became 23 ms, docs/fp8.md).
+    of an 8B microbatch's quantization became 23 ms, docs/fp8.md). ``amax_parts`` (R, P)
+    fp32, the largest ``|x·col_scale|`` of P column blocks of each row as ``x``'s producer
+    found them, saves the pass that finds each row's largest magnitude.
     """
     rows, width = x.shape
     if rows == 0:
@@ -206,20 +235,25 @@ def quantize_rows_fwd(
         block_r, block_d, warps = _gpu_blocks(width)
     else:
         (block_r, block_d), warps = _INTERPRETER_BLOCKS, 4
+    num_parts = 0 if amax_parts is None else amax_parts.shape[1]
     _quantize_rows_kernel[(_utils.cdiv(rows, block_r),)](
         x,
         col_scale if col_scale is not None else scale,
+        amax_parts if amax_parts is not None else scale,
         q,
         scale,
         rows,
         width,
+        num_parts,
         x.stride(0),
         q.stride(0),
         HAS_COL_SCALE=col_scale is not None,
+        HAS_PARTS=amax_parts is not None,
         HW_CAST=x.is_cuda and q.dtype == FP8_DTYPE,
         ONE_PASS=block_d >= width,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        BLOCK_P=max(1 << (num_parts - 1).bit_length(), 2),
         num_warps=warps,
     )
 
@@ -253,6 +287,91 @@ def quantize_rows(
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     quantize_rows_fwd(x, q, scale, col_scale)
     return q, scale
+
+
+def _root(x: torch.Tensor) -> torch.Tensor:
+    return x if x._base is None else x._base
+
+
+def attach_quantized(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> None:
+    """Hand ``quantize_rows(x, col_scale)``, computed by ``x``'s producer, to its FP8 consumer.
+
+    The producer of ``x`` (the SwiGLU kernels: fc2's input, fc1's incoming gradient) quantizes
+    while it writes ``x`` and leaves ``(q, scale)`` on ``x``'s storage owner (``x`` or its
+    base), so that `take_quantized` finds them from any contiguous view of all of ``x``.
+    Nothing is attached to an inference tensor (it keeps no version to check).
+
+    Args:
+        x: (R, D) the values, as written.
+        q: (R, D) e4m3, ``quantize_rows(x, col_scale)``'s.
+        scale: (R,) fp32 powers of two.
+        col_scale: (D,) fp32 column scales applied before quantizing, or None.
+    """
+    root = _root(x)
+    if root.is_inference():
+        return
+    setattr(root, _QUANTIZED, (q, scale, col_scale, root._version))
+
+
+def _covers_root(x: torch.Tensor, root: torch.Tensor) -> bool:
+    """``x`` is a contiguous view of all of ``root``'s values."""
+    return (
+        x.is_contiguous()
+        and x.dtype == root.dtype
+        and x.data_ptr() == root.data_ptr()
+        and x.numel() == root.numel()
+    )
+
+
+def take_quantized(
+    x: torch.Tensor, col_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_rows(x, col_scale)`` as `attach_quantized` left it, once; None when absent.
+
+    Only for the very values and scales: a contiguous (R, D) ``x`` covering all of the
+    attached tensor, which was not written since (through torch: a write the version counter
+    does not see, e.g. by a kernel through a raw pointer, is not detected; none happens between
+    the producers and the linears), with the same ``col_scale`` tensor. The attachment is
+    dropped (its memory freed) when taken.
+
+    Returns:
+        ``(q, scale)``: (R, D) e4m3 and (R,) fp32, or None.
+    """
+    root = _root(x)
+    found = getattr(root, _QUANTIZED, None)
+    if found is None:
+        return None
+    q, scale, attached_col_scale, version = found
+    if (
+        attached_col_scale is not col_scale
+        or root._version != version
+        or not _covers_root(x, root)
+        or tuple(x.shape) != tuple(q.shape)
+    ):
+        return None
+    delattr(root, _QUANTIZED)
+    return q, scale
+
+
+def mark_grad_col_scale(y: torch.Tensor, col_scale: torch.Tensor) -> None:
+    """Record on a frozen FP8 linear's output ``y`` that its backward quantizes ``dY·diag(s_w)``.
+
+    A producer of ``dY`` that can quantize (`ops.swiglu_fp8`) reads ``col_scale`` (N,) back
+    with `grad_col_scale` and attaches the result for that backward.
+    """
+    setattr(_root(y), _GRAD_COL_SCALE, col_scale)
+
+
+def grad_col_scale(x: torch.Tensor) -> torch.Tensor | None:
+    """The (N,) column scales `mark_grad_col_scale` left on ``x``'s values, else None.
+
+    None as well for a view of part of them, or a non-contiguous one: its gradient would reach
+    the linear as a copy, which `take_quantized` cannot recognise.
+    """
+    root = _root(x)
+    return getattr(root, _GRAD_COL_SCALE, None) if _covers_root(x, root) else None
 
 
 @functools.lru_cache(maxsize=64)

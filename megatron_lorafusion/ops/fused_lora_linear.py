@@ -23,7 +23,9 @@ With an FP8 frozen weight (`Fp8Weight`, ``model.base_precision: fp8``) X is quan
 for the frozen product only (the LoRA passes read X as it is): ``"triton"`` runs `lora_gemm` on
 the e4m3 operands (dequantized in its epilogue), ``"scaled_mm"`` runs ``torch._scaled_mm`` and
 the expand adds the LoRA term onto its output; the backward's frozen dX is a scaled GEMM too
-(`fp8_linear.frozen_dgrad`) that the fused expand of `lora_wgrad` adds onto. docs/fp8.md.
+(`fp8_linear.frozen_dgrad`) that the fused expand of `lora_wgrad` adds onto. X's and dY's
+quantization is taken from their producer where it attached one (`fp8_linear.quantized_rows`:
+the SwiGLU kernels of an FP8 base). docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops.fp8 import FP8_DTYPE, Fp8Weight, check_fp8_device
-from megatron_lorafusion.ops.fp8_linear import FAST_ACCUM_FORWARD, fp8_matmul, frozen_dgrad
-from megatron_lorafusion.ops.fp8_quant import quantize_rows
+from megatron_lorafusion.ops.fp8_linear import (
+    FAST_ACCUM_FORWARD,
+    fp8_matmul,
+    frozen_dgrad,
+    quantized_rows,
+)
+from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
@@ -171,7 +178,7 @@ class LoRALinearFunction(torch.autograd.Function):
         s = lora_shrink_fwd(x, lora_a, scales, dropouts, layout, seed)  # (T, R)
         b_t = lora_b.transpose(1, 2)  # (A, R, N)
         if w_scale is not None:  # FP8: X quantized per token for the frozen product only
-            x_q, x_scale = quantize_rows(x)  # (T, H) e4m3, (T,)
+            x_q, x_scale = quantized_rows(x)  # (T, H) e4m3, (T,)
             if gemm == "triton":
                 y = lora_gemm(x_q, weight, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
             else:  # "scaled_mm": no C operand, so the expand adds the LoRA term onto Y
@@ -179,6 +186,8 @@ class LoRALinearFunction(torch.autograd.Function):
                     x_q, weight, x_scale, w_scale, x.dtype, fast_accum=FAST_ACCUM_FORWARD
                 )
                 lora_expand_fwd(s, b_t, bias, None, layout, seed, accumulate=y)
+            if ctx.needs_input_grad[0]:
+                mark_grad_col_scale(y, w_scale)
         elif gemm == "triton":
             y = lora_gemm(x, weight, s, b_t, bias, layout)
         else:

@@ -5,6 +5,14 @@ Megatron's unfused GLU chunks the fc1 output, runs ``silu`` (saving its input), 
 ``torch.cat``. Here the forward reads ``[gate | up]`` once and writes ``(T, F)``; only the fc1
 output is saved, and the backward recomputes ``sigmoid(gate)`` from it and writes both halves
 of ``d[gate | up]`` in one pass (Shazeer, "GLU Variants Improve Transformer", 2020).
+
+Under an FP8 base (`swiglu_fp8`) the kernels also quantize what they write for the FP8 linear
+next to them (`fp8_quant.quantize_rows`, bit for bit): the forward fc2's input, the backward
+fc1's incoming gradient ``d[gate | up]·diag(s_w)``. In the forward a program owns whole rows:
+it writes a row and takes its largest magnitude, then reads the row back (from L2) and writes
+it in e4m3. The backward stays elementwise (whole rows per program measured no faster) and
+stores each tile's largest magnitude, so the quantizer reads ``d[gate | up]`` once instead of
+twice (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -14,9 +22,13 @@ import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE
+from megatron_lorafusion.ops.fp8_quant import attach_quantized, quantize_rows_fwd
 
 if triton is not None:
     import triton.language as tl
+
+    from megatron_lorafusion.ops.fp8_quant import load_scaled_rows, pow2_row_scales, store_e4m3_rows
 
     @triton.jit
     def _swiglu_fwd_kernel(x_ptr, out_ptr, F_DIM, BLOCK_F: tl.constexpr):
@@ -30,8 +42,22 @@ if triton is not None:
         tl.store(out_ptr + row * F_DIM + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(dout_ptr, x_ptr, dx_ptr, F_DIM, BLOCK_F: tl.constexpr):
-        """One row tile: ``d_up = dout · silu(gate)``, ``d_gate = dout · up · silu'(gate)``."""
+    def _swiglu_bwd_kernel(
+        dout_ptr,
+        x_ptr,
+        dx_ptr,
+        col_ptr,
+        parts_ptr,
+        F_DIM,
+        NUM_PARTS,
+        HAS_PARTS: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
+        """One row tile: ``d_up = dout · silu(gate)``, ``d_gate = dout · up · silu'(gate)``.
+
+        With ``HAS_PARTS`` it also stores the tile's largest ``|d[gate | up]·col_scale|`` in
+        ``parts[row, tile]`` (the maxima `quantize_rows_fwd` would otherwise find).
+        """
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
         mask = cols < F_DIM
@@ -40,13 +66,54 @@ if triton is not None:
         dout = tl.load(dout_ptr + row * F_DIM + cols, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(gate)
         silu = gate * sig
-        d_gate = dout * up * (sig + silu * (1.0 - sig))
-        tl.store(dx_ptr + row * 2 * F_DIM + cols, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
-        tl.store(
-            dx_ptr + row * 2 * F_DIM + F_DIM + cols,
-            (dout * silu).to(dx_ptr.dtype.element_ty),
-            mask=mask,
-        )
+        d_gate = (dout * up * (sig + silu * (1.0 - sig))).to(dx_ptr.dtype.element_ty)
+        d_up = (dout * silu).to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + row * 2 * F_DIM + cols, d_gate, mask=mask)
+        tl.store(dx_ptr + row * 2 * F_DIM + F_DIM + cols, d_up, mask=mask)
+        if HAS_PARTS:
+            gate_scale = tl.load(col_ptr + cols, mask=mask, other=0.0)
+            up_scale = tl.load(col_ptr + F_DIM + cols, mask=mask, other=0.0)
+            amax = tl.maximum(
+                tl.max(tl.abs(d_gate.to(tl.float32) * gate_scale)),
+                tl.max(tl.abs(d_up.to(tl.float32) * up_scale)),
+            )
+            tl.store(parts_ptr + row * NUM_PARTS + tl.program_id(1), amax)
+
+    @triton.jit
+    def _swiglu_fwd_fp8_kernel(
+        x_ptr,
+        out_ptr,
+        q_ptr,
+        scale_ptr,
+        R,
+        F_DIM,
+        HW_CAST: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_F: tl.constexpr,
+    ):
+        """Whole rows: ``out`` as `_swiglu_fwd_kernel`, then ``out`` quantized per row."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * 2 * F_DIM
+        out_rows = out_ptr + rows.to(tl.int64)[:, None] * F_DIM
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for f0 in range(0, F_DIM, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F)
+            ok = row_ok[:, None] & (cols < F_DIM)[None, :]
+            gate = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            up = tl.load(x_rows + F_DIM + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            out = (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty)
+            tl.store(out_rows + cols[None, :], out, mask=ok)
+            amax = tl.maximum(amax, tl.max(tl.abs(out.to(tl.float32)), axis=1))
+        scale, inv = pow2_row_scales(amax)
+        tl.store(scale_ptr + rows, scale, mask=row_ok)
+        tl.debug_barrier()  # the rows' stores are visible to every thread of the program
+        q_rows = q_ptr + rows.to(tl.int64)[:, None] * F_DIM
+        for f0 in range(0, F_DIM, BLOCK_F):
+            cols = f0 + tl.arange(0, BLOCK_F)
+            ok = row_ok[:, None] & (cols < F_DIM)[None, :]
+            v = load_scaled_rows(out_rows, scale_ptr, cols, ok, F_DIM, False)
+            store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
 
 
 # Elementwise: 1024 columns per program (2 KiB of bf16 per half), 4 warps; the interpreter
@@ -70,13 +137,74 @@ def swiglu_fwd(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# The FP8 forward's whole rows per program: (rows, columns per step, warps); the interpreter's
+# small steps cross a step edge within a row.
+_FP8_BLOCKS = {"cuda": (1, 2048, 8), "cpu": (2, 32, 4)}
+
+
+def swiglu_fp8_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, F) ``out`` of (T, 2F) ``x``, and ``quantize_rows(out)``: (T, F) e4m3, (T,) fp32."""
+    tokens, width = x.shape[0], x.shape[1] // 2
+    out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
+    q = torch.empty(tokens, width, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    if tokens:
+        block_r, block_f, warps = _FP8_BLOCKS["cuda" if x.is_cuda else "cpu"]
+        _swiglu_fwd_fp8_kernel[(_utils.cdiv(tokens, block_r),)](
+            x,
+            out,
+            q,
+            scale,
+            tokens,
+            width,
+            HW_CAST=x.is_cuda,
+            BLOCK_R=block_r,
+            BLOCK_F=block_f,
+            num_warps=warps,
+        )
+    return out, q, scale
+
+
+def swiglu_fp8_bwd(
+    dout: torch.Tensor, x: torch.Tensor, col_scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, 2F) ``dx`` as `swiglu_bwd`, and ``quantize_rows(dx, col_scale)``.
+
+    The backward's tiles also store their largest magnitudes, so the quantizer reads ``dx``
+    once instead of twice.
+    """
+    tokens, width = dout.shape
+    dx = torch.empty_like(x)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    if tokens:
+        grid, block = _grid(tokens, width, x.device)
+        parts = torch.empty(grid, dtype=torch.float32, device=x.device)  # (T, tiles per half)
+        _swiglu_bwd_kernel[grid](
+            dout,
+            x,
+            dx,
+            col_scale,
+            parts,
+            width,
+            grid[1],
+            HAS_PARTS=True,
+            BLOCK_F=block,
+            num_warps=_NUM_WARPS,
+        )
+        quantize_rows_fwd(dx, q, scale, col_scale, amax_parts=parts)
+    return dx, q, scale
+
+
 def swiglu_bwd(dout: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Launch the backward: (T, 2F) ``d[gate | up]`` from (T, F) ``dout`` and the saved ``x``."""
     tokens, width = dout.shape
     dx = torch.empty_like(x)
     if tokens and width:
         grid, block = _grid(tokens, width, x.device)
-        _swiglu_bwd_kernel[grid](dout, x, dx, width, BLOCK_F=block, num_warps=_NUM_WARPS)
+        _swiglu_bwd_kernel[grid](
+            dout, x, dx, dx, dx, width, 0, HAS_PARTS=False, BLOCK_F=block, num_warps=_NUM_WARPS
+        )
     return dx
 
 
@@ -97,6 +225,69 @@ class SwiGLUFunction(torch.autograd.Function):
         return swiglu_bwd(dout.contiguous(), x)
 
 
+class SwiGLUFp8Function(torch.autograd.Function):
+    """`SwiGLUFunction` that also quantizes its output (and its input's gradient).
+
+    Each is attached for the FP8 linear next to it (`fp8_quant.attach_quantized`); the
+    gradient only given fc1's weight scales (``grad_col_scale``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, grad_col_scale):
+        """(T, F) ``silu(gate) · up``, carrying ``quantize_rows`` of itself."""
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(x, grad_col_scale)
+        out, q, scale = swiglu_fp8_fwd(x)
+        attach_quantized(out, q, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        """(T, 2F) gradient of ``[gate | up]``, carrying its quantization when asked."""
+        x, col_scale = ctx.saved_tensors
+        if col_scale is None:
+            return swiglu_bwd(dout.contiguous(), x), None
+        dx, q, scale = swiglu_fp8_bwd(dout.contiguous(), x, col_scale)
+        attach_quantized(dx, q, scale, col_scale)
+        return dx, None
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(
+            f"x must have an even last dim [gate | up], got shape {tuple(getattr(x, 'shape', ()))}"
+        )
+    _utils.check_tensor("x", x, list(x.shape), _utils.KERNEL_DTYPES, x.device)
+
+
+def swiglu_fp8(x: torch.Tensor, grad_col_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`swiglu` for an FP8 base: the output carries its per-token e4m3 quantization.
+
+    The FP8 linear that reads the output (fc2) takes the quantization instead of computing it
+    (`fp8_quant.take_quantized`); with ``grad_col_scale`` (fc1's weight scales,
+    `fp8_quant.grad_col_scale` of fc1's output) the gradient of ``x`` carries
+    ``quantize_rows(dx, grad_col_scale)`` for fc1's backward the same way. Values equal
+    `swiglu`'s and `quantize_rows`' bit for bit.
+
+    Args:
+        x: (..., 2F) contiguous fc1 output (fp16, bf16 or fp32) on a GPU (or the interpreter).
+        grad_col_scale: (2F,) fp32, or None: the gradient is not quantized.
+
+    Returns:
+        (..., F) tensor of ``x``'s dtype.
+
+    Raises:
+        ValueError: as `swiglu`; for a ``grad_col_scale`` not of shape (2F,) fp32.
+    """
+    _check_input(x)
+    if grad_col_scale is not None:
+        _utils.check_tensor(
+            "grad_col_scale", grad_col_scale, (x.shape[-1],), (torch.float32,), x.device
+        )
+    out = SwiGLUFp8Function.apply(x.view(-1, x.shape[-1]), grad_col_scale)  # (T, F)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up`` of ``x = [gate | up]`` along the last dim (Triton forward, backward).
 
@@ -109,11 +300,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: for an odd last dim, or a dtype or contiguity the kernel does not take.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % 2:
-        raise ValueError(
-            f"x must have an even last dim [gate | up], got shape {tuple(getattr(x, 'shape', ()))}"
-        )
-    _utils.check_tensor("x", x, list(x.shape), _utils.KERNEL_DTYPES, x.device)
+    _check_input(x)
     out = SwiGLUFunction.apply(x.view(-1, x.shape[-1]))  # (T, F)
     return out.view(*x.shape[:-1], x.shape[-1] // 2)
 

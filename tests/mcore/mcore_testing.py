@@ -52,6 +52,7 @@ def make_packed_batch(
     if input_ids is None:
         generator = torch.Generator().manual_seed(seed)
         input_ids = torch.randint(0, TINY.vocab_size, (1, sum(lengths)), generator=generator)
+        input_ids = input_ids.to(device)
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
     cu = layout.cu_seqlens
     params = PackedSeqParams(

@@ -14,6 +14,7 @@ moves by 0.02 in bf16 and 0.21 in FP8 (docs/fp8.md).
 """
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from megatron_lorafusion.mcore import (
     build_gpt_model,
     fp8_weight,
 )
+from megatron_lorafusion.mcore.fused_base import Fp8SwiGLU, FusedSwiGLU
 from megatron_lorafusion.ops import FP8_DTYPE, quantize_weight
 
 FP8 = dataclasses.replace(TINY, base_precision="fp8")
@@ -61,6 +63,8 @@ def test_fp8_model_quantizes_the_full_precision_weights(megatron_single_process)
             assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), name
             assert torch.equal(got.scale, want.scale), name
             assert got.data_t is None, "CPU runs keep no transposed copy"
+        activation = fp8.decoder.layers[layer].mlp.activation_func
+        assert isinstance(activation, Fp8SwiGLU), "SwiGLU quantizes for the FP8 linears"
     fp8_params = dict(fp8.named_parameters())
     for name, param in full.named_parameters():
         if param.dim() == 2 and ".layers." in name:
@@ -170,6 +174,46 @@ def test_fp8_cuda_load_quantizes_the_full_precision_weights(megatron_single_proc
     for name, param in full.named_parameters():
         if param.dim() != 2 or ".layers." not in name:
             assert torch.equal(fp8_params[name], param), f"{name}: not a linear, must be equal"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_fp8_swiglu_hand_over_keeps_every_bit_of_training(
+    megatron_single_process, recompute, monkeypatch
+):
+    """`Fp8SwiGLU` (its kernels quantize fc2's X and fc1's dY) against `FusedSwiGLU` (the
+    linears quantize them): the same loss and adapter gradients, bit for bit."""
+    from megatron_lorafusion.mcore.recompute import apply_recompute
+
+    module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
+    quantize, calls = module.quantize_rows, []
+    monkeypatch.setattr(
+        module, "quantize_rows", lambda *a, **k: calls.append(1) or quantize(*a, **k)
+    )
+    batch = make_packed_batch([0, 0, 2], [30, 21, 45], 3, seed=2, device="cuda")
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    results, counts = [], []
+    for handover in (True, False):
+        model = build_gpt_model(FP8, device="cuda", params_dtype=torch.bfloat16).train()
+        if not handover:
+            for layer in model.decoder.layers:
+                layer.mlp.activation_func = FusedSwiGLU(model.config)
+        context = apply_lora(model, ADAPTERS, seed=4)
+        randomize_lora_b(context, seed=5)
+        apply_recompute(model, context, recompute)
+        loss = run_model(model, context, batch, labels=labels)
+        loss.sum().backward()
+        grads = {a: dict(context.adapter_grads(a)) for a in range(context.num_adapters)}
+        results.append((loss.detach(), grads))
+        counts.append(len(calls))
+        calls.clear()
+    assert counts[0] < counts[1], f"the linears quantized {counts} times: no hand-over"
+    (loss, grads), (want_loss, want_grads) = results
+    assert torch.equal(loss, want_loss), f"loss differs by {(loss - want_loss).abs().max()}"
+    for a, named in want_grads.items():
+        for name, want in named.items():
+            diff = (grads[a][name] - want).abs().max()
+            assert torch.equal(grads[a][name], want), f"adapter {a} {name}: differs by {diff}"
 
 
 # The 8B preset's random base: this test measured 0.578 on the H200 (twentieth session, device
