@@ -10,8 +10,8 @@ reference compute the same scale with integer operations, bit for bit.
 
 A tensor's producer may quantize it as it writes it and hand the result to the FP8 linear
 that reads it (`attach_quantized`, `take_quantized`: the SwiGLU kernels under an FP8 base);
-`load_scaled_rows`, `pow2_row_scales` and `store_e4m3_rows` are the Triton helpers such
-kernels share with the quantizer.
+`pow2_row_scales` and `quantize_row_blocks` are the Triton helpers such kernels share with
+the quantizer.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ if triton is not None:
         return out.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE: tl.constexpr):
+    def _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE: tl.constexpr):
         """(BLOCK_R, BLOCK_D) fp32 values of ``cols`` of the rows, times the column scales."""
         v = tl.load(x_rows + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if HAS_COL_SCALE:
@@ -118,7 +118,7 @@ if triton is not None:
         return v
 
     @triton.jit
-    def store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
+    def _store_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
         """Store ``v / scale`` of the rows in e4m3 (or its grid values in fp32)."""
         v = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
         if HW_CAST:  # cvt.rn.satfinite: to nearest even, as `_e4m3_grid`
@@ -126,6 +126,28 @@ if triton is not None:
         else:
             q = _e4m3_grid(v).to(q_rows.dtype.element_ty)
         tl.store(q_rows + cols[None, :], q, mask=ok)
+
+    @triton.jit
+    def quantize_row_blocks(
+        x_rows,
+        col_ptr,
+        q_rows,
+        row_ok,
+        D,
+        inv,
+        HAS_COL_SCALE: tl.constexpr,
+        HW_CAST: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        """Store the rows' ``D`` values (times the column scales) times ``inv`` in e4m3.
+
+        ``BLOCK_D`` columns a step: the pass that follows the rows' largest magnitudes.
+        """
+        for d0 in range(0, D, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            ok = row_ok[:, None] & (cols < D)[None, :]
+            v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+            _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
 
     @triton.jit
     def pow2_row_scales(amax):
@@ -160,39 +182,32 @@ if triton is not None:
         row_ok = rows < R
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xr
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_qr
-        if HAS_PARTS:  # the producer's maxima of column blocks: one pass over the rows
-            parts = tl.arange(0, BLOCK_P)
-            part_ok = row_ok[:, None] & (parts < NUM_PARTS)[None, :]
-            part_rows = parts_ptr + rows.to(tl.int64)[:, None] * NUM_PARTS
-            amax = tl.max(tl.load(part_rows + parts[None, :], mask=part_ok, other=0.0), axis=1)
-            scale, inv = pow2_row_scales(amax)
-            tl.store(scale_ptr + rows, scale, mask=row_ok)
-            for d0 in range(0, D, BLOCK_D):
-                cols = d0 + tl.arange(0, BLOCK_D)
-                ok = row_ok[:, None] & (cols < D)[None, :]
-                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-                store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
-        elif ONE_PASS:  # BLOCK_D >= D: the rows held in registers, read once
+        if ONE_PASS:  # BLOCK_D >= D: the rows held in registers, read once
             cols = tl.arange(0, BLOCK_D)
             ok = row_ok[:, None] & (cols < D)[None, :]
-            v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+            v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
             scale, inv = pow2_row_scales(tl.max(tl.abs(v), axis=1))
             tl.store(scale_ptr + rows, scale, mask=row_ok)
-            store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
+            _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
         else:
-            amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):  # pass 1: each row's largest magnitude
-                cols = d0 + tl.arange(0, BLOCK_D)
-                ok = row_ok[:, None] & (cols < D)[None, :]
-                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+            if HAS_PARTS:  # the producer's maxima of column blocks: no pass of our own
+                parts = tl.arange(0, BLOCK_P)
+                part_ok = row_ok[:, None] & (parts < NUM_PARTS)[None, :]
+                part_rows = parts_ptr + rows.to(tl.int64)[:, None] * NUM_PARTS
+                amax = tl.max(tl.load(part_rows + parts[None, :], mask=part_ok, other=0.0), axis=1)
+            else:
+                amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):  # pass 1: each row's largest magnitude
+                    cols = d0 + tl.arange(0, BLOCK_D)
+                    ok = row_ok[:, None] & (cols < D)[None, :]
+                    v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
+                    amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
             scale, inv = pow2_row_scales(amax)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
-            for d0 in range(0, D, BLOCK_D):  # pass 2: the rows again (from L2), quantized
-                cols = d0 + tl.arange(0, BLOCK_D)
-                ok = row_ok[:, None] & (cols < D)[None, :]
-                v = load_scaled_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-                store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
+            # pass 2: the rows again (from L2), quantized
+            quantize_row_blocks(
+                x_rows, col_ptr, q_rows, row_ok, D, inv, HAS_COL_SCALE, HW_CAST, BLOCK_D
+            )
 
 
 # Memory-bound. A row of up to 8192 values is read once (held in registers); a longer one
@@ -226,7 +241,8 @@ def quantize_rows_fwd(
     hardware (the same values in one instruction instead of ~25 integer operations: 37 ms
     of an 8B microbatch's quantization became 23 ms, docs/fp8.md). ``amax_parts`` (R, P)
     fp32, the largest ``|x·col_scale|`` of P column blocks of each row as ``x``'s producer
-    found them, saves the pass that finds each row's largest magnitude.
+    found them, saves the pass that finds each row's largest magnitude (rows held in
+    registers find it without a pass of their own and ignore them).
     """
     rows, width = x.shape
     if rows == 0:

@@ -28,7 +28,7 @@ from megatron_lorafusion.ops.fp8_quant import attach_quantized, quantize_rows_fw
 if triton is not None:
     import triton.language as tl
 
-    from megatron_lorafusion.ops.fp8_quant import load_scaled_rows, pow2_row_scales, store_e4m3_rows
+    from megatron_lorafusion.ops.fp8_quant import pow2_row_scales, quantize_row_blocks
 
     @triton.jit
     def _swiglu_fwd_kernel(x_ptr, out_ptr, F_DIM, BLOCK_F: tl.constexpr):
@@ -109,11 +109,9 @@ if triton is not None:
         tl.store(scale_ptr + rows, scale, mask=row_ok)
         tl.debug_barrier()  # the rows' stores are visible to every thread of the program
         q_rows = q_ptr + rows.to(tl.int64)[:, None] * F_DIM
-        for f0 in range(0, F_DIM, BLOCK_F):
-            cols = f0 + tl.arange(0, BLOCK_F)
-            ok = row_ok[:, None] & (cols < F_DIM)[None, :]
-            v = load_scaled_rows(out_rows, scale_ptr, cols, ok, F_DIM, False)
-            store_e4m3_rows(q_rows, cols, ok, v, inv, HW_CAST)
+        quantize_row_blocks(
+            out_rows, scale_ptr, q_rows, row_ok, F_DIM, inv, False, HW_CAST, BLOCK_F
+        )
 
 
 # Elementwise: 1024 columns per program (2 KiB of bf16 per half), 4 warps; the interpreter

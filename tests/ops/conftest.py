@@ -57,3 +57,20 @@ def make_lora():
     """``make_lora(N, H, ranks, dtype, device, generator)``: packed A (A,R,H), B (A,N,R),
     zero beyond each adapter's rank."""
     return _make_lora
+
+
+def _skip_without_cpu_scaled_mm(device: str) -> None:
+    if device != "cpu":
+        return
+    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"this torch has no CPU torch._scaled_mm ({err})")
+
+
+@pytest.fixture
+def skip_without_cpu_scaled_mm():
+    """``skip_without_cpu_scaled_mm(device)``: skip a CPU run of FP8 GEMMs when this torch has
+    no CPU ``torch._scaled_mm`` (torch >= 2.6 has it)."""
+    return _skip_without_cpu_scaled_mm

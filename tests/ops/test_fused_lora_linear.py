@@ -374,23 +374,13 @@ def _fp8_inputs(case, dtype, device, make_layout, make_lora):
     return layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y
 
 
-def _needs_scaled_mm(gemm, device):
-    """CPU runs of gemm='scaled_mm' need torch's CPU ``_scaled_mm`` (torch >= 2.6 has it)."""
-    if gemm != "scaled_mm" or device != "cpu":
-        return
-    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError) as err:
-        pytest.skip(f"this torch has no CPU torch._scaled_mm ({err})")
-
-
 @pytest.mark.parametrize(("case", "dtype"), [("ragged", torch.float32), ("round", torch.float16)])
 @pytest.mark.parametrize("gemm", FP8_GEMMS)
 def test_fused_lora_linear_fp8_matches_fake_quant_reference(
-    gemm, case, dtype, device, make_layout, make_lora
+    gemm, case, dtype, device, make_layout, make_lora, skip_without_cpu_scaled_mm
 ):
-    _needs_scaled_mm(gemm, device)
+    if gemm == "scaled_mm":
+        skip_without_cpu_scaled_mm(device)
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _fp8_inputs(
         case, dtype, device, make_layout, make_lora
     )

@@ -38,9 +38,8 @@ def _assert_quantized(q, scale, values, col_scale=None):
     assert not wrong.any(), f"{wrong.sum()} e4m3 values differ, rows {wrong.any(1).nonzero()[:5]}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("tokens", "width"), [(7, 45), (4, 64)], ids=["ragged", "round"])
-def test_swiglu_fp8_kernels_write_swiglu_and_its_quantization(tokens, width, dtype, device):
+def _check_kernels(tokens, width, dtype, device):
+    """Both kernels write `swiglu`'s values and `quantize_rows`' e4m3 rows, bit for bit."""
     x, dout, col_scale = _inputs(tokens, width, dtype, device)
     out, q, scale = swiglu_fp8_fwd(x)
     assert torch.equal(out, swiglu_fwd(x))
@@ -48,6 +47,12 @@ def test_swiglu_fp8_kernels_write_swiglu_and_its_quantization(tokens, width, dty
     dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
     assert torch.equal(dx, swiglu_bwd(dout, x))
     _assert_quantized(q, scale, dx, col_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("tokens", "width"), [(7, 45), (4, 64)], ids=["ragged", "round"])
+def test_swiglu_fp8_kernels_write_swiglu_and_its_quantization(tokens, width, dtype, device):
+    _check_kernels(tokens, width, dtype, device)
 
 
 def test_swiglu_fp8_quantizes_zero_rows_and_huge_values(device):
@@ -97,16 +102,6 @@ def test_swiglu_fp8_attaches_nothing_in_inference_mode(device):
     assert take_quantized(out) is None, "inference tensors keep no version to check"
 
 
-def _needs_cpu_scaled_mm(device):
-    if device != "cpu":
-        return
-    a = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
-    try:
-        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError) as err:
-        pytest.skip(f"this torch has no CPU torch._scaled_mm ({err})")
-
-
 def _count_quantizations(monkeypatch) -> list:
     """A list that grows by one at each `quantize_rows` launch of the FP8 linears."""
     module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
@@ -135,9 +130,9 @@ def _mlp_grads(activation, leaves, weights, layout, grad_out, gemm):
 
 @pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
 def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
-    gemm, device, make_layout, make_lora, monkeypatch
+    gemm, device, make_layout, make_lora, monkeypatch, skip_without_cpu_scaled_mm
 ):
-    _needs_cpu_scaled_mm(device)
+    skip_without_cpu_scaled_mm(device)
     hidden, width, dtype = 32, 48, torch.float32
     gen = torch.Generator().manual_seed(3)
     layout = make_layout([21, 13], device, seed=5)
@@ -165,13 +160,7 @@ def test_swiglu_fp8_bf16_at_8b_widths_on_gpu(width):
 
     if fp8_problem(torch.device("cuda")) is not None:
         pytest.skip(fp8_problem(torch.device("cuda")))
-    x, dout, col_scale = _inputs(1000, width, torch.bfloat16, "cuda")
-    out, q, scale = swiglu_fp8_fwd(x)
-    assert torch.equal(out, swiglu_fwd(x))
-    _assert_quantized(q, scale, out)
-    dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
-    assert torch.equal(dx, swiglu_bwd(dout, x))
-    _assert_quantized(q, scale, dx, col_scale)
+    _check_kernels(1000, width, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu
