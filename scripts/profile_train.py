@@ -2,6 +2,8 @@
 
     python -m scripts.profile_train --preset llama3.2-1b --adapters 1 --global-batch 8
     python -m scripts.profile_train --device cpu --preset tiny --samples 64 --max-seq-length 1024
+    python -m scripts.profile_train --preset llama3.1-8b --adapters 4 --samples 512 \
+        --set model.base_precision=fp8 train.recompute=none   # issue 34's speed job
 
 Runs `train.main` in this process on the issue 33 workload (`bench_train_cli`'s job) and
 times, per microbatch after a warm-up: the host's time in packing (`Session._make_batch`),
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="train.cuda_graphs"
     )
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="job file overrides"
+    )
     args = parser.parse_args(argv)
     bench = argparse.Namespace(
         samples=args.samples,
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         keep_last=1,
         save_buffer_gib=None,
         device=args.device,
+        from_checkpoint=None,
     )
     folder = Path(args.dir)
     job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0, args.cuda_graphs)
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
         events.extend(self.state.events)
 
     runner_module._Runner.run = run
-    train_main(load_config(job, ["train.output_dir=" + str(folder / "run")]))
+    train_main(load_config(job, ["train.output_dir=" + str(folder / "run"), *args.set]))
     w = args.warmup
 
     def med(values: list[float]) -> float:
