@@ -403,7 +403,9 @@ def test_fused_lora_linear_fp8_matches_fake_quant_reference(
         lora_b.float(),
         grad_y.float(),
     )
-    atol, rtol = TOL[dtype]
+    # A GPU's tensor cores multiply e4m3 operands and accumulate in less than fp32 (an fp32
+    # output ~1e-3 off on the H200): there fp32 is held to fp16's tolerance.
+    atol, rtol = TOL[dtype] if device == "cpu" else TOL[torch.float16]
     for name, g, w in zip(["y", "dx", "da", "db"], got, want, strict=True):
         torch.testing.assert_close(
             g.float(), w, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{case}/{gemm} {n}: {m}"
