@@ -92,6 +92,14 @@ def main(argv: list[str] | None = None) -> dict:
     job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0, args.cuda_graphs)
     phases = {k: [] for k in ("pack", "forward", "backward", "step", "confirm")}
     _timed(session_module.Session, "_make_batch", phases["pack"])
+    tokens: list[int] = []  # real (not padding) tokens of each microbatch packed
+    real_make_batch = session_module.Session._make_batch
+
+    def counted_make_batch(self, microbatch, index):
+        tokens.append(microbatch.tokens)
+        return real_make_batch(self, microbatch, index)
+
+    session_module.Session._make_batch = counted_make_batch
     _timed(session_module.Session, "_on_step", phases["confirm"])
     _timed(runner_module._Runner, "_forward", phases["forward"])
     _timed(runner_module._Runner, "_backward", phases["backward"])
@@ -168,16 +176,21 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = {kind: [e.compute_s for e in events if e.kind == kind][w:] for kind in ("F", "B", "O")}
     result = {f"host_{k}_ms": med(v) for k, v in phases.items()}
     result["wall_ms"] = med(walls)
+    timed = walls[w:] if len(walls) > w else walls
+    result["tokens_per_s"] = sum(tokens[len(walls) - len(timed) : len(walls)]) / max(
+        sum(timed), 1e-9
+    )
     for kind, values in gpu.items():
         result[f"gpu_{kind}_ms"] = 1e3 * statistics.median(values) if values else float("nan")
     print(
         f"{args.preset}, {args.adapters} adapter(s), global batch {args.global_batch}, "
         f"{len(walls)} microbatches ({w} warm-up), medians in ms; wall: host time from one "
-        "backward call to the next (the host runs ahead of the GPU unless it waits)"
+        "backward call to the next (the host runs ahead of the GPU unless it waits); "
+        "tokens_per_s: the timed microbatches' real tokens over their summed wall time"
     )
     print("| " + " | ".join(result) + " |")
     print("|" + "---|" * len(result))
-    print("| " + " | ".join(f"{v:.2f}" for v in result.values()) + " |")
+    print("| " + " | ".join(f"{v:.2f}" if v < 1e4 else f"{v:,.0f}" for v in result.values()) + " |")
     if kinds:
         _print_kinds(kinds, walls, gpu["F"], w)
     if first is not None and walls:  # a run with no microbatch has no profile

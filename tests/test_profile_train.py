@@ -10,6 +10,7 @@ def test_times_the_training_loop_with_job_overrides(tmp_path):
     args = ["--device", "cpu", "--preset", "tiny", "--samples", "16", "--max-seq-length", "256"]
     args += ["--warmup", "1", "--dir", str(folder), "--set", "train.recompute=none"]
     result = main(args)
+    assert result["tokens_per_s"] > 0
     for phase in ("pack", "forward", "backward", "step"):
         assert result[f"host_{phase}_ms"] > 0, phase
     assert result["wall_ms"] > 0
