@@ -22,13 +22,10 @@ docs/kernels.md records the designs measured on the H200 and why these two were 
 With an FP8 frozen weight (`Fp8Weight`, ``model.base_precision: fp8``) X is quantized per token
 for the frozen product only (the LoRA passes read X as it is): ``"triton"`` runs `lora_gemm` on
 the e4m3 operands (dequantized in its epilogue), ``"scaled_mm"`` runs ``torch._scaled_mm`` and
-the expand adds the LoRA term onto its output. In the backward, ``"triton"`` gives
-``dX = dY·W + drop(dS'·A)`` from `lora_gemm` too (the mask regenerated in its epilogue), so the
-pass over X computes dA alone; ``"scaled_mm"``'s frozen dX is a scaled GEMM
-(`fp8_linear.frozen_dgrad`), which has no C operand, so the fused expand of `lora_wgrad` adds
-the LoRA part onto it (one more read and write of dX). X's and dY's quantization is taken from
-their producer where it attached one (`fp8_linear.quantized_rows`: the SwiGLU kernels of an
-FP8 base). docs/fp8.md.
+the expand adds the LoRA term onto its output; the backward's frozen dX is a scaled GEMM too
+(`fp8_linear.frozen_dgrad`) that the fused expand of `lora_wgrad` adds onto. X's and dY's
+quantization is taken from their producer where it attached one (`fp8_linear.quantized_rows`:
+the SwiGLU kernels of an FP8 base). docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from megatron_lorafusion.ops.fp8_linear import (
     frozen_dgrad,
     quantized_rows,
 )
-from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale, unit_scales
+from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
@@ -82,18 +79,6 @@ def _resolve_fp8_gemm(gemm: str, x: torch.Tensor, weight: Fp8Weight) -> str:
     if gemm == "auto":
         return "triton" if x.is_cuda and _utils.is_hopper(x.device) else "scaled_mm"
     return gemm
-
-
-def _triton_dgrad(gemm: str, x: torch.Tensor, dy: torch.Tensor) -> bool:
-    """Whether an FP8 backward takes dX from `lora_gemm` (its epilogue adding ``drop(dS'·A)``).
-
-    With ``gemm="triton"`` and dX no wider than dY (H <= N). On the H200 the Triton dX plus
-    a wgrad pass that no longer writes dX took 1.01x / 0.97x / 0.96x the time of cuBLAS's dX
-    plus the wgrad's accumulating expand on the 8B's q/k/v, o and fc1, but 1.06x on fc2
-    (H = 14336 > N = 4096: the mask in the epilogue grows with dX's width, the GEMM with N;
-    T = 8192, 4 adapters r 16 p 0.1; docs/fp8.md).
-    """
-    return gemm == "triton" and x.shape[1] <= dy.shape[1]
 
 
 def resolve_gemm(gemm: str, x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> str:
@@ -221,7 +206,6 @@ class LoRALinearFunction(torch.autograd.Function):
         )
         ctx.layout = layout
         ctx.seed = seed
-        ctx.gemm = gemm
         ctx.has_bias = bias is not None
         return y
 
@@ -239,27 +223,9 @@ class LoRALinearFunction(torch.autograd.Function):
         ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0] and w_scale is not None and _triton_dgrad(ctx.gemm, x, dy):
-            # FP8: dX = dY·W + drop(dS'·A) in one Triton GEMM (the mask regenerated in its
-            # epilogue); the pass over X then gives dA alone.
-            dy_q, dy_scale = quantized_rows(dy, w_scale)  # dY·diag(s_w), (T, N) e4m3, (T,)
-            w_kmajor = Fp8Weight(weight, w_scale, w_t).transposed()  # (H, N)
-            grad_x = lora_gemm(
-                dy_q,
-                w_kmajor,
-                ds,
-                lora_a,
-                None,
-                layout,
-                x_scale=dy_scale,
-                w_scale=unit_scales(x.shape[1], str(x.device))[0],
-                dropouts=dropouts,
-                seed=seed,
-            )  # (T, H)
-            lora_wgrad_fwd(x, ds, grad_a.transpose(1, 2), dropouts, layout, seed)
-        elif ctx.needs_input_grad[0] and w_scale is not None:
-            # FP8 through cuBLAS: the frozen dX first (a scaled GEMM has no C), the LoRA part
-            # added onto it by the one pass over X that also gives dA.
+        if ctx.needs_input_grad[0] and w_scale is not None:
+            # FP8: the frozen dX first (a scaled GEMM has no C), the LoRA part added onto it
+            # by the one pass over X that also gives dA.
             grad_x = frozen_dgrad(dy, Fp8Weight(weight, w_scale, w_t), x.dtype)  # (T, H)
             lora_wgrad_fwd(
                 x,

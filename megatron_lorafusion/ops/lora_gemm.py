@@ -9,12 +9,8 @@ segment), so the epilogue reads a single adapter's ``B_a``. With FP8 operands (a
 
 Hopper-style: X, W and Y go through TMA tensor descriptors (host-side ``TensorDescriptor``);
 a persistent grid of one program per SM walks the tiles in grouped order; the epilogue runs
-on column sub-tiles so the LoRA product needs fewer registers.
-
-With ``dropouts`` the epilogue adds ``drop(S'·B_aᵀ)`` instead, the keep-mask regenerated over
-the output's columns: the backward's ``dX = dY·W + drop(dS'·A)`` of an FP8 base, whose scaled
-GEMM has no C operand to add a LoRA part written beforehand (`fused_lora_linear`). In bf16 this
-dX form lost to cuBLAS and is not used: docs/kernels.md, "What we tried".
+on column sub-tiles so the LoRA product needs fewer registers. The dX form (``dY·W`` with a
+dropout epilogue) lost to cuBLAS and was removed: docs/kernels.md, "What we tried".
 """
 
 from __future__ import annotations
@@ -31,8 +27,6 @@ from megatron_lorafusion.ops.layout import AdapterLayout
 if triton is not None:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from megatron_lorafusion.ops._utils import keep_mask_tile
 
     @triton.jit
     def _tile_coords(t, n_tiles, n_cols, GROUP_M: tl.constexpr):
@@ -62,21 +56,15 @@ if triton is not None:
         stride_br,
         stride_bn,
         stride_yt,
-        keys,
-        p,
-        seed,
         HAS_BIAS: tl.constexpr,
         HAS_SCALES: tl.constexpr,
-        HAS_DROPOUT: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """Add ``s·B_aᵀ`` (and the bias) to one column sub-tile ``acc`` and store it.
 
         ``s`` is (BLOCK_M, BLOCK_R) rows of ``S'``, ``col0`` the output column of ``acc``'s
         column 0. With FP8 operands (``HAS_SCALES``) ``acc`` is first dequantized by the
-        rows' ``x_scale`` (BLOCK_M,) and the columns' weight scales. With ``HAS_DROPOUT`` the
-        LoRA term is masked by the rows' ``keys`` (BLOCK_M,) under ``seed`` at the adapter's
-        dropout ``p`` and scaled by ``1/(1−p)``.
+        rows' ``x_scale`` (BLOCK_M,) and the columns' weight scales.
         """
         BLOCK_M: tl.constexpr = acc.shape[0]
         SUB_N: tl.constexpr = acc.shape[1]
@@ -95,12 +83,7 @@ if triton is not None:
             mask=(ranks < R)[:, None] & col_ok[None, :],
             other=0.0,
         )  # (BLOCK_R, SUB_N)
-        if HAS_DROPOUT:
-            lora = tl.dot(s, b, input_precision=DOT_PRECISION)  # (BLOCK_M, SUB_N)
-            keep = keep_mask_tile(seed, keys, col0, p, SUB_N)
-            acc += tl.where(keep, lora * (1.0 / (1.0 - p)), 0.0)
-        else:
-            acc = tl.dot(s, b, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(s, b, acc, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         val = acc.to(y_ptr.dtype.element_ty)
@@ -113,7 +96,7 @@ if triton is not None:
             out = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :]
             tl.store(out, val, mask=(rows < row_end)[:, None] & col_ok[None, :])
 
-    @triton.jit(do_not_specialize=["seed"])
+    @triton.jit
     def _lora_gemm_tma_kernel(
         x_desc,
         w_desc,
@@ -125,9 +108,6 @@ if triton is not None:
         x_scale_ptr,
         w_scale_ptr,
         tiles_ptr,
-        keys_ptr,
-        p_ptr,
-        seed,
         n_tiles,
         N,
         K,
@@ -139,7 +119,6 @@ if triton is not None:
         stride_yt,
         HAS_BIAS: tl.constexpr,
         HAS_SCALES: tl.constexpr,
-        HAS_DROPOUT: tl.constexpr,
         MAIN_PRECISION: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         GROUP_M: tl.constexpr,
@@ -179,11 +158,6 @@ if triton is not None:
             x_scale = 1.0
             if HAS_SCALES:  # FP8 X: each row's dequantization scale, (BLOCK_M,)
                 x_scale = tl.load(x_scale_ptr + rows, mask=rows < row_end, other=0.0)
-            keys = rows
-            p = 0.0
-            if HAS_DROPOUT:  # the rows' dropout keys and the adapter's probability
-                keys = tl.load(keys_ptr + rows, mask=rows < row_end, other=0)
-                p = tl.load(p_ptr + adapter)
             # Sub-tiles of SUB_N columns: the LoRA product lives for one sub-tile at a time.
             if EPI_SPLIT == 1:
                 _epilogue(
@@ -205,12 +179,8 @@ if triton is not None:
                     stride_br,
                     stride_bn,
                     stride_yt,
-                    keys,
-                    p,
-                    seed,
                     HAS_BIAS,
                     HAS_SCALES,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
             else:  # EPI_SPLIT == 2
@@ -235,12 +205,8 @@ if triton is not None:
                     stride_br,
                     stride_bn,
                     stride_yt,
-                    keys,
-                    p,
-                    seed,
                     HAS_BIAS,
                     HAS_SCALES,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
                 _epilogue(
@@ -262,12 +228,8 @@ if triton is not None:
                     stride_br,
                     stride_bn,
                     stride_yt,
-                    keys,
-                    p,
-                    seed,
                     HAS_BIAS,
                     HAS_SCALES,
-                    HAS_DROPOUT,
                     DOT_PRECISION,
                 )
 
@@ -345,11 +307,10 @@ def tma_supported(
     return rows_ok(x) and rows_ok(weight) and out_ok
 
 
-def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig, scales=None, mask=None):
+def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig, scales=None):
     """Launch the kernel; returns Triton's compiled kernel (registers, spills).
 
-    ``scales``: ``(x_scale, w_scale)`` of FP8 operands, or None. ``mask``: ``(dropouts,
-    seed)`` of the LoRA term, or None.
+    ``scales``: ``(x_scale, w_scale)`` of FP8 operands, or None.
     """
     tokens, inner = x.shape
     width = weight.shape[0]
@@ -375,9 +336,6 @@ def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig, scales=None, m
         scales[0] if scales is not None else s,
         scales[1] if scales is not None else s,
         tiles,
-        layout.keys() if mask is not None else tiles,
-        mask[0] if mask is not None else s,
-        mask[1] if mask is not None else 0,
         tiles.shape[0],
         width,
         inner,
@@ -389,7 +347,6 @@ def _launch(x, weight, s, b_t, bias, layout, out, cfg: TmaConfig, scales=None, m
         out.stride(0),
         HAS_BIAS=bias is not None,
         HAS_SCALES=scales is not None,
-        HAS_DROPOUT=mask is not None,
         MAIN_PRECISION="ieee" if x.dtype == torch.float32 else None,
         DOT_PRECISION="ieee" if s.dtype == torch.float32 else None,
         GROUP_M=_GROUP_M,
@@ -433,16 +390,11 @@ def lora_gemm(
     *,
     x_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
-    dropouts: torch.Tensor | None = None,
-    seed: int = 0,
 ) -> torch.Tensor:
     """``Y = X·Wᵀ + S'·B_aᵀ + b`` per adapter segment, in one launch.
 
     With FP8 operands (``x_scale`` and ``w_scale`` given) the frozen product is
     ``(X_q·W_qᵀ)·s_x·s_w`` (`ops.fp8_quant`), dequantized in the epilogue before the LoRA term.
-    With ``dropouts`` the LoRA term is ``drop_a(S'·B_aᵀ)``: the keep-mask of
-    `fused_dropout_keep_mask` over Y's N columns (rows keyed by ``layout.row_keys``), kept
-    elements scaled by ``1/(1−p_a)``; the backward's ``dY·W + drop(dS'·A)`` with ``b_t = A``.
 
     Args:
         x: (T, K) input, unit-stride rows, 16-byte aligned; e4m3 with scales.
@@ -454,9 +406,6 @@ def lora_gemm(
         layout: the microbatch's adapter layout.
         x_scale: (T,) fp32 dequantization scale of each row of an e4m3 ``x``, or None.
         w_scale: (N,) fp32 dequantization scale of each row of an e4m3 ``weight``, or None.
-        dropouts: (A,) fp32 dropout probability of each adapter's LoRA term, on ``x``'s
-            device, or None (no mask).
-        seed: Philox seed of the mask (`_utils.mixed_seed` of the layout's and the layer's).
 
     Returns:
         (T, N) tensor in ``s``'s dtype.
@@ -470,8 +419,6 @@ def lora_gemm(
         raise ValueError("x_scale and w_scale go together (FP8 operands), got one of them")
     scales = None if x_scale is None else (x_scale, w_scale)
     _check_inputs(x, weight, s, b_t, layout, scales)
-    _utils.check_dropouts(dropouts, layout.num_adapters, x.device)
-    mask = None if dropouts is None else (dropouts, seed)
     tokens, width = x.shape[0], weight.shape[0]
     out = torch.empty(tokens, width, dtype=s.dtype, device=x.device)
     if tokens == 0:
@@ -491,9 +438,9 @@ def lora_gemm(
         x.device,
         _hopper_config,
         _TMA_TILE_CONFIGS,
-        lambda cfg: _launch(*args, cfg, scales, mask),
+        lambda cfg: _launch(*args, cfg, scales),
     )
-    _launch(*args, config, scales, mask)
+    _launch(*args, config, scales)
     return out
 
 
@@ -507,21 +454,13 @@ def lora_gemm_ref(
     *,
     x_scale: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
-    keep_mask: torch.Tensor | None = None,
-    dropouts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference of `lora_gemm` (fp32 accumulation), in ``s``'s dtype.
-
-    ``keep_mask`` (T, N) bool and ``dropouts`` (A,): the LoRA term's mask and probabilities.
-    """
+    """Torch reference of `lora_gemm` (fp32 accumulation), in ``s``'s dtype."""
     out = x.float() @ weight.float().t()
     if x_scale is not None:
         out = out * x_scale[:, None] * w_scale[None, :]
     for adapter, start, end in layout.segments():
-        lora = s[start:end].float() @ b_t[adapter].float()  # (T_a, N)
-        if keep_mask is not None and dropouts is not None:
-            lora = lora * keep_mask[start:end] / (1.0 - float(dropouts[adapter]))
-        out[start:end] += lora
+        out[start:end] += s[start:end].float() @ b_t[adapter].float()  # (T_a, N)
     if bias is not None:
         out += bias.float()
     return out.to(s.dtype)

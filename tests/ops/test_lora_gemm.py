@@ -21,12 +21,6 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (5e-3, 5e-3)}
 # A GPU's tensor cores multiply e4m3 operands and accumulate in less than fp32: an fp32
 # output is ~1e-3 off the fp32 reference (H200), so FP8 tests there hold fp32 to fp16's.
 FP8_GPU_TOL = (5e-3, 5e-3)
-
-
-def _fp8_tol(dtype, device):
-    return TOL[dtype] if device == "cpu" else max(TOL[dtype], FP8_GPU_TOL)
-
-
 BF16_REL_ERR = 1e-2  # ||out - ref|| / ||ref|| against the fp32 reference, bf16 operands
 
 
@@ -122,57 +116,16 @@ def test_lora_gemm_fp8_operands_match_reference(dtype, device, make_layout, make
     got = lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
     want = lora_gemm_ref(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
     assert got.dtype == dtype, "the output takes the compute dtype of S'"
-    atol, rtol = _fp8_tol(dtype, device)
+    atol, rtol = TOL[dtype] if device == "cpu" else max(TOL[dtype], FP8_GPU_TOL)
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg="fp8 gemm")
     with pytest.raises(ValueError, match="x_scale and w_scale go together"):
         lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_lora_gemm_masks_the_lora_term_like_the_dropout_of_its_input(
-    dtype, device, make_layout, make_lora
-):
-    """The backward's dX form: ``dY·W + drop(dS'·A)``, the mask drawn over Y's columns as the
-    forward's shrink draws it over X's (`fused_dropout_keep_mask`)."""
-    from megatron_lorafusion.ops import _utils, fused_dropout_keep_mask
-
-    layout = make_layout([20, 0, 13, 29], device, seed=8)
-    x_q, x_scale, w_q, w_scale, s, b_t, _ = _fp8_problem(
-        layout, 48, 64, [6, 2, 4, 8], dtype, device, make_lora
-    )
-    dropouts = [0.3, 0.2, 0.0, 0.5]
-    probs = torch.tensor(dropouts, device=device)
-    keep = fused_dropout_keep_mask(layout, dropouts, 64, 3, device)
-    seed = _utils.mixed_seed(layout.dropout_seed, 3)
-    got = lora_gemm(
-        x_q, w_q, s, b_t, None, layout, x_scale=x_scale, w_scale=w_scale, dropouts=probs, seed=seed
-    )
-    want = lora_gemm_ref(
-        x_q,
-        w_q,
-        s,
-        b_t,
-        None,
-        layout,
-        x_scale=x_scale,
-        w_scale=w_scale,
-        keep_mask=keep,
-        dropouts=probs,
-    )
-    atol, rtol = _fp8_tol(dtype, device)
-    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg="masked")
-    unmasked = lora_gemm(x_q, w_q, s, b_t, None, layout, x_scale=x_scale, w_scale=w_scale)
-    assert not torch.allclose(got.float(), unmasked.float(), atol=atol, rtol=rtol), "no mask"
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("masked", [False, True], ids=["forward", "dx-masked"])
 @pytest.mark.parametrize("cfg", _FP8_CONFIGS, ids=lambda c: c.label().replace(" ", "-"))
-def test_lora_gemm_tma_fp8_configs(cfg, masked, make_layout, make_lora, monkeypatch):
-    # The FP8 candidates, as fused_lora_linear calls them (bf16 S', B, bias); ragged layout;
-    # "dx-masked": the backward's form, the LoRA term under the dropout mask.
-    from megatron_lorafusion.ops import _utils, fused_dropout_keep_mask
-
+def test_lora_gemm_tma_fp8_configs(cfg, make_layout, make_lora, monkeypatch):
+    # The FP8 candidates, as fused_lora_linear calls them (bf16 S', B, bias); ragged layout.
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the tile configs are Hopper's; other GPUs time them (pick_config)")
     monkeypatch.setattr(sys.modules[lora_gemm.__module__], "_hopper_config", lambda key: cfg)
@@ -180,13 +133,7 @@ def test_lora_gemm_tma_fp8_configs(cfg, masked, make_layout, make_lora, monkeypa
     x_q, x_scale, w_q, w_scale, s, b_t, bias = _fp8_problem(
         layout, 512, 384, [16, 8, 16, 4], torch.bfloat16, "cuda", make_lora
     )
-    dropouts = [0.1, 0.0, 0.3, 0.0]
-    probs = torch.tensor(dropouts, device="cuda") if masked else None
-    keep = fused_dropout_keep_mask(layout, dropouts, 384, 3, "cuda") if masked else None
-    seed = _utils.mixed_seed(layout.dropout_seed, 3)
-    got = lora_gemm(
-        x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale, dropouts=probs, seed=seed
-    )
+    got = lora_gemm(x_q, w_q, s, b_t, bias, layout, x_scale=x_scale, w_scale=w_scale)
     want = lora_gemm_ref(
         x_q,
         w_q,
@@ -196,8 +143,6 @@ def test_lora_gemm_tma_fp8_configs(cfg, masked, make_layout, make_lora, monkeypa
         layout,
         x_scale=x_scale,
         w_scale=w_scale,
-        keep_mask=keep,
-        dropouts=probs,
     )
     assert got.isfinite().all(), f"{cfg.label()}: non-finite output"
     err = _rel_err(got, want)
