@@ -9,9 +9,9 @@ scales (``col_scale``), which moves them out of the contraction of ``dX = dY·W`
 reference compute the same scale with integer operations, bit for bit.
 
 A tensor's producer may quantize it as it writes it and hand the result to the FP8 linear
-that reads it (`attach_quantized`, `take_quantized`: the SwiGLU kernels under an FP8 base);
-`pow2_row_scales` and `quantize_row_blocks` are the Triton helpers such kernels share with
-the quantizer.
+that reads it (`attach_quantized`, `take_quantized`: the SwiGLU and RMSNorm kernels under an
+FP8 base); `pow2_row_scales`, `store_quantized_rows` and `quantize_row_blocks` are the Triton
+helpers such kernels share with the quantizer.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _store_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
+    def store_quantized_rows(q_rows, cols, ok, v, inv, HW_CAST: tl.constexpr):
         """Store ``v / scale`` of the rows in e4m3 (or its grid values in fp32)."""
         v = tl.minimum(tl.maximum(v * inv[:, None], -448.0), 448.0)
         if HW_CAST:  # cvt.rn.satfinite: to nearest even, as `_e4m3_grid`
@@ -147,7 +147,7 @@ if triton is not None:
             cols = d0 + tl.arange(0, BLOCK_D)
             ok = row_ok[:, None] & (cols < D)[None, :]
             v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
-            _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
+            store_quantized_rows(q_rows, cols, ok, v, inv, HW_CAST)
 
     @triton.jit
     def pow2_row_scales(amax):
@@ -158,7 +158,7 @@ if triton is not None:
         inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
         return scale, inv
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])  # the token count: one compiled kernel for all
     def _quantize_rows_kernel(
         x_ptr,
         col_ptr,
@@ -188,7 +188,7 @@ if triton is not None:
             v = _load_rows(x_rows, col_ptr, cols, ok, D, HAS_COL_SCALE)
             scale, inv = pow2_row_scales(tl.max(tl.abs(v), axis=1))
             tl.store(scale_ptr + rows, scale, mask=row_ok)
-            _store_rows(q_rows, cols, ok, v, inv, HW_CAST)
+            store_quantized_rows(q_rows, cols, ok, v, inv, HW_CAST)
         else:
             if HAS_PARTS:  # the producer's maxima of column blocks: no pass of our own
                 parts = tl.arange(0, BLOCK_P)
