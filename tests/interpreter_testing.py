@@ -24,6 +24,7 @@ KERNEL_MODULES = (  # dependency order: helpers first
     "megatron_lorafusion.ops.lora_wgrad",
     "megatron_lorafusion.ops.lora_up_bwd",
     "megatron_lorafusion.ops.fp8_quant",
+    "megatron_lorafusion.ops.rms_norm",
     "megatron_lorafusion.ops.fp8_linear",
     "megatron_lorafusion.ops.lora_gemm",
     "megatron_lorafusion.ops.fused_lora_linear",

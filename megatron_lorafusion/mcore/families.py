@@ -30,7 +30,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_lorafusion.config import ModelConfig
 from megatron_lorafusion.mcore.attention import VarlenCoreAttention
-from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedGeGLU, FusedSwiGLU
+from megatron_lorafusion.mcore.fused_base import (
+    FrozenRMSNorm,
+    FusedGeGLU,
+    FusedSwiGLU,
+    ResidualRMSNorm,
+)
 from megatron_lorafusion.mcore.self_attention import PackedSelfAttention, PostNormSelfAttention
 
 __all__ = ["PostNormMLP", "embedding_scale", "family_layer_spec", "scale_word_embeddings"]
@@ -60,7 +65,7 @@ class PostNormMLP(MLP):
 def family_layer_spec(family: str) -> ModuleSpec:
     """The decoder layer of ``family`` on Megatron's local spec (RMSNorm everywhere).
 
-    Every family: `PackedSelfAttention` over `VarlenCoreAttention`, `FrozenRMSNorm` pre-norms.
+    Every family: `PackedSelfAttention` over `VarlenCoreAttention`, `ResidualRMSNorm` pre-norms.
     llama: `FusedSwiGLU`; qwen3: plus `FrozenRMSNorm` q/k norms (``config.qk_layernorm``);
     gemma3: q/k norms, `PostNormSelfAttention`, `PostNormMLP` and `FusedGeGLU`.
 
@@ -76,8 +81,8 @@ def family_layer_spec(family: str) -> ModuleSpec:
     if family != "llama":
         attention.submodules.q_layernorm = FrozenRMSNorm
         attention.submodules.k_layernorm = FrozenRMSNorm
-    spec.submodules.input_layernorm = FrozenRMSNorm
-    spec.submodules.pre_mlp_layernorm = FrozenRMSNorm
+    spec.submodules.input_layernorm = ResidualRMSNorm
+    spec.submodules.pre_mlp_layernorm = ResidualRMSNorm
     mlp = spec.submodules.mlp  # functools.partial(MLP.as_mlp_submodule, submodules=...)
     activation = FusedGeGLU if family == "gemma3" else FusedSwiGLU
     submodules = dataclasses.replace(mlp.keywords["submodules"], activation_func=activation)

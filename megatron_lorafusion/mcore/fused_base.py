@@ -5,8 +5,11 @@ On CUDA SwiGLU (GeGLU for Gemma 3), RoPE and the output layer's loss run our fus
 both paths compute one function. Every module asks `use_fused_kernels` (looked up on this
 module at call time, so a test can switch the Triton path on under the interpreter):
 
-- `FrozenRMSNorm`: the layer norms and the final norm (spec substitution; torch's fused
-  ``F.rms_norm`` everywhere, faster than ours and Liger's on the H200);
+- `FrozenRMSNorm`: the final norm and the per-head q/k norms (spec substitution; our
+  `ops.rms_norm` on CUDA, torch's ``F.rms_norm`` elsewhere); `ResidualRMSNorm`, the layers'
+  two pre-norms, also hands Megatron's layer the residual connection, whose gradient the
+  norm's backward then adds in its own pass; `Fp8ResidualRMSNorm` under an FP8 base also
+  quantizes its output for the FP8 linear it feeds;
 - `FusedSwiGLU` / `FusedGeGLU`: MLP's activation module (``MLPSubmodules.activation_func``,
   which Megatron builds when ``config.use_te_activation_func`` is set; nothing of Transformer
   Engine is used); `Fp8SwiGLU` under an FP8 base also quantizes for the FP8 linears around it;
@@ -15,7 +18,7 @@ module at call time, so a test can switch the Triton path on under the interpret
   states by chunked linear cross-entropy, never the full ``(T, V)`` fp32 logits;
 - RoPE: `VarlenCoreAttention` calls `apply_rope`.
 
-`FrozenRMSNorm` and the GLU activations mark their outputs with how to recompute them
+The norms and the GLU activations mark their outputs with how to recompute them
 (`input_rebuild`), so the LoRA wrapper of the linear they feed can rebuild its input in
 backward instead of keeping it (selective recompute, ``train.recompute``).
 """
@@ -26,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -34,6 +38,8 @@ from megatron_lorafusion.ops import (
     geglu_ref,
     grad_col_scale,
     linear_cross_entropy,
+    rms_norm,
+    rms_norm_residual,
     rope,
     rope_ref,
     swiglu,
@@ -41,6 +47,8 @@ from megatron_lorafusion.ops import (
     swiglu_ref,
     triton_usable,
 )
+from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale
+from megatron_lorafusion.ops.rms_norm import MAX_WIDTH
 
 IGNORE_INDEX = -100
 """Label of tokens without loss (the fused loss gives them 0 and no gradient)."""
@@ -89,11 +97,9 @@ class FrozenRMSNorm(torch.nn.RMSNorm):
     Engine) refuses sequence parallelism because each TP rank then sees ``T / tp`` rows, so
     the weight's gradient is a partial sum needing an all-reduce it does not set up. Base
     weights here are frozen (no gradient), so the plain norm is exact; the weight carries
-    Megatron's ``sequence_parallel`` mark all the same. torch's own fused ``F.rms_norm`` runs
-    on every device when input and weight share a dtype: on the H200 (T = 8192, H = 4096, bf16,
-    forward + backward) it took 0.14 ms against 0.37 ms for a Triton kernel of ours and 0.46 ms
-    for Liger-Kernel's (`scripts.bench_base_ops`, device run 5 of 2026-12-01; the Triton op is
-    in git history, commit 5c344e7).
+    Megatron's ``sequence_parallel`` mark all the same. On CUDA a frozen weight's norm runs
+    `ops.rms_norm` (whole rows per program, no weight gradient); elsewhere, for rows wider
+    than its kernels hold, or for a weight that learns, torch's ``F.rms_norm``.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs):
@@ -112,8 +118,88 @@ class FrozenRMSNorm(torch.nn.RMSNorm):
         """
         return _mark_rebuildable(self._normalise(x), self._normalise, x)
 
+    def _fused(self, x: torch.Tensor) -> bool:
+        return use_fused_kernels(x) and x.shape[-1] <= MAX_WIDTH and not self.weight.requires_grad
+
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused(x):
+            return rms_norm(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class ResidualRMSNorm(FrozenRMSNorm):
+    """A layer's pre-norm that also returns the residual connection: ``(output, residual)``.
+
+    Megatron's ``TransformerLayer`` takes a norm's ``(output, residual)`` pair and adds the
+    block's output to ``residual`` instead of to its input. On the fused path ``residual`` is
+    the input again, returned by the norm's own autograd function (`ops.rms_norm_residual`),
+    so the input's two gradients meet in the norm's backward kernel rather than in an add of
+    autograd's (one per norm, 64 per Llama-8B microbatch); elsewhere it is the input itself.
+    """
+
+    quantize_output = False
+    """Also write the output's e4m3 rows for the FP8 linear it feeds (`Fp8ResidualRMSNorm`)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(normalised x, x)``; the first carries `input_rebuild`'s mark (from ``x``)."""
+        if not self._fused(x):
+            return super().forward(x), x
+        quantize = self._quantizes(x)
+        col_scale = None
+        if quantize and torch.is_grad_enabled() and x.requires_grad:
+            col_scale = grad_col_scale(x)  # set by `fp8_bias_dropout_add`
+        out, residual = rms_norm_residual(
+            x.contiguous(), self.weight, self.eps, quantize=quantize, grad_col_scale=col_scale
+        )
+        return _mark_rebuildable(out, self._normalise, x), residual
+
+    def _quantizes(self, x: torch.Tensor) -> bool:
+        packed = x.dim() != 3 or x.shape[1] == 1  # b > 1: the linear reads a tokens-major copy
+        return (
+            self.quantize_output
+            and packed
+            and not self.weight.sequence_parallel  # the linear reads a gathered copy
+            and not torch.is_inference_mode_enabled()
+        )
+
+
+class Fp8ResidualRMSNorm(ResidualRMSNorm):
+    """`ResidualRMSNorm` of an FP8 base: its kernels also quantize for the FP8 linears.
+
+    The forward quantizes the output per row: the FP8 linear it feeds (``linear_qkv``,
+    ``linear_fc1``) takes the e4m3 rows instead of reading the output again
+    (`fp8_quant.take_quantized`). The input is the residual stream, the sum that
+    `fp8_bias_dropout_add` marked with the weight scales of the FP8 linear added into it
+    (``linear_proj``, or the layer before's ``linear_fc2``); the backward then also quantizes
+    the input's gradient, which is that linear's incoming gradient, for its dX GEMM. Not under
+    sequence parallelism (the linears read all-gathered or reduce-scattered copies), for a
+    batch of b > 1 (tokens-major copies) or in inference mode.
+    """
+
+    quantize_output = True
+
+
+def fp8_bias_dropout_add(training: bool, fused: bool) -> Callable:
+    """Megatron's bias-dropout-add whose sum carries the FP8 block output's gradient scales.
+
+    The layer's ``self_attn_bda`` / ``mlp_bda`` under an FP8 base. ``residual + x``'s gradient
+    reaches ``x`` (``linear_proj``'s or ``linear_fc2``'s output) unchanged when there is no
+    dropout and both share a dtype, so the weight scales the FP8 linear left on ``x``
+    (`fp8_quant.mark_grad_col_scale`) are marked on the sum too: the norm that reads the sum
+    (`Fp8ResidualRMSNorm`) produces that gradient and quantizes it for the linear.
+    """
+    add = get_bias_dropout_add(training, fused)
+
+    def bias_dropout_add(x_with_bias, residual: torch.Tensor, prob: float) -> torch.Tensor:
+        out = add(x_with_bias, residual, prob)
+        x = x_with_bias[0]
+        col_scale = grad_col_scale(x)
+        passes_grad = prob == 0.0 or not training
+        if col_scale is not None and passes_grad and out.dtype == x.dtype and out.shape == x.shape:
+            mark_grad_col_scale(out, col_scale)
+        return out
+
+    return bias_dropout_add
 
 
 class FusedSwiGLU(torch.nn.Module):

@@ -45,10 +45,12 @@ from megatron_lorafusion.mcore.fp8 import (
     materialize_fp8_model,
 )
 from megatron_lorafusion.mcore.fused_base import (
+    Fp8ResidualRMSNorm,
     Fp8SwiGLU,
     FrozenRMSNorm,
     FusedSwiGLU,
     LoRAFusionGPTModel,
+    fp8_bias_dropout_add,
 )
 from megatron_lorafusion.mcore.hf_import import check_hf_config, hf_weight_source, load_hf_weights
 from megatron_lorafusion.ops import check_fp8_device
@@ -372,16 +374,22 @@ def get_gpt_lora_layer_spec(family: str = "llama", base_precision: str = "bf16")
 
     `PackedSelfAttention` over `VarlenCoreAttention`. LoRA is not part of the spec:
     `apply_lora` wraps the built linears instead, so base weights can be loaded first. Norms
-    are `FrozenRMSNorm` (sequence-parallel capable, fused on CUDA); the MLP's activation module
-    is `FusedSwiGLU` or `FusedGeGLU` (built by Megatron's MLP when the config sets
-    ``use_te_activation_func``, as `_transformer_config` does). With
-    ``base_precision="fp8"`` the four linears are `Fp8ColumnParallelLinear` /
-    `Fp8RowParallelLinear`, and SwiGLU is `Fp8SwiGLU` (it quantizes fc2's input and fc1's
-    incoming gradient as it writes them).
+    are `ResidualRMSNorm` (sequence-parallel capable, fused on CUDA, handing the layer its
+    residual); the MLP's activation module is `FusedSwiGLU` or `FusedGeGLU` (built by
+    Megatron's MLP when the config sets ``use_te_activation_func``, as `_transformer_config`
+    does). With ``base_precision="fp8"`` the four linears are `Fp8ColumnParallelLinear` /
+    `Fp8RowParallelLinear`, the norms `Fp8ResidualRMSNorm` (they quantize qkv's and fc1's
+    input as they write it, and proj's and fc2's incoming gradient, marked on the residual
+    stream by `fp8_bias_dropout_add`) and SwiGLU is `Fp8SwiGLU` (it quantizes fc2's input and
+    fc1's incoming gradient as it writes them).
     """
     spec = family_layer_spec(family)
     if base_precision != "fp8":
         return spec
+    spec.submodules.input_layernorm = Fp8ResidualRMSNorm
+    spec.submodules.pre_mlp_layernorm = Fp8ResidualRMSNorm
+    spec.submodules.self_attn_bda = fp8_bias_dropout_add
+    spec.submodules.mlp_bda = fp8_bias_dropout_add
     attention = spec.submodules.self_attention
     attention.submodules.linear_qkv = Fp8ColumnParallelLinear
     attention.submodules.linear_proj = Fp8RowParallelLinear

@@ -74,6 +74,12 @@ from megatron_lorafusion.ops.packed_factor import (
     packed_slot,
 )
 from megatron_lorafusion.ops.qkv_rope import QKVRoPEFunction, qkv_rope, qkv_rope_ref
+from megatron_lorafusion.ops.rms_norm import (
+    RMSNormFunction,
+    rms_norm,
+    rms_norm_ref,
+    rms_norm_residual,
+)
 from megatron_lorafusion.ops.rope import RoPEFunction, rope, rope_ref
 from megatron_lorafusion.ops.row_norms import row_squared_norms, row_squared_norms_ref
 from megatron_lorafusion.ops.saved_input import InputRebuild
@@ -95,6 +101,7 @@ __all__ = [
     "PackedFactorsFunction",
     "PackedSlotFunction",
     "QKVRoPEFunction",
+    "RMSNormFunction",
     "RoPEFunction",
     "SwiGLUFunction",
     "adapter_adamw_",
@@ -143,6 +150,9 @@ __all__ = [
     "quantize_rows_ref",
     "quantize_weight",
     "resolve_gemm",
+    "rms_norm",
+    "rms_norm_ref",
+    "rms_norm_residual",
     "rope",
     "rope_ref",
     "row_squared_norms",

@@ -27,7 +27,12 @@ from megatron_lorafusion.mcore import (
     build_gpt_model,
     fp8_weight,
 )
-from megatron_lorafusion.mcore.fused_base import Fp8SwiGLU, FusedSwiGLU
+from megatron_lorafusion.mcore.fused_base import (
+    Fp8ResidualRMSNorm,
+    Fp8SwiGLU,
+    FusedSwiGLU,
+    fp8_bias_dropout_add,
+)
 from megatron_lorafusion.ops import FP8_DTYPE, quantize_weight
 
 FP8 = dataclasses.replace(TINY, base_precision="fp8")
@@ -65,6 +70,11 @@ def test_fp8_model_quantizes_the_full_precision_weights(megatron_single_process)
             assert got.data_t is None, "CPU runs keep no transposed copy"
         activation = fp8.decoder.layers[layer].mlp.activation_func
         assert isinstance(activation, Fp8SwiGLU), "SwiGLU quantizes for the FP8 linears"
+        for norm in ("input_layernorm", "pre_mlp_layernorm"):
+            module = getattr(fp8.decoder.layers[layer], norm)
+            assert isinstance(module, Fp8ResidualRMSNorm), f"{norm} quantizes for qkv / fc1"
+        assert fp8.decoder.layers[layer].self_attn_bda is fp8_bias_dropout_add
+        assert fp8.decoder.layers[layer].mlp_bda is fp8_bias_dropout_add
     fp8_params = dict(fp8.named_parameters())
     for name, param in full.named_parameters():
         if param.dim() == 2 and ".layers." in name:
@@ -178,11 +188,10 @@ def test_fp8_cuda_load_quantizes_the_full_precision_weights(megatron_single_proc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-def test_fp8_swiglu_hand_over_keeps_every_bit_of_training(
-    megatron_single_process, recompute, monkeypatch
-):
-    """`Fp8SwiGLU` (its kernels quantize fc2's X and fc1's dY) against `FusedSwiGLU` (the
-    linears quantize them): the same loss and adapter gradients, bit for bit."""
+def test_fp8_hand_overs_keep_every_bit_of_training(megatron_single_process, recompute, monkeypatch):
+    """`Fp8SwiGLU` (its kernels quantize fc2's X and fc1's dY) and `Fp8ResidualRMSNorm` (qkv's
+    and fc1's X, proj's and fc2's dY) against `FusedSwiGLU` and norms that do not quantize
+    (the linears quantize all of them): the same loss and adapter gradients, bit for bit."""
     from megatron_lorafusion.mcore.recompute import apply_recompute
 
     module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
@@ -198,6 +207,8 @@ def test_fp8_swiglu_hand_over_keeps_every_bit_of_training(
         if not handover:
             for layer in model.decoder.layers:
                 layer.mlp.activation_func = FusedSwiGLU(model.config)
+                layer.input_layernorm.quantize_output = False
+                layer.pre_mlp_layernorm.quantize_output = False
         context = apply_lora(model, ADAPTERS, seed=4)
         randomize_lora_b(context, seed=5)
         apply_recompute(model, context, recompute)
@@ -208,6 +219,9 @@ def test_fp8_swiglu_hand_over_keeps_every_bit_of_training(
         counts.append(len(calls))
         calls.clear()
     assert counts[0] < counts[1], f"the linears quantized {counts} times: no hand-over"
+    if recompute == "none":  # per layer: qkv's, fc1's, fc2's X; fc1's, proj's, fc2's dY (from
+        # the next layer's norm: not the last layer's)
+        assert counts[1] - counts[0] == 6 * FP8.num_layers - 1, f"quantized {counts} times"
     (loss, grads), (want_loss, want_grads) = results
     assert torch.equal(loss, want_loss), f"loss differs by {(loss - want_loss).abs().max()}"
     for a, named in want_grads.items():

@@ -17,7 +17,12 @@ from interpreter_testing import reload_interpreted
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 from megatron_lorafusion.mcore import apply_lora, build_gpt_model
-from megatron_lorafusion.mcore.fused_base import FrozenRMSNorm, FusedSwiGLU, input_rebuild
+from megatron_lorafusion.mcore.fused_base import (
+    FrozenRMSNorm,
+    FusedSwiGLU,
+    ResidualRMSNorm,
+    input_rebuild,
+)
 
 # dtype -> tolerances: fp32, the fused ops differ from the references in summation order.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5)}
@@ -50,8 +55,8 @@ def _run(fused: bool, labels_weight: torch.Tensor | None = None):
 
 def test_built_model_uses_fused_modules(tiny_model):
     layer = tiny_model.decoder.layers[0]
-    assert isinstance(layer.input_layernorm, FrozenRMSNorm)
-    assert isinstance(layer.pre_mlp_layernorm, FrozenRMSNorm)
+    assert isinstance(layer.input_layernorm, ResidualRMSNorm)
+    assert isinstance(layer.pre_mlp_layernorm, ResidualRMSNorm)
     assert isinstance(tiny_model.decoder.final_layernorm, FrozenRMSNorm)
     assert isinstance(layer.mlp.activation_func, FusedSwiGLU)
 
@@ -70,6 +75,7 @@ def test_fused_base_matches_unfused(megatron_single_process):
     weight[0, ::4] = 0.0  # masked-out tokens
     loss, logits, grads = _run(False, weight)
     launchers = {
+        "rms_norm": "rms_norm_bwd",
         "swiglu": "swiglu_fwd",
         "qkv_rope": "qkv_rope_fwd",
         "linear_cross_entropy": "cross_entropy_fwd",
@@ -140,8 +146,11 @@ def test_norm_and_swiglu_outputs_carry_their_rebuild(tiny_model):
     input; no mark without autograd, on a view, after an in-place write or when the input needs
     no gradient (then nothing else saves it)."""
     layer = tiny_model.decoder.layers[0]
+    source = torch.randn(6, 1, TINY.hidden_size)
+    out, residual = layer.input_layernorm(source)
+    assert residual is source, "off the fused path the residual is the input itself"
     cases = {
-        "norm": (layer.input_layernorm, TINY.hidden_size),
+        "norm": (lambda x: layer.input_layernorm(x)[0], TINY.hidden_size),
         "swiglu": (layer.mlp.activation_func, 2 * TINY.ffn_hidden_size),
     }
     for name, (module, width) in cases.items():

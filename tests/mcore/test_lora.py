@@ -310,7 +310,10 @@ def test_wrapper_rebuilds_a_fused_base_output_and_keeps_any_other_input(tiny_mod
     context = apply_lora(tiny_model.train(), ADAPTERS, seed=2)
     layer = tiny_model.decoder.layers[1]
     wrapper = layer.get_submodule(wrapped)
-    producer = layer.input_layernorm if wrapped.endswith("qkv") else layer.mlp.activation_func
+    if wrapped.endswith("qkv"):
+        producer = lambda x: layer.input_layernorm(x)[0]  # noqa: E731 - (output, residual)
+    else:
+        producer = layer.mlp.activation_func
     width = TINY.hidden_size if wrapped.endswith("qkv") else 2 * TINY.ffn_hidden_size
     context.layout = AdapterLayout.from_samples([0, 2], [4, 3], 3)
     source = torch.randn(7, 1, width, requires_grad=True)
