@@ -1,4 +1,4 @@
-"""Fused base-model ops (SwiGLU, GeGLU, RoPE, QKV split, linear cross-entropy) against torch refs.
+"""Fused base-model ops (RMSNorm, SwiGLU, GeGLU, RoPE, QKV split, linear cross-entropy) vs torch.
 
 Run as ``python -m scripts.bench_base_ops`` on a GPU (Llama-3.1-8B shapes by default; ``--shape
 qwen3-8b`` or ``gemma3-12b`` for theirs). The QKV split is timed without and with the per-head
@@ -7,7 +7,7 @@ row checks the fused op against its torch reference first, then times forward + 
 ``triton.testing.do_bench`` (median, p20, p80) and reports the peak extra memory. Where
 ``liger_kernel`` is importable, its functional RMSNorm and fused linear cross-entropy (summed
 loss, its own reduction) are timed on the same inputs (its RoPE and SwiGLU take HF's separate
-layouts, so they are not compared here); RMSNorm is torch's own ``F.rms_norm`` against Liger's.
+layouts, so they are not compared here). RMSNorm's reference is torch's own ``F.rms_norm``.
 """
 
 import argparse
@@ -26,6 +26,7 @@ from megatron_lorafusion.ops import (
     linear_cross_entropy_ref,
     qkv_rope,
     qkv_rope_ref,
+    rms_norm,
     rope,
     rope_ref,
     swiglu,
@@ -34,7 +35,7 @@ from megatron_lorafusion.ops import (
 
 
 def _torch_rms_norm(x, weight, eps):
-    """torch's fused RMSNorm, what `mcore.fused_base.FrozenRMSNorm` runs."""
+    """torch's fused RMSNorm (`mcore.fused_base.FrozenRMSNorm` runs `ops.rms_norm` on CUDA)."""
     return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
@@ -58,7 +59,7 @@ def _cases(tokens, hidden, ffn, heads, groups, head_dim, vocab, dtype):
         return q, k
 
     return {
-        "rms_norm": (x, lambda f, t: f(t, w, 1e-5), _torch_rms_norm, _torch_rms_norm),
+        "rms_norm": (x, lambda f, t: f(t, w, 1e-5), rms_norm, _torch_rms_norm),
         "swiglu": (fc1, lambda f, t: f(t), swiglu, swiglu_ref),
         "geglu": (fc1, lambda f, t: f(t), geglu, geglu_ref),
         "rope": (qkv, lambda f, t: f(*qk(t), cos, sin), rope, rope_ref),
