@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first-cprofile", help="save a cProfile of the first microbatch here")
     parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
     parser.add_argument(
+        "--slowest", type=int, default=0, help="list this many slowest timed microbatches"
+    )
+    parser.add_argument(
         "--cuda-graphs", choices=("auto", "on", "off"), default="auto", help="train.cuda_graphs"
     )
     parser.add_argument(
@@ -202,11 +205,24 @@ def main(argv: list[str] | None = None) -> dict:
         profiler.dump_stats(args.cprofile)
         for order in ("tottime", "cumulative"):
             pstats.Stats(profiler).sort_stats(order).print_stats(40)
+    if args.slowest:
+        _print_slowest(walls, tokens, w, args.slowest)
     if args.sync_sites:
         print(f"host-GPU syncs in the timed microbatches ({len(walls) - w}):")
         for site, count in sync_sites.most_common():
             print(f"{count:6d}  {site}")
     return result
+
+
+def _print_slowest(walls: list[float], tokens: list[int], warmup: int, count: int) -> None:
+    """The ``count`` slowest timed microbatches: index, wall ms, x the median, tokens."""
+    timed = list(enumerate(walls))[warmup:]
+    steady = statistics.median(w for _, w in timed) if timed else math.nan
+    print(f"slowest timed microbatches (of {len(timed)}; median {1e3 * steady:.1f} ms):")
+    print("| microbatch | wall ms | x median | tokens |")
+    print("|---|---|---|---|")
+    for index, wall in sorted(timed, key=lambda iw: -iw[1])[:count]:
+        print(f"| {index} | {1e3 * wall:.1f} | {wall / steady:.2f} | {tokens[index]} |")
 
 
 def _print_first(walls: list[float], kinds: list[str]) -> None:
