@@ -96,7 +96,7 @@ if triton is not None:
             out = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :]
             tl.store(out, val, mask=(rows < row_end)[:, None] & col_ok[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_tiles"])  # one compiled kernel for every token count
     def _lora_gemm_tma_kernel(
         x_desc,
         w_desc,

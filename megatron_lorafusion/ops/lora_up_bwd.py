@@ -25,7 +25,7 @@ from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count
     def _lora_up_bwd_kernel(
         dy_ptr,
         s_ptr,
@@ -93,7 +93,7 @@ if triton is not None:
         part = db_part_ptr + (pid_c.to(tl.int64) * N + cols[:, None]) * BLOCK_R + ranks[None, :]
         tl.store(part, acc, mask=col_ok[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count
     def _lora_up_bwd_reduce_kernel(
         ds_part_ptr,
         ds_ptr,
