@@ -48,14 +48,23 @@ def _run(model, context, batch, labels):
     return loss.detach()
 
 
-def _worker(rank: int, workdir: str, sequence_parallel: bool) -> None:
+def _worker(rank: int, workdir: str) -> None:
+    """Without, then with, sequence parallelism, in one two-process world (one start-up of
+    the two interpreters)."""
+    with gloo_world(rank, TP, workdir, TP):
+        ref = torch.load(os.path.join(workdir, "tp1.pt"))
+        for sequence_parallel in (False, True):
+            _check_tp2(rank, ref, sequence_parallel)
+
+
+def _check_tp2(rank: int, ref: dict, sequence_parallel: bool) -> None:
     from sp_testing import sequence_parallel_on_cpu
 
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model, fp8_weight
 
     on_cpu = sequence_parallel_on_cpu("cpu") if sequence_parallel else contextlib.nullcontext()
-    with gloo_world(rank, TP, workdir, TP), on_cpu:
-        ref = torch.load(os.path.join(workdir, "tp1.pt"))
+    at = f"rank {rank}, sequence_parallel={sequence_parallel}"
+    with on_cpu:
         model = build_gpt_model(FP8, sequence_parallel=sequence_parallel).train()
         for name, module in model.named_modules():
             if not hasattr(module, "weight_scale"):
@@ -64,22 +73,20 @@ def _worker(rank: int, workdir: str, sequence_parallel: bool) -> None:
             dim = module.weight.partition_dim
             stride = module.weight.partition_stride
             data = _shard(name, want[0].view(torch.uint8), rank, dim, stride)
-            assert torch.equal(got.data.view(torch.uint8), data), f"{name}: e4m3 bytes"
+            assert torch.equal(got.data.view(torch.uint8), data), f"{at} {name}: e4m3 bytes"
             scale = want[1] if dim == 1 else _shard(name, want[1], rank, 0, stride)
-            assert torch.equal(got.scale, scale), f"rank {rank} {name}: channel scales"
+            assert torch.equal(got.scale, scale), f"{at} {name}: channel scales"
         context = apply_lora(model, ADAPTERS, seed=4)
         for a in range(context.num_adapters):
             context.load_adapter_state_dict(a, _local(context, ref["trained"][a], rank))
         batch, labels = _batch()
         loss = _run(model, context, batch, labels)
-        assert _rel(loss, ref["loss"]) < LOSS_REL_ERR, (
-            f"rank {rank}: loss {_rel(loss, ref['loss'])}"
-        )
+        assert _rel(loss, ref["loss"]) < LOSS_REL_ERR, f"{at}: loss {_rel(loss, ref['loss'])}"
         for a in (0, 2):
             want = _local(context, ref["grads"][a], rank)
             for name, grad in context.adapter_grads(a).items():
                 err = _rel(grad, want[name])
-                assert err < GRAD_REL_ERR, f"rank {rank}: adapter {a} {name}: {err:.3f}"
+                assert err < GRAD_REL_ERR, f"{at}: adapter {a} {name}: {err:.3f}"
 
 
 def _local(context, tensors, rank):
@@ -99,8 +106,9 @@ def _local(context, tensors, rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_fp8_tp2_matches_tp1(sequence_parallel, megatron_single_process, tmp_path):
+def test_fp8_tp2_matches_tp1(megatron_single_process, tmp_path):
+    """One TP = 1 reference, then both TP = 2 layouts (without and with sequence
+    parallelism) in one pair of worker processes."""
     from megatron_lorafusion.mcore import apply_lora, build_gpt_model, fp8_weight
 
     model = build_gpt_model(FP8).train()
@@ -119,4 +127,5 @@ def test_fp8_tp2_matches_tp1(sequence_parallel, megatron_single_process, tmp_pat
         for a in range(context.num_adapters)
     ]
     torch.save(dict(weights=weights, trained=trained, loss=loss, grads=grads), tmp_path / "tp1.pt")
-    mp.spawn(_worker, args=(str(tmp_path), sequence_parallel), nprocs=TP, join=True)
+    # Errors inside a worker are raised here, with the worker's traceback.
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=TP, join=True)

@@ -277,39 +277,48 @@ def _pp2_logits(model, samples, rank: int, hidden_size: int):
         return run_model(model, None, batch)[0]
 
 
-def _parallel_worker(rank: int, workdir: str, tp: int, pp: int) -> None:
+def _parallel_worker(rank: int, workdir: str) -> None:
+    """TP = 2, then PP = 2, in one two-process world (one start-up of the two interpreters):
+    Megatron's groups are made for each layout and destroyed after it."""
     from megatron.core import parallel_state
 
-    from megatron_lorafusion.mcore import build_gpt_model
-
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(workdir, f"store_{tp}_{pp}"), 2)
+    store = dist.FileStore(os.path.join(workdir, "store"), 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
-        parallel_state.initialize_model_parallel(tp, pp)
         ref = torch.load(os.path.join(workdir, "ref.pt"))
-        for kind in PARALLEL_CASES if tp > 1 else ("qwen3", "gemma3"):
-            cfg = model_config(os.path.join(workdir, kind))
-            stage = dict(pre_process=rank == 0 or pp == 1, post_process=rank == 1 or pp == 1)
-            model = build_gpt_model(cfg, **stage).eval()
-            samples, expected = ref["samples"][kind], ref["logits"][kind]
-            if pp > 1:
-                ours = _pp2_logits(model, samples, rank, cfg.hidden_size)
-                if ours is None:
-                    continue
-            else:
-                ours = _our_logits(model, samples)
-                vocab = ours.shape[-1]
-                expected = expected[:, rank * vocab : (rank + 1) * vocab]
-            torch.testing.assert_close(
-                ours,
-                expected,
-                **TOL[torch.float32],
-                msg=f"rank {rank}: {kind} logits differ at TP = {tp}, PP = {pp}",
-            )
+        for tp, pp in ((2, 1), (1, 2)):
+            parallel_state.initialize_model_parallel(tp, pp)
+            try:
+                _check_parallel_logits(rank, workdir, ref, tp, pp)
+            finally:
+                parallel_state.destroy_model_parallel()
     finally:
-        parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _check_parallel_logits(rank: int, workdir: str, ref: dict, tp: int, pp: int) -> None:
+    from megatron_lorafusion.mcore import build_gpt_model
+
+    for kind in PARALLEL_CASES if tp > 1 else ("qwen3", "gemma3"):
+        cfg = model_config(os.path.join(workdir, kind))
+        stage = dict(pre_process=rank == 0 or pp == 1, post_process=rank == 1 or pp == 1)
+        model = build_gpt_model(cfg, **stage).eval()
+        samples, expected = ref["samples"][kind], ref["logits"][kind]
+        if pp > 1:
+            ours = _pp2_logits(model, samples, rank, cfg.hidden_size)
+            if ours is None:
+                continue
+        else:
+            ours = _our_logits(model, samples)
+            vocab = ours.shape[-1]
+            expected = expected[:, rank * vocab : (rank + 1) * vocab]
+        torch.testing.assert_close(
+            ours,
+            expected,
+            **TOL[torch.float32],
+            msg=f"rank {rank}: {kind} logits differ at TP = {tp}, PP = {pp}",
+        )
 
 
 @pytest.mark.slow
@@ -321,5 +330,4 @@ def test_hf_import_tp2_and_pp2_logits_match_transformers(tmp_path):
         ref["logits"][kind] = hf_logits(hf, ref["samples"][kind])
     torch.save(ref, tmp_path / "ref.pt")
     # Errors inside a worker are raised here, with the worker's traceback.
-    for tp, pp in ((2, 1), (1, 2)):
-        mp.spawn(_parallel_worker, args=(str(tmp_path), tp, pp), nprocs=2, join=True)
+    mp.spawn(_parallel_worker, args=(str(tmp_path),), nprocs=2, join=True)

@@ -94,9 +94,19 @@ def _assert_matches_reference(
         )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("gemm", GEMMS)
-@pytest.mark.parametrize("case", list(CASES))
+# Every case in fp32 and fp16, except many_adapters in fp16: its 64 segments take the same
+# per-adapter paths in either dtype, and the other cases cover fp16's rounding (4 s a case in
+# the interpreter).
+MATCH_CASES = [
+    pytest.param(case, gemm, dtype, id=f"{case}-{gemm}-{str(dtype).removeprefix('torch.')}")
+    for case in CASES
+    for gemm in GEMMS
+    for dtype in (torch.float32, torch.float16)
+    if not (case == "many_adapters" and dtype == torch.float16)
+]
+
+
+@pytest.mark.parametrize(("case", "gemm", "dtype"), MATCH_CASES)
 def test_fused_lora_linear_matches_reference(case, gemm, dtype, device, make_layout, make_lora):
     layout, x, weight, bias, lora_a, lora_b, scalings, dropouts, grad_y = _inputs(
         case, dtype, device, make_layout, make_lora

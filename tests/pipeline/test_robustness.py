@@ -1,6 +1,7 @@
 """Failures end the job with an error on every rank: bad plans, dead or raising ranks, configs."""
 
 import multiprocessing
+import os
 import time
 
 import pytest
@@ -19,30 +20,49 @@ from megatron_lorafusion.pipeline import LemmaError, schedule
 
 COMM_TIMEOUT_S = 20.0  # the groups' timeout: the bound if a dead peer went unnoticed
 JOIN_S = 90.0  # start-up (~10 s of imports per process on 2 cores) + timeout + slack
+STUCK_TIMEOUT_S = 3.0  # the stuck peer's group timeout
 
 
-def test_config_mismatch_is_refused_on_every_rank(tmp_path):
-    mp.spawn(config_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
+def _refusals_worker(rank: int, world: int, workdir: str) -> None:
+    """The three refusals, one gloo world after another in the same two processes (one
+    start-up of the interpreters), each in its own folder: the stuck peer last, as its
+    timed-out group is not used again."""
+    config_worker(rank, world, os.path.join(workdir, "config"))
+    lemma_worker(rank, world, os.path.join(workdir, "lemma"))
+    stuck_worker(rank, world, os.path.join(workdir, "stuck"), STUCK_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """The folder of `_refusals_worker`'s outcomes (config/, lemma/, stuck/)."""
+    workdir = tmp_path_factory.mktemp("refusals")
+    for name in ("config", "lemma", "stuck"):
+        (workdir / name).mkdir()
+    # Errors inside a worker are raised here, with the worker's traceback.
+    mp.spawn(_refusals_worker, args=(2, str(workdir)), nprocs=2, join=True)
+    return workdir
+
+
+def test_config_mismatch_is_refused_on_every_rank(refusals):
     for rank in range(2):
-        message = (tmp_path / f"refused_{rank}.txt").read_text()
+        message = (refusals / "config" / f"refused_{rank}.txt").read_text()
         assert "job config differs across ranks: ranks [1]" in message
 
 
-def test_stuck_peer_fails_the_wait_after_the_group_timeout(tmp_path):
-    timeout_s = 3.0
-    mp.spawn(stuck_worker, args=(2, str(tmp_path), timeout_s), nprocs=2, join=True)
-    waited, message = (tmp_path / "timed_out.txt").read_text().split(" ", 1)
+def test_stuck_peer_fails_the_wait_after_the_group_timeout(refusals):
+    timeout_s = STUCK_TIMEOUT_S
+    waited, message = (refusals / "stuck" / "timed_out.txt").read_text().split(" ", 1)
     assert timeout_s <= float(waited) < 4 * timeout_s, f"waited {waited} s: {message}"
     assert "Timed out" in message or "timeout" in message.lower(), message
 
 
 @pytest.mark.slow
-def test_lemma_violation_is_refused_on_every_rank(tmp_path):
+def test_lemma_violation_is_refused_on_every_rank(refusals):
     job = make_job(1, ADAPTERS[:1])  # one adapter for one stage: its batches back to back
     with pytest.raises(LemmaError):
         schedule(2, job.microbatches)
-    mp.spawn(lemma_worker, args=(2, str(tmp_path)), nprocs=2, join=True)
-    errors = [torch.load(tmp_path / f"refused_{rank}.pt")["error"] for rank in range(2)]
+    folder = refusals / "lemma"
+    errors = [torch.load(folder / f"refused_{rank}.pt")["error"] for rank in range(2)]
     assert "bubble lemma broken" in errors[0], errors[0]
     assert errors[0] == errors[1], "every rank refuses at the same microbatch"
 

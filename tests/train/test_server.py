@@ -3,6 +3,7 @@ them; a full server queues; cancel checkpoints and exports; a bad job is refused
 one the server cannot take fails alone, one that diverges fails alone; a kill -9 and a
 restart finish every job as an uninterrupted server does; two servers refuse one root."""
 
+import hashlib
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,7 +73,9 @@ def _server_yaml(tmp_path, sections: dict | None = None, **server) -> str:
             "root": str(tmp_path / "root"),
             "max_adapters": 2,
             "max_rank": 16,
-            "idle_timeout_s": 6,
+            # Jobs are queued before the server starts (or while it trains), so it is never
+            # idle before them: 1 s of idling ends it once they are done.
+            "idle_timeout_s": 1,
             "poll_s": 0.3,
             **server,
         },
@@ -125,11 +129,12 @@ def _finish(server) -> str:
     return err
 
 
-def _serve_all(tmp_path, server, entries: list[dict]) -> str:
-    """Submit ``entries``, wait until each is done, stop ``server``; its stderr."""
+def _serve_all(tmp_path, entries: list[dict], *overrides, code: str | None = None) -> str:
+    """Submit ``entries`` (queued in the inbox), start a server (`_serve` of ``overrides``
+    and ``code``), wait until each job is done and the server has exited idle; its stderr."""
+    _submit(tmp_path, *entries)
+    server = _serve(tmp_path, *overrides, code=code)
     try:
-        _wait_info(tmp_path, server)
-        _submit(tmp_path, *entries)
         for entry in entries:
             assert _wait(tmp_path, entry["name"], {"done", "failed"}, server)["status"] == "done"
         return _finish(server)
@@ -137,21 +142,34 @@ def _serve_all(tmp_path, server, entries: list[dict]) -> str:
         server.kill()
 
 
-def _trained(tmp_path, entry: dict, model: dict | None = None) -> dict:
-    """The same adapter through `lorafusion train` (same seed, config and data)."""
-    entry = dict(entry)
-    steps = entry.pop("steps", 4)
-    out = tmp_path / f"trained_{entry['name']}"
-    job = {
-        **SECTIONS,
-        **({"model": model} if model else {}),
-        "adapters": [entry],
-        "train": {"steps": steps, "device": "cpu", "output_dir": str(out)},
-    }
-    path = tmp_path / f"trained_{entry['name']}.yaml"
-    path.write_text(yaml.safe_dump(job))
-    train_main(load_config(path))
-    return load_file(str(out / "adapters" / entry["name"] / "adapter_model.safetensors"))
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(entry, model=None)``: the same adapter through `lorafusion train` (same
+    seed, config and data), its exported tensors. Each (entry, data, model) trains once per
+    module: several tests compare their served adapters with the same `train` run."""
+    done = {}
+
+    def train(entry: dict, model: dict | None = None) -> dict:
+        entry = dict(entry)
+        data = hashlib.sha256(Path(entry["dataset"]["path"]).read_bytes()).hexdigest()
+        same = {**entry, "dataset": {**entry["dataset"], "path": data}}  # its rows, not its path
+        key = json.dumps([same, model], sort_keys=True)
+        if key not in done:
+            folder = tmp_path_factory.mktemp(f"trained_{entry['name']}")
+            steps = entry.pop("steps", 4)
+            job = {
+                **SECTIONS,
+                **({"model": model} if model else {}),
+                "adapters": [entry],
+                "train": {"steps": steps, "device": "cpu", "output_dir": str(folder / "out")},
+            }
+            (folder / "job.yaml").write_text(yaml.safe_dump(job))
+            train_main(load_config(folder / "job.yaml"))
+            adapter = folder / "out" / "adapters" / entry["name"]
+            done[key] = load_file(str(adapter / "adapter_model.safetensors"))
+        return done[key]
+
+    return train
 
 
 def _served(tmp_path, name: str) -> dict:
@@ -167,11 +185,13 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_served_jobs_join_leave_and_equal_train(tmp_path):
+def test_served_jobs_join_leave_and_equal_train(tmp_path, trained):
     """sort starts alone; add joins while it trains, upper (per-projection targets) while
     both do; each is exported as it ends, equal to `train` of that adapter alone. A job whose
-    data is gone by admission, and one whose lr diverges, fail alone, reason named."""
-    server = _serve(tmp_path)
+    data is gone by admission, and one whose lr diverges, fail alone, reason named. sort is
+    submitted to the running, idle server (the other tests queue their jobs before it starts):
+    6 s of idling before it exits, time enough for the late submissions."""
+    server = _serve(tmp_path, "server.idle_timeout_s=6")
     try:
         _wait_info(tmp_path, server)
         # sort trains long enough (~1 s on a fast CPU) for add to be admitted while it does
@@ -208,29 +228,32 @@ def test_served_jobs_join_leave_and_equal_train(tmp_path):
     assert "gone.jsonl" in failed["gone"]["reason"], failed["gone"]
     assert "Traceback" not in err, err[-3000:]
     for entry in (sort, add, upper):
-        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+        _assert_same(_served(tmp_path, entry["name"]), trained(entry), entry["name"])
 
 
 @pytest.mark.slow
-def test_shortest_first_trains_the_shortest_jobs_first_and_each_as_train_does(tmp_path):
+def test_shortest_first_trains_the_shortest_jobs_first_and_each_as_train_does(tmp_path, trained):
     """policy shortest, three jobs at once: one global batch of the two with the fewest
     tokens (add, then upper) fills the two 48-token microbatches asked, so sort waits in its
     row until one of them ends; each still comes out as `train` makes it."""
-    server = _serve(
-        tmp_path, "server.policy=shortest", "server.max_adapters=3", "planner.token_capacity=48"
-    )
     entries = [_entry(tmp_path, n) for n in ("sort", "add", "upper")]
-    err = _serve_all(tmp_path, server, entries)
+    err = _serve_all(
+        tmp_path,
+        entries,
+        "server.policy=shortest",
+        "server.max_adapters=3",
+        "planner.token_capacity=48",
+    )
     plans = re.findall(r"planning \d+ samples of (\d+) jobs", err)
     assert plans, err[-3000:]
     assert "3" not in plans, f"never all three at once: {plans}"
     for entry in entries:
-        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+        _assert_same(_served(tmp_path, entry["name"]), trained(entry), entry["name"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", [{"pp": 2}, {"tp": 2}, {}], ids=["pp2", "tp2", "dp2"])
-def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
+def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, trained, parallel):
     """`torchrun` PP = 2, TP = 2 or DP = 2 (gloo): three jobs wait in the inbox for a server
     of two rows, so one starts when the first ends: the segment ends at that job's last
     batch on both ranks and the third job takes its row then, while the other still trains
@@ -257,7 +280,7 @@ def test_a_server_of_two_ranks_queues_and_exports_as_train(tmp_path, parallel):
         # fp32 summation order only.
         torch.testing.assert_close(
             _served(tmp_path, entry["name"]),
-            _trained(tmp_path, entry, model),
+            trained(entry, model),
             atol=1e-4,
             rtol=1e-4,
             msg=entry["name"],
@@ -274,11 +297,10 @@ def _wait_info(tmp_path, server, timeout_s: float = 120.0) -> None:
 
 @pytest.mark.slow
 def test_full_server_queues_cancel_exports_and_two_servers_refuse_one_root(tmp_path, capsys):
+    long = _entry(tmp_path, "sort", steps=400)
+    _submit(tmp_path, long, _entry(tmp_path, "add"))
     server = _serve(tmp_path, "server.max_adapters=1")
     try:
-        _wait_info(tmp_path, server)
-        long = _entry(tmp_path, "sort", steps=400)
-        _submit(tmp_path, long, _entry(tmp_path, "add"))
         _wait(tmp_path, "sort", {"running"}, server)
         assert _wait(tmp_path, "add", {"queued"}, server)["queue_position"] == 1
         second = _serve(tmp_path)
@@ -325,16 +347,15 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-def test_a_row_goes_to_the_next_job_once_its_finished_jobs_rows_are_copied(tmp_path):
+def test_a_row_goes_to_the_next_job_once_its_finished_jobs_rows_are_copied(tmp_path, trained):
     """One row; the writers take 3 s to reach a finished job's rows, so the next job is
     admitted into the row first: the session copies them out before the row is bound
     (`Session.settle_row`), and the first job's export is what `train` makes of it."""
-    server = _serve(tmp_path, "server.max_adapters=1", code=_SLOW_WRITERS)
     entries = [_entry(tmp_path, "sort"), _entry(tmp_path, "add")]
-    err = _serve_all(tmp_path, server, entries)
+    err = _serve_all(tmp_path, entries, "server.max_adapters=1", code=_SLOW_WRITERS)
     assert "settled before its writer" in err, err[-3000:]
     for entry in entries:
-        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+        _assert_same(_served(tmp_path, entry["name"]), trained(entry), entry["name"])
 
 
 def _wait_step(tmp_path, name: str, step: int, server) -> None:
@@ -346,12 +367,13 @@ def _wait_step(tmp_path, name: str, step: int, server) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupted(tmp_path):
-    server = _serve(tmp_path, "server.max_adapters=1")
+def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupted(
+    tmp_path, trained
+):
     entries = [_entry(tmp_path, "sort", steps=30), _entry(tmp_path, "add", steps=6)]
+    _submit(tmp_path, *entries)
+    server = _serve(tmp_path, "server.max_adapters=1")
     try:
-        _wait_info(tmp_path, server)
-        _submit(tmp_path, *entries)
         _wait_step(tmp_path, "sort", 3, server)  # sort runs (checkpointed at 2), add queued
     finally:
         server.send_signal(signal.SIGKILL)
@@ -370,7 +392,7 @@ def test_kill_9_of_the_server_then_restart_finishes_every_job_as_if_uninterrupte
         again.kill()
     assert not half.exists(), "the half-written save is removed"
     for entry in entries:
-        _assert_same(_served(tmp_path, entry["name"]), _trained(tmp_path, entry), entry["name"])
+        _assert_same(_served(tmp_path, entry["name"]), trained(entry), entry["name"])
 
 
 def test_a_server_refuses_cuda_graphs_naming_why(tmp_path):
