@@ -274,6 +274,14 @@ def quantize_rows_fwd(
     )
 
 
+def empty_quantized(
+    rows: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``q`` (rows, width) e4m3 and ``scale`` (rows,) fp32 for a row quantization."""
+    q = torch.empty(rows, width, dtype=FP8_DTYPE, device=device)
+    return q, torch.empty(rows, dtype=torch.float32, device=device)
+
+
 def quantize_rows(
     x: torch.Tensor, col_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -299,8 +307,7 @@ def quantize_rows(
         raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
     if col_scale is not None:
         _utils.check_tensor("col_scale", col_scale, (x.shape[1],), (torch.float32,), x.device)
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(*x.shape, x.device)
     quantize_rows_fwd(x, q, scale, col_scale)
     return q, scale
 

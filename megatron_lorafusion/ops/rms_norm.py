@@ -29,8 +29,7 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
-from megatron_lorafusion.ops.fp8 import FP8_DTYPE
-from megatron_lorafusion.ops.fp8_quant import attach_quantized
+from megatron_lorafusion.ops.fp8_quant import attach_quantized, empty_quantized
 
 MAX_WIDTH = 16384
 """Widest row the kernels hold in registers (the norm's width, ``H``)."""
@@ -148,10 +147,7 @@ def rms_norm_fwd(
     """
     rows, width = x.shape
     y = torch.empty_like(x)
-    q = scale = None
-    if quantize:
-        q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-        scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(rows, width, x.device) if quantize else (None, None)
     if rows:
         block_r, block_h, warps = _blocks(width, x.device)
         _rms_norm_fwd_kernel[(_utils.cdiv(rows, block_r),)](
@@ -188,10 +184,7 @@ def rms_norm_bwd(
     rows, width = x.shape
     dx = torch.empty_like(x)
     quantize = grad_col_scale is not None
-    q = scale = None
-    if quantize:
-        q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-        scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(rows, width, x.device) if quantize else (None, None)
     if rows:
         block_r, block_h, warps = _blocks(width, x.device)
         _rms_norm_bwd_kernel[(_utils.cdiv(rows, block_r),)](

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
-from megatron_lorafusion.ops.fp8 import FP8_DTYPE
-from megatron_lorafusion.ops.fp8_quant import attach_quantized, quantize_rows_fwd
+from megatron_lorafusion.ops.fp8_quant import attach_quantized, empty_quantized, quantize_rows_fwd
 
 if triton is not None:
     import triton.language as tl
@@ -144,8 +143,7 @@ def swiglu_fp8_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """(T, F) ``out`` of (T, 2F) ``x``, and ``quantize_rows(out)``: (T, F) e4m3, (T,) fp32."""
     tokens, width = x.shape[0], x.shape[1] // 2
     out = torch.empty(tokens, width, dtype=x.dtype, device=x.device)
-    q = torch.empty(tokens, width, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(tokens, width, x.device)
     if tokens:
         block_r, block_f, warps = _FP8_BLOCKS["cuda" if x.is_cuda else "cpu"]
         _swiglu_fwd_fp8_kernel[(_utils.cdiv(tokens, block_r),)](
@@ -173,8 +171,7 @@ def swiglu_fp8_bwd(
     """
     tokens, width = dout.shape
     dx = torch.empty_like(x)
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(tokens, dtype=torch.float32, device=x.device)
+    q, scale = empty_quantized(*x.shape, x.device)
     if tokens:
         grid, block = _grid(tokens, width, x.device)
         parts = torch.empty(grid, dtype=torch.float32, device=x.device)  # (T, tiles per half)
