@@ -5,11 +5,13 @@ and ``TRITON_INTERPRET=1`` is set again only around each test of this folder. Se
 ``tests/conftest.py`` before anything imports Triton would make these reloads unnecessary.
 """
 
+import sys
+
 import pytest
 import torch
 from interpreter_testing import reload_interpreted
 
-from megatron_lorafusion.ops import AdapterLayout
+from megatron_lorafusion.ops import AdapterLayout, quantize_rows_ref
 
 _INTERPRET = not torch.cuda.is_available()
 
@@ -74,3 +76,31 @@ def skip_without_cpu_scaled_mm():
     """``skip_without_cpu_scaled_mm(device)``: skip a CPU run of FP8 GEMMs when this torch has
     no CPU ``torch._scaled_mm`` (torch >= 2.6 has it)."""
     return _skip_without_cpu_scaled_mm
+
+
+def _assert_quantized(q, scale, values, col_scale=None) -> None:
+    want_q, want_scale = quantize_rows_ref(values, col_scale=col_scale)
+    assert torch.equal(scale, want_scale), f"{(scale != want_scale).sum()} scales differ"
+    wrong = q.view(torch.uint8) != want_q.view(torch.uint8)
+    assert not wrong.any(), f"{wrong.sum()} e4m3 values differ, rows {wrong.any(1).nonzero()[:5]}"
+
+
+@pytest.fixture
+def assert_quantized():
+    """``assert_quantized(q, scale, values, col_scale=None)``: ``(q, scale)`` are
+    ``quantize_rows_ref(values, col_scale)``'s e4m3 rows and scales, bit for bit."""
+    return _assert_quantized
+
+
+@pytest.fixture
+def quantize_launches(monkeypatch) -> list:
+    """A list that grows by one at each `quantize_rows` launch of the FP8 linears."""
+    module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
+    quantize, calls = module.quantize_rows, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(module, "quantize_rows", counted)
+    return calls

@@ -13,7 +13,6 @@ import torch
 
 from megatron_lorafusion.ops import (
     fused_lora_linear,
-    quantize_rows_ref,
     quantize_weight,
     rms_norm,
     rms_norm_ref,
@@ -98,23 +97,21 @@ def test_rms_norm_residual_passes_either_gradient_alone(device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norm_quantize_writes_quantize_rows_of_its_output(dtype, device):
+def test_rms_norm_quantize_writes_quantize_rows_of_its_output(dtype, device, assert_quantized):
     x, weight, _, _ = _inputs(7, 48, dtype, device, seed=3)
     x[2] = 0.0  # an all-zero row: the floor scale, zeros
     x[4] *= 1e3  # large rows: the same output, normalised
     y, residual = rms_norm_residual(x, weight, EPS, quantize=True)
     assert torch.equal(y, rms_norm(x, weight, EPS)), "quantizing leaves the values as they are"
-    q, scale = take_quantized(y)
-    want_q, want_scale = quantize_rows_ref(y)
-    assert torch.equal(scale, want_scale), f"{(scale != want_scale).sum()} scales differ"
-    wrong = q.view(torch.uint8) != want_q.view(torch.uint8)
-    assert not wrong.any(), f"{wrong.sum()} e4m3 values differ, rows {wrong.any(1).nonzero()[:5]}"
+    assert_quantized(*take_quantized(y), y)
     assert take_quantized(y) is None, "taken once"
     assert torch.equal(residual, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rms_norm_residual_quantizes_its_gradient_with_the_linears_scales(dtype, device):
+def test_rms_norm_residual_quantizes_its_gradient_with_the_linears_scales(
+    dtype, device, assert_quantized
+):
     x, weight, dy, dres = _inputs(7, 48, dtype, device, seed=7)
     col_scale = torch.exp2(torch.randint(-9, -3, (48,), generator=torch.Generator())).float()
     col_scale = col_scale.to(device)
@@ -124,11 +121,7 @@ def test_rms_norm_residual_quantizes_its_gradient_with_the_linears_scales(dtype,
     y, residual = rms_norm_residual(h, weight, EPS, grad_col_scale=col_scale)
     (dx,) = torch.autograd.grad([y, residual], [h], [dy, dres])
     assert take_quantized(dx) is None, "only for the linear with these scales"
-    q, scale = take_quantized(dx, col_scale)
-    want_q, want_scale = quantize_rows_ref(dx, col_scale=col_scale)
-    assert torch.equal(scale, want_scale), f"{(scale != want_scale).sum()} scales differ"
-    wrong = q.view(torch.uint8) != want_q.view(torch.uint8)
-    assert not wrong.any(), f"{wrong.sum()} e4m3 values differ, rows {wrong.any(1).nonzero()[:5]}"
+    assert_quantized(*take_quantized(dx, col_scale), dx, col_scale)
     with pytest.raises(ValueError, match="grad_col_scale has shape"):
         rms_norm_residual(x, weight, EPS, grad_col_scale=col_scale[:8])
 
@@ -144,22 +137,9 @@ def test_rms_norm_rejects_what_its_kernels_do_not_take(device):
         rms_norm(wide, torch.ones(MAX_WIDTH + 8, device=device), EPS)
 
 
-def _count_quantizations(monkeypatch) -> list:
-    """A list that grows by one at each `quantize_rows` launch of the FP8 linears."""
-    module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
-    quantize, calls = module.quantize_rows, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return quantize(*args, **kwargs)
-
-    monkeypatch.setattr(module, "quantize_rows", counted)
-    return calls
-
-
 @pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
 def test_fp8_linear_takes_the_norms_quantization_and_keeps_every_bit(
-    gemm, device, make_layout, make_lora, monkeypatch, skip_without_cpu_scaled_mm
+    gemm, device, make_layout, make_lora, quantize_launches, skip_without_cpu_scaled_mm
 ):
     skip_without_cpu_scaled_mm(device)
     hidden, out, dtype = 32, 48, torch.float32
@@ -169,7 +149,7 @@ def test_fp8_linear_takes_the_norms_quantization_and_keeps_every_bit(
     linear = quantize_weight((torch.randn(out, hidden, generator=gen) / 6).to(device))
     lora_a, lora_b = make_lora(out, hidden, [8, 4], dtype, device, gen)
     grad_out = torch.randn(layout.num_tokens, out, generator=gen).to(device, dtype)
-    calls = _count_quantizations(monkeypatch)
+    calls = quantize_launches
     results = []
     for quantize in (False, True):
         leaf = x.clone().requires_grad_()
@@ -188,7 +168,7 @@ def test_fp8_linear_takes_the_norms_quantization_and_keeps_every_bit(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [4096, 8192, 3840])  # Llama-3.1-8B's, 70B's; Gemma 3 12B's
-def test_rms_norm_bf16_at_model_widths_on_gpu(width):
+def test_rms_norm_bf16_at_model_widths_on_gpu(width, assert_quantized):
     x, weight, dy, dres = _inputs(1000, width, torch.bfloat16, "cuda")
     atol, rtol = TOLERANCES[torch.bfloat16]
     want_y, want_dx = _ref_grads(x, weight, dy, dres)
@@ -199,8 +179,5 @@ def test_rms_norm_bf16_at_model_widths_on_gpu(width):
     (dx,) = torch.autograd.grad([y, residual], [h], [dy, dres])
     torch.testing.assert_close(y, want_y, atol=atol, rtol=rtol, msg="y")
     torch.testing.assert_close(dx, want_dx, atol=atol, rtol=rtol, msg="dx")
-    for name, values, scales in (("y", y, None), ("dx", dx, col_scale)):
-        q, scale = take_quantized(values, scales)
-        want_q, want_scale = quantize_rows_ref(values, col_scale=scales)
-        assert torch.equal(scale, want_scale), f"{name}: scales differ"
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), f"{name}: e4m3 differ"
+    for values, scales in ((y, None), (dx, col_scale)):
+        assert_quantized(*take_quantized(values, scales), values, scales)

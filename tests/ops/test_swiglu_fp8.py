@@ -6,8 +6,6 @@ FP8 linears (fc1 → SwiGLU → fc2) must compute exactly what it computes witho
 with two quantizations fewer per microbatch.
 """
 
-import sys
-
 import pytest
 import torch
 
@@ -31,40 +29,35 @@ def _inputs(tokens, width, dtype, device, seed=0):
     return x, dout, col_scale
 
 
-def _assert_quantized(q, scale, values, col_scale=None):
-    want_q, want_scale = quantize_rows_ref(values, col_scale=col_scale)
-    assert torch.equal(scale, want_scale), f"{(scale != want_scale).sum()} scales differ"
-    wrong = q.view(torch.uint8) != want_q.view(torch.uint8)
-    assert not wrong.any(), f"{wrong.sum()} e4m3 values differ, rows {wrong.any(1).nonzero()[:5]}"
-
-
-def _check_kernels(tokens, width, dtype, device):
+def _check_kernels(tokens, width, dtype, device, assert_quantized):
     """Both kernels write `swiglu`'s values and `quantize_rows`' e4m3 rows, bit for bit."""
     x, dout, col_scale = _inputs(tokens, width, dtype, device)
     out, q, scale = swiglu_fp8_fwd(x)
     assert torch.equal(out, swiglu_fwd(x))
-    _assert_quantized(q, scale, out)
+    assert_quantized(q, scale, out)
     dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
     assert torch.equal(dx, swiglu_bwd(dout, x))
-    _assert_quantized(q, scale, dx, col_scale)
+    assert_quantized(q, scale, dx, col_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("tokens", "width"), [(7, 45), (4, 64)], ids=["ragged", "round"])
-def test_swiglu_fp8_kernels_write_swiglu_and_its_quantization(tokens, width, dtype, device):
-    _check_kernels(tokens, width, dtype, device)
+def test_swiglu_fp8_kernels_write_swiglu_and_its_quantization(
+    tokens, width, dtype, device, assert_quantized
+):
+    _check_kernels(tokens, width, dtype, device, assert_quantized)
 
 
-def test_swiglu_fp8_quantizes_zero_rows_and_huge_values(device):
+def test_swiglu_fp8_quantizes_zero_rows_and_huge_values(device, assert_quantized):
     x, dout, col_scale = _inputs(4, 40, torch.float32, device)
     x[1] = 0.0  # an all-zero row: the floor scale, zeros
     x[2, :40] = 30.0  # silu(30) · up: values far above 448 before scaling
     x[2, 40:] = 1e4
     out, q, scale = swiglu_fp8_fwd(x)
-    _assert_quantized(q, scale, out)
+    assert_quantized(q, scale, out)
     assert torch.all(q[1].float() == 0)
     dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
-    _assert_quantized(q, scale, dx, col_scale)
+    assert_quantized(q, scale, dx, col_scale)
 
 
 def test_take_quantized_only_returns_the_very_values_once(device):
@@ -102,19 +95,6 @@ def test_swiglu_fp8_attaches_nothing_in_inference_mode(device):
     assert take_quantized(out) is None, "inference tensors keep no version to check"
 
 
-def _count_quantizations(monkeypatch) -> list:
-    """A list that grows by one at each `quantize_rows` launch of the FP8 linears."""
-    module = sys.modules["megatron_lorafusion.ops.fp8_linear"]
-    quantize, calls = module.quantize_rows, []
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return quantize(*args, **kwargs)
-
-    monkeypatch.setattr(module, "quantize_rows", counted)
-    return calls
-
-
 def _mlp_grads(activation, leaves, weights, layout, grad_out, gemm):
     """fc1 → activation → fc2 of fused FP8 LoRA linears: output and every leaf's gradient."""
     x, a1, b1, a2, b2 = (t.detach().clone().requires_grad_() for t in leaves)
@@ -130,7 +110,7 @@ def _mlp_grads(activation, leaves, weights, layout, grad_out, gemm):
 
 @pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
 def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
-    gemm, device, make_layout, make_lora, monkeypatch, skip_without_cpu_scaled_mm
+    gemm, device, make_layout, make_lora, quantize_launches, skip_without_cpu_scaled_mm
 ):
     skip_without_cpu_scaled_mm(device)
     hidden, width, dtype = 32, 48, torch.float32
@@ -142,7 +122,7 @@ def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
     a1, b1 = make_lora(2 * width, hidden, [8, 4], dtype, device, gen)
     a2, b2 = make_lora(hidden, width, [4, 8], dtype, device, gen)
     grad_out = torch.randn(layout.num_tokens, hidden, generator=gen).to(device, dtype)
-    calls = _count_quantizations(monkeypatch)
+    calls = quantize_launches
     args = ((x, a1, b1, a2, b2), (fc1, fc2), layout, grad_out, gemm)
     want = _mlp_grads(swiglu, *args)
     assert len(calls) == 4, "without the hand-over: X and dY of both linears"
@@ -155,16 +135,16 @@ def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [14336, 18944])  # Llama-3.1-8B's; Qwen2.5-7B's (ragged tiles)
-def test_swiglu_fp8_bf16_at_8b_widths_on_gpu(width):
+def test_swiglu_fp8_bf16_at_8b_widths_on_gpu(width, assert_quantized):
     from megatron_lorafusion.ops import fp8_problem
 
     if fp8_problem(torch.device("cuda")) is not None:
         pytest.skip(fp8_problem(torch.device("cuda")))
-    _check_kernels(1000, width, torch.bfloat16, "cuda")
+    _check_kernels(1000, width, torch.bfloat16, "cuda", assert_quantized)
 
 
 @pytest.mark.gpu
-def test_fp8_floor_mlp_takes_swiglus_quantization_on_gpu(monkeypatch):
+def test_fp8_floor_mlp_takes_swiglus_quantization_on_gpu(quantize_launches):
     """The frozen floor's MLP (`fp8_linear`, no adapters) keeps every bit with the hand-over."""
     from megatron_lorafusion.ops import fp8_linear, fp8_problem
 
@@ -175,7 +155,7 @@ def test_fp8_floor_mlp_takes_swiglus_quantization_on_gpu(monkeypatch):
     fc1 = quantize_weight((torch.randn(1024, 256, generator=gen) / 16).cuda(), transposed=True)
     fc2 = quantize_weight((torch.randn(256, 512, generator=gen) / 22).cuda(), transposed=True)
     grad_out = torch.randn(512, 256, generator=gen).to("cuda", torch.bfloat16)
-    calls = _count_quantizations(monkeypatch)
+    calls = quantize_launches
     results = []
     for activation in (swiglu, lambda h: swiglu_fp8(h, grad_col_scale(h))):
         leaf = x.clone().requires_grad_()
