@@ -33,7 +33,9 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_lorafusion.mcore.fp8 import Fp8ColumnParallelLinear, fp8_weight
 from megatron_lorafusion.ops import (
+    Fp8Weight,
     geglu,
     geglu_ref,
     grad_col_scale,
@@ -268,17 +270,17 @@ def apply_rope(
     return rope_ref(query, key, cos, sin)
 
 
-def _fused_loss_applies(hidden: torch.Tensor, output_layer, weight: torch.Tensor) -> bool:
+def _fused_loss_applies(hidden: torch.Tensor, output_layer, weight) -> bool:
     """The fused loss covers a frozen, bias-free, unsharded (TP = 1) output layer."""
     tp_group = getattr(output_layer, "tp_group", None)
+    fp8 = isinstance(weight, Fp8Weight)
     return (
         use_fused_kernels(hidden)
         and tp_group is not None
         and tp_group.size() == 1
         and not output_layer.sequence_parallel
         and getattr(output_layer, "bias", None) is None
-        and not weight.requires_grad
-        and weight.dtype == hidden.dtype
+        and (fp8 or (not weight.requires_grad and weight.dtype == hidden.dtype))
     )
 
 
@@ -297,7 +299,8 @@ def fused_loss_processor(
 
     Args:
         hidden_states: ``[s, b, H]`` final-norm output.
-        output_layer: the model's output ``ColumnParallelLinear``.
+        output_layer: the model's output ``ColumnParallelLinear`` (an FP8 one under an FP8
+            base: its `Fp8Weight` goes to the fused loss).
         output_weight: the tied embedding weight, or None for the output layer's own.
         labels: ``[b, s]`` int64 targets, or None.
         runtime_gather_output: Megatron's flag, passed to the output layer.
@@ -309,7 +312,10 @@ def fused_loss_processor(
     Returns:
         ``[b, s]`` fp32 per-token loss, or ``[b, s, V / tp]`` logits when ``labels`` is None.
     """
-    weight = output_weight if output_weight is not None else output_layer.weight
+    if output_weight is None and isinstance(output_layer, Fp8ColumnParallelLinear):
+        weight = fp8_weight(output_layer)
+    else:
+        weight = output_weight if output_weight is not None else output_layer.weight
     if labels is not None and _fused_loss_applies(hidden_states, output_layer, weight):
         seq, batch, width = hidden_states.shape
         flat = hidden_states.reshape(seq * batch, width).contiguous()  # (T, H), s-major
@@ -329,8 +335,26 @@ class LoRAFusionGPTModel(GPTModel):
     """Megatron's ``GPTModel`` whose loss (with ``labels``) goes through `fused_loss_processor`.
 
     Only the default of ``forward``'s ``output_processor`` hook changes: a caller's own
-    processor wins, and multi-token prediction or inference keep Megatron's own path.
+    processor wins, and multi-token prediction or inference keep Megatron's own path. With
+    ``fp8_output_layer`` the output layer is an `Fp8ColumnParallelLinear` (``model.base_precision:
+    fp8``; its weight is loaded like the decoder's FP8 linears).
     """
+
+    def __init__(self, *args, fp8_output_layer: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        if fp8_output_layer and self.post_process:
+            if self.share_embeddings_and_output_weights:
+                raise NotImplementedError("an FP8 output layer cannot share the embedding")
+            self.output_layer = Fp8ColumnParallelLinear(
+                self.config.hidden_size,
+                self.vocab_size,
+                config=self.config,
+                init_method=self.config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=not self.parallel_output,
+                tp_group=self.pg_collection.tp,
+            )
 
     def forward(self, *args, output_processor=None, **kwargs):
         """``GPTModel.forward``; per-token loss ``[b, s]`` with labels, as Megatron's."""

@@ -369,6 +369,11 @@ def _build_fp8(
     )
 
 
+def fp8_output_layer_fits(model_cfg: ModelConfig, tp_size: int) -> bool:
+    """Whether an FP8 base's output layer is FP8: ``V / tp`` a multiple of 16 (its GEMMs')."""
+    return model_cfg.vocab_size % (16 * tp_size) == 0
+
+
 def get_gpt_lora_layer_spec(family: str = "llama", base_precision: str = "bf16") -> ModuleSpec:
     """The local GPT layer spec (RMSNorm) of ``family`` (`mcore.families.family_layer_spec`).
 
@@ -446,8 +451,10 @@ def build_gpt_model(
     With ``model_cfg.base_precision == "fp8"`` the decoder's linears are FP8
     (`mcore.fp8`): the model is built on the meta device and loaded one tensor at a time on
     ``device``, each linear weight quantized from its ``params_dtype`` values (the same values
-    as the bf16 model's), so the bf16 model is never held; embeddings, norms and the output
-    layer stay in ``params_dtype``. On CPU the FP8 linears run their torch reference.
+    as the bf16 model's), so the bf16 model is never held. The output layer is FP8 too when
+    its vocabulary shard ``V / tp`` is a multiple of 16 (the FP8 GEMMs' alignment), else it
+    stays in ``params_dtype`` like the embeddings and norms. On CPU the FP8 linears run their
+    torch reference.
 
     Args:
         model_cfg: sizes and seed (or checkpoint) of the model.
@@ -509,6 +516,7 @@ def build_gpt_model(
                 position_embedding_type="rope",
                 rotary_base=model_cfg.rope_theta,
                 pg_collection=pg_collection,
+                fp8_output_layer=fp8 and fp8_output_layer_fits(model_cfg, pg_collection.tp.size()),
             )
         configure_layers(model, model_cfg, config, pg_collection.cp)
     scale = embedding_scale(model_cfg, params_dtype)

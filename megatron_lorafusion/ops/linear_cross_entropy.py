@@ -10,6 +10,11 @@ logits for a unit upstream gradient), and a second GEMM turns that into the chun
 the saved ``dX`` by each token's upstream gradient (``(T, H)``, no GEMM). Computing ``dX`` in
 the forward (as Liger-Kernel's fused linear cross-entropy does) costs ``(T, H)`` of memory
 and saves the backward a second logits GEMM. The weight is frozen: there is no ``dW``.
+
+With an FP8 weight (`Fp8Weight`, ``model.base_precision: fp8``) both GEMMs are the FP8 linear's
+(`fp8_linear`): the hidden states are quantized per token once, each chunk's logits are
+``(X_q·W_qᵀ)·s_x·s_w``, and its ``dX`` is ``Q(G·diag(s_w))·W_q`` with ``G`` the chunk's
+``softmax − onehot`` quantized per token. `linear_cross_entropy_ref` fake-quantizes alike.
 """
 
 from __future__ import annotations
@@ -19,6 +24,14 @@ import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE, Fp8Weight
+from megatron_lorafusion.ops.fp8_linear import (
+    FAST_ACCUM_FORWARD,
+    fp8_linear_ref,
+    fp8_matmul,
+    quantized_rows,
+)
+from megatron_lorafusion.ops.fp8_quant import quantize_rows, unit_scales
 
 if triton is not None:
     import triton.language as tl
@@ -121,16 +134,38 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_rows):
-        """(T,) fp32 loss; saves the unit-upstream ``dX`` (T, H) when ``hidden`` needs a grad."""
+        """(T,) fp32 loss; saves the unit-upstream ``dX`` (T, H) when ``hidden`` needs a grad.
+
+        ``weight`` is a (V, H) tensor or an `Fp8Weight` (both GEMMs then in FP8).
+        """
         tokens = hidden.shape[0]
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        fp8 = isinstance(weight, Fp8Weight)
+        if fp8:
+            x_q, x_scale = quantized_rows(hidden)  # (T, H) e4m3, (T,): once for every chunk
+            w_t = weight.transposed() if needs_grad else None  # (H, V): dX's K-major operand
+            ones = unit_scales(hidden.shape[1], str(hidden.device))
         for start in range(0, tokens, chunk_rows):
             end = min(start + chunk_rows, tokens)
-            logits = hidden[start:end] @ weight.t()  # (C, V) in the weights' dtype
+            if fp8:
+                logits = fp8_matmul(
+                    x_q[start:end],
+                    weight.data,
+                    x_scale[start:end],
+                    weight.scale,
+                    hidden.dtype,
+                    fast_accum=FAST_ACCUM_FORWARD,
+                )
+            else:
+                logits = hidden[start:end] @ weight.t()  # (C, V) in the weights' dtype
             cross_entropy_fwd(logits, labels[start:end], loss[start:end], ignore_index, needs_grad)
-            if needs_grad:
+            if needs_grad and fp8:
+                grad_q, grad_scale = quantize_rows(logits, col_scale=weight.scale)
+                grad_hidden[start:end] = fp8_matmul(grad_q, w_t, grad_scale, ones, hidden.dtype)
+                del grad_q
+            elif needs_grad:
                 torch.mm(logits, weight, out=grad_hidden[start:end])  # (C, V) · (V, H)
             del logits
         ctx.save_for_backward(grad_hidden)
@@ -146,9 +181,29 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return scaled, None, None, None, None
 
 
+def _check_weight(weight: torch.Tensor | Fp8Weight, hidden: torch.Tensor) -> None:
+    """A (V, H) frozen weight in ``hidden``'s dtype, or an `Fp8Weight` whose GEMMs can run."""
+    width = hidden.shape[1]
+    if not isinstance(weight, Fp8Weight):
+        _utils.check_tensor("weight", weight, (None, width), (hidden.dtype,), hidden.device)
+        if weight.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("linear_cross_entropy has no weight gradient: freeze weight")
+        return
+    _utils.check_tensor("weight.data", weight.data, (None, width), (FP8_DTYPE,), hidden.device)
+    vocab = weight.data.shape[0]
+    _utils.check_tensor("weight.scale", weight.scale, (vocab,), (torch.float32,), hidden.device)
+    if hidden.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"an FP8 weight needs fp16 or bf16 hidden states, got {hidden.dtype}")
+    if vocab % 16 or width % 16:
+        raise ValueError(
+            f"an FP8 weight needs V and H multiples of 16 (FP8 GEMMs), got (V, H)=({vocab}, "
+            f"{width})"
+        )
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     labels: torch.Tensor,
     ignore_index: int = -100,
     *,
@@ -158,7 +213,8 @@ def linear_cross_entropy(
 
     Args:
         hidden: (T, H) contiguous final hidden states (fp16, bf16 or fp32).
-        weight: (V, H) contiguous frozen output weight, same dtype and device.
+        weight: (V, H) contiguous frozen output weight, same dtype and device; or an
+            `Fp8Weight` (fp16/bf16 ``hidden``, V and H multiples of 16): FP8 GEMMs.
         labels: (T,) int64 target ids in ``[0, V)`` or ``ignore_index``.
         ignore_index: label of tokens that get loss 0 and no gradient.
         chunk_rows: tokens per chunk (memory knob: a chunk holds ``chunk_rows × V`` logits);
@@ -172,11 +228,9 @@ def linear_cross_entropy(
         NotImplementedError: when ``weight`` requires a gradient (the output layer is frozen).
     """
     _utils.check_tensor("hidden", hidden, (None, None), _utils.KERNEL_DTYPES, hidden.device)
-    tokens, width = hidden.shape
-    _utils.check_tensor("weight", weight, (None, width), (hidden.dtype,), hidden.device)
+    tokens = hidden.shape[0]
+    _check_weight(weight, hidden)
     _utils.check_tensor("labels", labels, (tokens,), (torch.int64,), hidden.device)
-    if weight.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError("linear_cross_entropy has no weight gradient: freeze weight")
     rows = chunk_rows if chunk_rows is not None else _default_chunk_rows(weight.shape[0])
     if rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {rows}")
@@ -185,7 +239,7 @@ def linear_cross_entropy(
 
 def linear_cross_entropy_ref(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     labels: torch.Tensor,
     ignore_index: int = -100,
     *,
@@ -193,8 +247,12 @@ def linear_cross_entropy_ref(
 ) -> torch.Tensor:
     """Torch reference of `linear_cross_entropy`: full logits, upcast, ``F.cross_entropy``.
 
+    An `Fp8Weight`'s logits are `fp8_linear_ref`'s (fake-quantized forward and ``dX``).
     ``chunk_rows`` is accepted for the same signature and ignored.
     """
     del chunk_rows
-    logits = hidden @ weight.t()  # (T, V) in the weights' dtype, as Megatron's output layer
+    if isinstance(weight, Fp8Weight):
+        logits = fp8_linear_ref(hidden, weight)  # (T, V) in hidden's dtype
+    else:
+        logits = hidden @ weight.t()  # (T, V) in the weights' dtype, as Megatron's output layer
     return F.cross_entropy(logits.float(), labels, reduction="none", ignore_index=ignore_index)

@@ -15,10 +15,13 @@ moves by 0.02 in bf16 and 0.21 in FP8 (docs/fp8.md).
 
 import dataclasses
 import sys
+from unittest import mock
 
 import pytest
 import torch
+from interpreter_testing import reload_interpreted
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_lorafusion.mcore import (
     Fp8ColumnParallelLinear,
@@ -33,9 +36,10 @@ from megatron_lorafusion.mcore.fused_base import (
     FusedSwiGLU,
     fp8_bias_dropout_add,
 )
-from megatron_lorafusion.ops import FP8_DTYPE, quantize_weight
+from megatron_lorafusion.ops import FP8_DTYPE, Fp8Weight, quantize_weight
 
 FP8 = dataclasses.replace(TINY, base_precision="fp8")
+FP8_V256 = dataclasses.replace(FP8, vocab_size=256)  # V a multiple of 16: an FP8 output layer
 FP8_LOGITS_REL_ERR = 0.03  # FP8 against bf16 (measured 0.019, table above)
 GRAD_REL_ERR = 0.15  # adapter grads, FP8 base vs fp32 base (measured 0.014-0.070)
 LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj")
@@ -82,6 +86,48 @@ def test_fp8_model_quantizes_the_full_precision_weights(megatron_single_process)
         assert torch.equal(fp8_params[name], param), f"{name}: not a linear, must be equal"
     left = [n for n, t in [*fp8.named_parameters(), *fp8.named_buffers()] if t.is_meta]
     assert not left, f"tensors left on meta: {left}"
+
+
+def test_fp8_output_layer_is_fp8_where_its_vocabulary_fits(megatron_single_process):
+    """V a multiple of 16: the output layer is quantized like the decoder's linears; the tiny
+    preset's V = 260 cannot take FP8 GEMMs, so its output layer stays bf16."""
+    full = build_gpt_model(dataclasses.replace(TINY, vocab_size=256), params_dtype=torch.bfloat16)
+    fp8 = build_gpt_model(FP8_V256, params_dtype=torch.bfloat16)
+    assert isinstance(fp8.output_layer, Fp8ColumnParallelLinear)
+    want, got = quantize_weight(full.output_layer.weight), fp8_weight(fp8.output_layer)
+    assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+    assert torch.equal(got.scale, want.scale)
+    odd = build_gpt_model(FP8, params_dtype=torch.bfloat16).output_layer
+    assert type(odd) is ColumnParallelLinear
+    assert odd.weight.dtype == torch.bfloat16
+
+
+def test_fp8_output_layer_fused_loss_matches_the_reference(megatron_single_process, monkeypatch):
+    """The fused loss of an FP8 output layer (chunked FP8 GEMMs, interpreted Triton) against the
+    CPU path (the FP8 linear's fake-quant logits, Megatron's cross-entropy): the same loss."""
+    reload_interpreted()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = build_gpt_model(FP8_V256, params_dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, FP8_V256.vocab_size, (1, 63), generator=torch.Generator())
+    batch = make_packed_batch([0, 1, 2], [20, 13, 30], 3, input_ids=ids)
+    labels = torch.roll(batch.input_ids, -1, dims=1)
+    module = sys.modules["megatron_lorafusion.mcore.fused_base"]
+    fused_loss, weights = module.linear_cross_entropy, []
+    monkeypatch.setattr(
+        module,
+        "linear_cross_entropy",
+        lambda h, w, *a, **k: weights.append(type(w)) or fused_loss(h, w, *a, **k),
+    )
+    losses = {}
+    for fused in (False, True):
+        with mock.patch(
+            "megatron_lorafusion.mcore.fused_base.use_fused_kernels", return_value=fused
+        ):
+            with torch.no_grad():
+                losses[fused] = run_model(model, None, batch, labels=labels).float()
+    assert weights == [Fp8Weight], "the fused path ran once, on the FP8 weight"
+    assert losses[True].shape == labels.shape
+    torch.testing.assert_close(losses[True], losses[False], atol=2e-2, rtol=2e-2)
 
 
 def test_fp8_model_logits_stay_close_to_bf16(megatron_single_process):

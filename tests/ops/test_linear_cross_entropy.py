@@ -2,13 +2,20 @@
 
 CPU: Triton interpreter for the row kernel, torch matmuls for the GEMMs (fp32 and fp16), so
 differences are summation order and the rounding of the fp16 gradient of the logits. GPU:
-bf16 at the Llama-3 vocabulary (TF32-free: the GEMMs are cuBLAS in bf16).
+bf16 at the Llama-3 vocabulary (TF32-free: the GEMMs are cuBLAS in bf16). With an `Fp8Weight`
+the GEMMs are torch's scaled matmul on both (CPU and GPU) and the quantizer Triton's, against
+the fake-quantized reference.
 """
 
 import pytest
 import torch
 
-from megatron_lorafusion.ops import linear_cross_entropy, linear_cross_entropy_ref
+from megatron_lorafusion.ops import (
+    Fp8Weight,
+    linear_cross_entropy,
+    linear_cross_entropy_ref,
+    quantize_weight,
+)
 from megatron_lorafusion.ops.linear_cross_entropy import _default_chunk_rows
 
 # dtype -> (atol, rtol) of loss and dX against the full-logits reference.
@@ -89,6 +96,63 @@ def test_linear_cross_entropy_bf16_matches_reference_on_gpu(tokens, hidden, voca
     atol, rtol = TOL[torch.bfloat16]
     torch.testing.assert_close(loss, want_loss, atol=atol, rtol=rtol, msg="loss")
     torch.testing.assert_close(dx.float(), want_dx.float(), atol=atol, rtol=rtol, msg="dX")
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_weight_matches_the_fake_quantized_reference(dtype, device):
+    """Loss and dX of an `Fp8Weight` against `fp8_linear_ref`'s logits: with a unit upstream
+    gradient both quantize the same ``softmax − onehot`` rows (dX to bf16 rounding); with any
+    other the reference quantizes ``g_t·(softmax − onehot)``, a rounding apart per element."""
+    x, w, labels, grad = _inputs(48, 32, 256, dtype, device, ignored=4)
+    weight = quantize_weight(w, transposed=True)
+    ones = torch.ones_like(grad)
+    loss, dx = _loss_and_grad(linear_cross_entropy, x, weight, labels, ones, chunk_rows=16)
+    want_loss, want_dx = _loss_and_grad(linear_cross_entropy_ref, x, weight, labels, ones)
+    torch.testing.assert_close(loss, want_loss, atol=2e-2, rtol=2e-2, msg="loss")
+    torch.testing.assert_close(dx.float(), want_dx.float(), atol=2e-2, rtol=2e-2, msg="dX")
+    assert torch.all(dx[labels == -100] == 0), "ignored tokens get no gradient"
+    _, dx = _loss_and_grad(linear_cross_entropy, x, weight, labels, grad, chunk_rows=16)
+    _, want_dx = _loss_and_grad(linear_cross_entropy_ref, x, weight, labels, grad)
+    assert _relative(dx, want_dx) < 0.05, _relative(dx, want_dx)
+    # The FP8 GEMMs are not the bf16 ones: the quantized weight moves the loss measurably.
+    plain = linear_cross_entropy_ref(x, w, labels)
+    assert not torch.allclose(want_loss, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_weight_without_transposed_copy_gives_the_same_gradient(device):
+    x, w, labels, grad = _inputs(24, 32, 64, torch.bfloat16, device)
+    kept = quantize_weight(w, transposed=True)
+    dropped = Fp8Weight(kept.data, kept.scale)
+    want = _loss_and_grad(linear_cross_entropy, x, kept, labels, grad, chunk_rows=8)
+    got = _loss_and_grad(linear_cross_entropy, x, dropped, labels, grad, chunk_rows=8)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_fp8_weight_refuses_what_its_gemms_cannot_take(device):
+    x, w, labels, _ = _inputs(8, 32, 64, torch.bfloat16, device)
+    weight = quantize_weight(w)
+    with pytest.raises(ValueError, match="fp16 or bf16 hidden states"):
+        linear_cross_entropy(x.float(), weight, labels)
+    with pytest.raises(ValueError, match=r"V and H multiples of 16.*\(56, 32\)"):
+        linear_cross_entropy(x, quantize_weight(w[:56].contiguous()), labels)
+    with pytest.raises(ValueError, match="weight.scale has shape"):
+        linear_cross_entropy(x, Fp8Weight(weight.data, weight.scale[:8]), labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tokens", "hidden", "vocab"), [(8192, 4096, 128256), (3001, 1024, 32000)])
+def test_fp8_weight_matches_the_fake_quantized_reference_on_gpu(tokens, hidden, vocab):
+    x, w, labels, _ = _inputs(tokens, hidden, vocab, torch.bfloat16, "cuda", ignored=100)
+    weight = quantize_weight(w, transposed=True)
+    ones = torch.ones(tokens, device="cuda")
+    loss, dx = _loss_and_grad(linear_cross_entropy, x, weight, labels, ones)
+    want_loss, want_dx = _loss_and_grad(linear_cross_entropy_ref, x, weight, labels, ones)
+    torch.testing.assert_close(loss, want_loss, atol=2e-2, rtol=2e-2, msg="loss")
+    assert _relative(dx, want_dx) < 1e-2, _relative(dx, want_dx)
 
 
 @pytest.mark.gpu
