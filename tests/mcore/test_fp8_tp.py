@@ -23,7 +23,7 @@ from dist_testing import gloo_world
 from mcore_testing import ADAPTERS, TINY, make_packed_batch, randomize_lora_b, run_model
 
 TP = 2
-FP8 = dataclasses.replace(TINY, base_precision="fp8")
+FP8 = dataclasses.replace(TINY, base_precision="fp8", vocab_size=256)  # an FP8 output layer too
 LOSS_REL_ERR = 1e-5  # per-token losses, TP = 2 against TP = 1 (measured 5e-8)
 GRAD_REL_ERR = 5e-3  # adapter gradients (each factor's shard), TP = 2 against TP = 1
 
@@ -38,7 +38,8 @@ def _shard(name, full, rank, dim, stride=1):
 
 
 def _batch():
-    batch = make_packed_batch([0, 0, 2], [12, 9, 11], 3, seed=8, dropout_seed=3)
+    ids = torch.randint(0, FP8.vocab_size, (1, 32), generator=torch.Generator().manual_seed(8))
+    batch = make_packed_batch([0, 0, 2], [12, 9, 11], 3, input_ids=ids, dropout_seed=3)
     return batch, torch.roll(batch.input_ids, -1, dims=1)
 
 
