@@ -14,7 +14,9 @@ and saves the backward a second logits GEMM. The weight is frozen: there is no `
 With an FP8 weight (`Fp8Weight`, ``model.base_precision: fp8``) both GEMMs are the FP8 linear's
 (`fp8_linear`): the hidden states are quantized per token once, each chunk's logits are
 ``(X_q·W_qᵀ)·s_x·s_w``, and its ``dX`` is ``Q(G·diag(s_w))·W_q`` with ``G`` the chunk's
-``softmax − onehot`` quantized per token. `linear_cross_entropy_ref` fake-quantizes alike.
+``softmax − onehot``, which the loss kernel quantizes per token itself instead of writing it
+(one pass more over the logits, none of the quantizer's). `linear_cross_entropy_ref`
+fake-quantizes alike.
 """
 
 from __future__ import annotations
@@ -31,25 +33,48 @@ from megatron_lorafusion.ops.fp8_linear import (
     fp8_matmul,
     quantized_rows,
 )
-from megatron_lorafusion.ops.fp8_quant import quantize_rows, unit_scales
+from megatron_lorafusion.ops.fp8_quant import empty_quantized, unit_scales
 
 if triton is not None:
     import triton.language as tl
+
+    from megatron_lorafusion.ops.fp8_quant import pow2_row_scales, store_quantized_rows
+
+    @triton.jit
+    def _row_grad(row_ptr, cols, V, lse, label, keep, col_ptr):
+        """(1, BLOCK_V) fp32 ``softmax − onehot`` of ``cols`` times the column scales.
+
+        The gradient is rounded to the logits' dtype first: what `quantize_rows` would read of
+        the gradient written out.
+        """
+        x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
+        grad = (tl.exp(x - lse) - tl.where(cols == label, 1.0, 0.0)) * keep
+        grad = grad.to(row_ptr.dtype.element_ty).to(tl.float32)
+        return grad * tl.load(col_ptr + cols, mask=cols < V, other=0.0)
 
     @triton.jit
     def _cross_entropy_fwd_kernel(
         logits_ptr,
         labels_ptr,
         loss_ptr,
+        col_ptr,
+        q_ptr,
+        scale_ptr,
         stride_t,
+        stride_q,
         V,
         ignore_index,
         WRITE_GRAD: tl.constexpr,
+        QUANTIZE: tl.constexpr,
+        HW_CAST: tl.constexpr,
         BLOCK_V: tl.constexpr,
     ):
         """One row: loss ``lse − x[label]``; with WRITE_GRAD the row becomes ``softmax − onehot``.
 
-        Ignored rows (``label == ignore_index``) get loss 0 and a zero gradient row.
+        With QUANTIZE the gradient is not written back: its row times the column scales is
+        quantized per row into ``q`` / ``scale`` instead (`quantize_rows` of the written row,
+        bit for bit: a pass for the row's largest magnitude, one to store). Ignored rows
+        (``label == ignore_index``) get loss 0 and a zero gradient row.
         """
         row = tl.program_id(0).to(tl.int64)
         row_ptr = logits_ptr + row * stride_t
@@ -70,8 +95,22 @@ if triton is not None:
         safe_label = tl.where(in_range, label, 0)
         x_label = tl.load(row_ptr + safe_label).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(ignored, 0.0, lse - x_label))
-        if WRITE_GRAD:
-            keep = tl.where(ignored, 0.0, 1.0)
+        keep = tl.where(ignored, 0.0, 1.0)
+        if QUANTIZE:
+            amax = tl.zeros((1,), dtype=tl.float32)
+            for start in range(0, V, BLOCK_V):  # second read: the gradient's largest magnitude
+                cols = start + tl.arange(0, BLOCK_V)[None, :]
+                v = _row_grad(row_ptr, cols, V, lse, label, keep, col_ptr)
+                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+            scale, inv = pow2_row_scales(amax)
+            tl.store(scale_ptr + row + tl.arange(0, 1), scale)
+            for start in range(0, V, BLOCK_V):  # third read: the gradient in e4m3
+                cols = start + tl.arange(0, BLOCK_V)
+                v = _row_grad(row_ptr, cols[None, :], V, lse, label, keep, col_ptr)
+                store_quantized_rows(
+                    q_ptr + row * stride_q, cols, (cols < V)[None, :], v, inv, HW_CAST
+                )
+        elif WRITE_GRAD:
             for start in range(0, V, BLOCK_V):  # second read: overwrite with the gradient
                 cols = start + tl.arange(0, BLOCK_V)
                 x = tl.load(row_ptr + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -102,6 +141,7 @@ def cross_entropy_fwd(
     loss: torch.Tensor,
     ignore_index: int,
     write_grad: bool,
+    quantized: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the row kernel on a chunk (no checks: `linear_cross_entropy` made them).
 
@@ -112,18 +152,28 @@ def cross_entropy_fwd(
         loss: (C,) fp32 output, every row written.
         ignore_index: label of tokens without loss.
         write_grad: also write the gradient into ``logits``.
+        quantized: ``(col_scale (V,) fp32, q (C, V) e4m3, scale (C,) fp32)``: instead of
+            writing the gradient, store ``quantize_rows(gradient, col_scale)`` in ``q`` and
+            ``scale`` (``logits`` is left as it is).
     """
     rows, vocab = logits.shape
     if rows == 0:
         return
+    col_scale, q, scale = quantized if quantized is not None else (loss, loss, loss)
     _cross_entropy_fwd_kernel[(rows,)](
         logits,
         labels,
         loss,
+        col_scale,
+        q,
+        scale,
         logits.stride(0),
+        q.stride(0),
         vocab,
         ignore_index,
         WRITE_GRAD=write_grad,
+        QUANTIZE=quantized is not None,
+        HW_CAST=logits.is_cuda,
         BLOCK_V=_BLOCK_V["cuda" if logits.is_cuda else "cpu"],
         num_warps=_NUM_WARPS,
     )
@@ -138,7 +188,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
         ``weight`` is a (V, H) tensor or an `Fp8Weight` (both GEMMs then in FP8).
         """
-        tokens = hidden.shape[0]
+        tokens, vocab = hidden.shape[0], weight.shape[0]
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.empty(tokens, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
@@ -160,11 +210,16 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 )
             else:
                 logits = hidden[start:end] @ weight.t()  # (C, V) in the weights' dtype
-            cross_entropy_fwd(logits, labels[start:end], loss[start:end], ignore_index, needs_grad)
-            if needs_grad and fp8:
-                grad_q, grad_scale = quantize_rows(logits, col_scale=weight.scale)
+            quantized = None
+            if needs_grad and fp8:  # softmax − onehot quantized by the loss kernel itself
+                quantized = (weight.scale, *empty_quantized(end - start, vocab, hidden.device))
+            cross_entropy_fwd(
+                logits, labels[start:end], loss[start:end], ignore_index, needs_grad, quantized
+            )
+            if quantized is not None:
+                _, grad_q, grad_scale = quantized
                 grad_hidden[start:end] = fp8_matmul(grad_q, w_t, grad_scale, ones, hidden.dtype)
-                del grad_q
+                del quantized, grad_q
             elif needs_grad:
                 torch.mm(logits, weight, out=grad_hidden[start:end])  # (C, V) · (V, H)
             del logits

@@ -16,7 +16,8 @@ from megatron_lorafusion.ops import (
     linear_cross_entropy_ref,
     quantize_weight,
 )
-from megatron_lorafusion.ops.linear_cross_entropy import _default_chunk_rows
+from megatron_lorafusion.ops.fp8_quant import empty_quantized
+from megatron_lorafusion.ops.linear_cross_entropy import _default_chunk_rows, cross_entropy_fwd
 
 # dtype -> (atol, rtol) of loss and dX against the full-logits reference.
 TOL = {
@@ -121,6 +122,30 @@ def test_fp8_weight_matches_the_fake_quantized_reference(dtype, device):
     # The FP8 GEMMs are not the bf16 ones: the quantized weight moves the loss measurably.
     plain = linear_cross_entropy_ref(x, w, labels)
     assert not torch.allclose(want_loss, plain, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_loss_kernel_quantizes_the_gradient_it_would_write(dtype, assert_quantized, device):
+    """The FP8 path's loss kernel stores the quantization of ``softmax − onehot`` times the
+    column scales bit for bit as `quantize_rows` of the written gradient would, without writing
+    the gradient over the logits; the loss is the same."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 9, 200  # vocab: several column blocks, the last one partial
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(device, dtype)
+    labels = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+    labels[2] = -100
+    col_scale = torch.exp2(torch.randint(-3, 4, (vocab,), generator=gen).float()).to(device)
+    written, loss = logits.clone(), torch.empty(rows, device=device)
+    cross_entropy_fwd(written, labels, loss, -100, write_grad=True)
+    kept, got_loss = logits.clone(), torch.empty(rows, device=device)
+    q, scale = empty_quantized(rows, vocab, torch.device(device))
+    cross_entropy_fwd(
+        kept, labels, got_loss, -100, write_grad=True, quantized=(col_scale, q, scale)
+    )
+    assert torch.equal(got_loss, loss)
+    assert torch.equal(kept, logits), "the logits are left as they are"
+    assert_quantized(q, scale, written, col_scale=col_scale)
+    assert not q[2].float().any(), "an ignored row quantizes to zeros"
 
 
 def test_fp8_weight_without_transposed_copy_gives_the_same_gradient(device):
