@@ -30,7 +30,8 @@ Timing: ``triton.testing.do_bench`` medians (p20-p80) for kernels, CUDA-synchron
 clock over microbatches after a warm-up for models. ``--write-jobs`` writes the random-letter
 datasets of configs/llama8b_fp8.yaml and configs/llama70b_fp8.yaml and the demo tasks of
 configs/llama1b_fp8_accuracy.yaml, then prints the ``lorafusion train`` commands; ``--compare-runs``
-prints two runs' final eval losses, eval curves and tokens/s (docs/fp8.md's tables).
+prints two runs' final eval losses, eval curves and peak memory (docs/fp8.md's tables); the
+runs' steady tokens/s come from their logs (``scripts.bench_models.steady_tokens_per_s``).
 """
 
 import argparse
@@ -596,28 +597,8 @@ TRAIN_COMMANDS = [
 ]
 
 
-def steady_tokens_per_s(records: list[dict]) -> float | None:
-    """Run-wide tokens/s of a run's step records (`train.metrics`) after every adapter's first.
-
-    The tokens of the steps recorded after the last adapter's first step (compilation, the
-    first plan) over the time from that record to the last one; None without such steps.
-    """
-    steps = sorted(
-        (r["time_s"], r["adapter"], r["step"], r["tokens"])
-        for r in records
-        if r.get("adapter") and "tokens" in r and "time_s" in r
-    )
-    firsts = {adapter: t for t, adapter, step, _ in steps if step == 1}
-    if not steps or set(firsts) != {adapter for _, adapter, _, _ in steps}:
-        return None
-    warm = max(firsts.values())
-    later = [(t, tokens) for t, _, _, tokens in steps if t > warm]
-    span = later[-1][0] - warm if later else 0.0
-    return sum(tokens for _, tokens in later) / span if span > 0 else None
-
-
 def compare_runs(first: Path, second: Path) -> None:
-    """Final eval loss per adapter, eval curves and step rates of two runs."""
+    """Final eval loss per adapter, eval curves and peak memory of two runs."""
     from megatron_lorafusion.train.metrics import read_metrics
 
     runs = {str(p): read_metrics(p) for p in (first, second)}
@@ -639,12 +620,13 @@ def compare_runs(first: Path, second: Path) -> None:
         diff = f"{(finals[1] - finals[0]) / finals[0]:+.2%}" if None not in finals else ""
         cells = " | ".join("-" if f is None else f"{f:.4f}" for f in finals)
         print(f"| {name} | {cells} | {diff} |")
-    print("\n| run | steady tokens/s (after every adapter's first step) | peak GiB |")
-    print("|---|---|---|")
+    # Tokens/s: the runs' logs (`scripts.bench_models.steady_tokens_per_s`); the metrics
+    # count the tokens that carry a loss, not those trained through.
+    print("\n| run | peak GiB |")
+    print("|---|---|")
     for run, recs in runs.items():
-        rate = steady_tokens_per_s(recs)
         mem = max((r.get("gpu_mem_gib") or 0 for r in recs), default=0)
-        print(f"| {Path(run).name} | {'-' if rate is None else f'{rate:,.0f}'} | {mem:.1f} |")
+        print(f"| {Path(run).name} | {mem:.1f} |")
     for name in names:
         steps = sorted({s for (n, _), c in curves.items() if n == name for s in c})
         if not steps:
