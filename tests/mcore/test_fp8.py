@@ -102,12 +102,16 @@ def test_fp8_output_layer_is_fp8_where_its_vocabulary_fits(megatron_single_proce
     assert odd.weight.dtype == torch.bfloat16
 
 
-def test_fp8_output_layer_fused_loss_matches_the_reference(megatron_single_process, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_output_layer_fused_loss_matches_the_reference(
+    megatron_single_process, monkeypatch, dtype
+):
     """The fused loss of an FP8 output layer (chunked FP8 GEMMs, interpreted Triton) against the
-    CPU path (the FP8 linear's fake-quant logits, Megatron's cross-entropy): the same loss."""
+    CPU path (the FP8 linear's fake-quant logits, Megatron's cross-entropy): the same loss, in
+    bf16 and in fp32 (``train.precision``'s default)."""
     reload_interpreted()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    model = build_gpt_model(FP8_V256, params_dtype=torch.bfloat16).eval()
+    model = build_gpt_model(FP8_V256, params_dtype=dtype).eval()
     ids = torch.randint(0, FP8_V256.vocab_size, (1, 63), generator=torch.Generator())
     batch = make_packed_batch([0, 1, 2], [20, 13, 30], 3, input_ids=ids)
     labels = torch.roll(batch.input_ids, -1, dims=1)
