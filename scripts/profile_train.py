@@ -15,6 +15,11 @@ loop is host-bound there. Prints one markdown table (medians over the timed micr
 with ``--cuda-graphs on`` a second one splits every microbatch by what the graphs did with it
 (ran it eagerly, captured its shape, replayed it).
 
+``--job FILE`` profiles that job file instead (its own adapters and data: e.g. issue 34's
+speed job, ``--job configs/llama8b_fp8.yaml --set train.steps=16``); ``--trace FILE`` writes
+every microbatch as a JSON line (wall and tokens, the host's and the GPU's start and end of its
+forward, backward and step on one time axis each) and prints where the GPU stood idle.
+
 ``--cprofile FILE`` also profiles the host's Python over the timed microbatches (cProfile,
 saved to FILE, top functions printed); ``--first-cprofile FILE`` profiles the first
 microbatch alone (warm-up: Triton's kernel loads, first calls) and prints the wall time of
@@ -24,6 +29,7 @@ every call site that made the host wait for the GPU (torch's sync debug mode, CU
 
 import argparse
 import cProfile
+import json
 import math
 import pstats
 import statistics
@@ -67,6 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=20, help="microbatches not timed")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--dir", default="runs/profile_train")
+    parser.add_argument("--job", type=Path, help="profile this job file (not the generated job)")
+    parser.add_argument("--trace", type=Path, help="write every microbatch here (JSON lines)")
     parser.add_argument("--cprofile", help="save a cProfile of the timed microbatches here")
     parser.add_argument("--first-cprofile", help="save a cProfile of the first microbatch here")
     parser.add_argument("--sync-sites", action="store_true", help="list host-GPU syncs")
@@ -92,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
         from_checkpoint=None,
     )
     folder = Path(args.dir)
-    job = _job(bench, folder, args.preset, args.adapters, args.global_batch, 0, args.cuda_graphs)
+    job = args.job or _job(
+        bench, folder, args.preset, args.adapters, args.global_batch, 0, args.cuda_graphs
+    )
     phases = {k: [] for k in ("pack", "forward", "backward", "step", "confirm")}
     _timed(session_module.Session, "_make_batch", phases["pack"])
     tokens: list[int] = []  # real (not padding) tokens of each microbatch packed
@@ -169,6 +179,20 @@ def main(argv: list[str] | None = None) -> dict:
         events.extend(self.state.events)
 
     runner_module._Runner.run = run
+    gpu_axis: list[tuple] = []  # (microbatch, kind, GPU start s, GPU end s, host start s)
+    origin: list = []  # the job's first timing mark: one GPU time axis for every run call
+    real_resolve = runner_module._Runner._resolve_gpu_events
+
+    def resolve(self):
+        if self.state.gpu_events:
+            torch.cuda.synchronize(self.device)
+            origin[:] = origin or [self.state.gpu_events[0][3]]
+            for k, kind, host_start, first, last, *_ in self.state.gpu_events:
+                begin, end = origin[0].elapsed_time(first), origin[0].elapsed_time(last)
+                gpu_axis.append((k, kind, begin / 1e3, end / 1e3, host_start))
+        real_resolve(self)
+
+    runner_module._Runner._resolve_gpu_events = resolve
     train_main(load_config(job, ["train.output_dir=" + str(folder / "run"), *args.set]))
     w = args.warmup
 
@@ -205,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         profiler.dump_stats(args.cprofile)
         for order in ("tottime", "cumulative"):
             pstats.Stats(profiler).sort_stats(order).print_stats(40)
+    if args.trace is not None:
+        _write_trace(args.trace, walls, tokens, events, gpu_axis, w)
     if args.slowest:
         _print_slowest(walls, tokens, w, args.slowest)
     if args.sync_sites:
@@ -212,6 +238,47 @@ def main(argv: list[str] | None = None) -> dict:
         for site, count in sync_sites.most_common():
             print(f"{count:6d}  {site}")
     return result
+
+
+def _write_trace(
+    path: Path, walls: list[float], tokens: list[int], events: list, gpu_axis: list, warmup: int
+) -> None:
+    """Every microbatch and step as a JSON line; prints the GPU's idle time.
+
+    A microbatch's line: ``microbatch``, ``wall_ms`` (host, backward call to backward call),
+    ``tokens``, and ``host_F``, ``host_B``, ``gpu_F``, ``gpu_B`` as [start, end] in seconds (the
+    host's on its clock, the GPU's from the job's first timing mark). A step group's line:
+    ``step`` (its first adapter), ``host_O`` and ``gpu_O``.
+    """
+    rows: dict[tuple, dict] = {}
+    for i, wall in enumerate(walls):
+        rows[("F", i)] = {"microbatch": i, "wall_ms": 1e3 * wall, "tokens": tokens[i]}
+    for e in events:
+        key = ("O", e.start_s) if e.kind == "O" else ("F", e.microbatch)
+        row = rows.setdefault(key, {"step" if e.kind == "O" else "microbatch": e.microbatch})
+        row[f"host_{e.kind}"] = [e.start_s, e.end_s]
+    for k, kind, begin, end, host_start in gpu_axis:
+        key = ("O", host_start) if kind == "O" else ("F", k)
+        rows.setdefault(key, {"step" if kind == "O" else "microbatch": k})[f"gpu_{kind}"] = [
+            begin,
+            end,
+        ]
+    with path.open("w") as out:
+        for row in sorted(rows.values(), key=lambda r: r.get("gpu_F", r.get("gpu_O", [0]))[0]):
+            out.write(json.dumps(row) + "\n")
+    spans = sorted((begin, end) for _, _, begin, end, _ in gpu_axis)
+    first = [begin for k, kind, begin, _, _ in gpu_axis if kind == "F" and k == warmup]
+    timed = [(b, e) for b, e in spans if first and b >= first[0]]
+    if not timed:
+        return
+    busy = sum(e - b for b, e in timed)
+    span = timed[-1][1] - timed[0][0]
+    gaps = sorted((timed[i + 1][0] - timed[i][1] for i in range(len(timed) - 1)), reverse=True)
+    print(
+        f"GPU from microbatch {warmup} on: {span:.3f} s, inside the timed operations "
+        f"{busy:.3f} s ({100 * busy / max(span, 1e-9):.1f} %); largest gaps between them "
+        "(ms): " + ", ".join(f"{1e3 * g:.1f}" for g in gaps[:8])
+    )
 
 
 def _print_slowest(walls: list[float], tokens: list[int], warmup: int, count: int) -> None:
