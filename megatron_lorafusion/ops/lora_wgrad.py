@@ -153,14 +153,20 @@ _TILE_CONFIGS = [
     TileConfig(block_t=64, block_d=64, num_warps=4, num_stages=4),
     TileConfig(block_t=32, block_d=128, num_warps=8, num_stages=3),
     TileConfig(block_t=32, block_d=64, num_warps=4, num_stages=3),
+    TileConfig(block_t=64, block_d=64, num_warps=8, num_stages=3),
 ]
 _PROGRAMS_PER_SM = 4
 _REDUCE_BLOCK_D = 64
 
 
 def _hopper_config(key: tuple) -> TileConfig:
-    _, width, block_r, mask = key  # key = (T, D, BLOCK_R, "none" | "drawn")
+    _, width, block_r, mask, accumulate = key  # (T, D, BLOCK_R, "none" | "drawn", bool)
     if block_r <= 32:
+        if mask == "drawn" and accumulate:
+            # The FP8 base's pass, which also reads the frozen dX it adds onto: swept on the
+            # H200 at T = 8192, p = 0.1 (docs/fp8.md, twenty-sixth session): 90.0 against
+            # 99.0 us for 32x128 / 8 warps at H = 4096, 300.4 against 317.7 for 32x64 at 14336.
+            return _TILE_CONFIGS[5] if width < 8192 else _TILE_CONFIGS[6]
         # Swept on the H200 with the fused expand at T = 16384, H = 4096 and 14336
         # (docs/kernels.md): drawing the mask wants 32-row tiles, narrower ones on wide inputs.
         if mask == "drawn":
@@ -314,7 +320,7 @@ def lora_wgrad_fwd(
         )
 
     mask = "none" if dropouts is None else "drawn"
-    key = (tokens, width, block_r, mask)
+    key = (tokens, width, block_r, mask, expand_accumulate)
     # Timing candidates (off Hopper) runs the kernel many times: not onto an accumulated dX.
     scratch = (lambda: torch.empty_like(expand)) if expand_accumulate else (lambda: expand)
     cfg = _utils.pick_config(

@@ -14,6 +14,7 @@ from megatron_lorafusion.ops import (
     lora_wgrad_ref,
 )
 from megatron_lorafusion.ops._utils import mixed_seed
+from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 
@@ -110,3 +111,27 @@ def test_lora_wgrad_shard_uses_rows_and_columns_of_whole_mask(
     torch.testing.assert_close(
         ex.float(), want_ex.float(), atol=atol, rtol=rtol, msg="fused expand"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [4096, 14336])
+def test_lora_wgrad_adding_onto_dx_matches_reference_at_8b_widths(width, make_layout, make_lora):
+    """The FP8 base's pass (the fused expand added onto the frozen dX) in its Hopper tiles,
+    which differ from those writing dX, on the 8B preset's input widths."""
+    gen = torch.Generator().manual_seed(5)
+    layout = make_layout([300, 0, 500, 224], "cuda", seed=3)
+    dropouts, rank = [0.1, 0.0, 0.1, 0.2], 16
+    z = torch.randn(layout.num_tokens, width, generator=gen).cuda().bfloat16()
+    s = torch.randn(layout.num_tokens, rank, generator=gen).cuda().bfloat16()
+    m, _ = make_lora(8, width, [rank] * 4, torch.bfloat16, "cuda", gen)  # (A, R, D)
+    drop = torch.tensor(dropouts, device="cuda")
+    keep = fused_dropout_keep_mask(layout, dropouts, width, 2, "cuda")
+    frozen = torch.randn(layout.num_tokens, width, generator=gen).cuda().bfloat16()
+    ex = frozen.clone()
+    out = torch.full((4, width, rank), float("nan"), dtype=torch.bfloat16, device="cuda")
+    seed = mixed_seed(layout.dropout_seed, 2)
+    lora_wgrad_fwd(z, s, out, drop, layout, seed, m, ex, expand_accumulate=True)
+    want = lora_wgrad_ref(z.float(), s.float(), keep, drop, layout)
+    want_ex = frozen.float() + lora_expand_ref(s.float(), m.float(), None, keep, drop, layout)
+    assert (out.float() - want).norm() / want.norm() < 1e-2, "wgrad"
+    torch.testing.assert_close(ex.float(), want_ex, atol=3e-2, rtol=1e-2, msg="dX")
