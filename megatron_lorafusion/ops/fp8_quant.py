@@ -10,13 +10,16 @@ reference compute the same scale with integer operations, bit for bit.
 
 A tensor's producer may quantize it as it writes it and hand the result to the FP8 linear
 that reads it (`attach_quantized`, `take_quantized`: the SwiGLU and RMSNorm kernels under an
-FP8 base); `pow2_row_scales`, `store_quantized_rows` and `quantize_row_blocks` are the Triton
-helpers such kernels share with the quantizer.
+FP8 base), or hand over only its rows' largest magnitudes (`attach_row_maxima`: SwiGLU's
+backward), so that the consumer quantizes in a pass it makes anyway (`lora_up_bwd_quantized`);
+`pow2_row_scales`, `store_quantized_rows`, `quantize_row_blocks` and `inverse_pow2` are the
+Triton helpers such kernels share with the quantizer.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -25,7 +28,7 @@ from megatron_lorafusion.ops._utils import triton
 from megatron_lorafusion.ops.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
 
 _AMAX_FLOOR = 2.0**-100  # an all-zero (or subnormal) row gets scale 2^-108, not inf or NaN
-_QUANTIZED = "_lorafusion_fp8"  # tensor attribute: (q, scale, col_scale, the tensor's version)
+_QUANTIZED = "_lorafusion_fp8"  # tensor attribute: the `_Handover` its producer left
 _GRAD_COL_SCALE = "_lorafusion_fp8_grad_col_scale"  # tensor attribute: its gradient's col_scale
 
 
@@ -158,6 +161,11 @@ if triton is not None:
         inv = ((127 - k) << 23).to(tl.float32, bitcast=True)
         return scale, inv
 
+    @triton.jit
+    def inverse_pow2(scale):
+        """``1 / scale`` of `pow2_row_scales`' normal powers of two, exactly (from the bits)."""
+        return ((254 << 23) - scale.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+
     @triton.jit(do_not_specialize=["R"])  # the token count: one compiled kernel for all
     def _quantize_rows_kernel(
         x_ptr,
@@ -174,6 +182,7 @@ if triton is not None:
         HAS_PARTS: tl.constexpr,
         HW_CAST: tl.constexpr,
         ONE_PASS: tl.constexpr,
+        SCALES_ONLY: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_P: tl.constexpr,
@@ -204,10 +213,10 @@ if triton is not None:
                     amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
             scale, inv = pow2_row_scales(amax)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
-            # pass 2: the rows again (from L2), quantized
-            quantize_row_blocks(
-                x_rows, col_ptr, q_rows, row_ok, D, inv, HAS_COL_SCALE, HW_CAST, BLOCK_D
-            )
+            if not SCALES_ONLY:  # pass 2: the rows again (from L2), quantized
+                quantize_row_blocks(
+                    x_rows, col_ptr, q_rows, row_ok, D, inv, HAS_COL_SCALE, HW_CAST, BLOCK_D
+                )
 
 
 # Memory-bound. A row of up to 8192 values is read once (held in registers); a longer one
@@ -267,10 +276,43 @@ def quantize_rows_fwd(
         HAS_PARTS=amax_parts is not None,
         HW_CAST=x.is_cuda and q.dtype == FP8_DTYPE,
         ONE_PASS=block_d >= width,
+        SCALES_ONLY=False,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         BLOCK_P=max(1 << (num_parts - 1).bit_length(), 2),
         num_warps=warps,
+    )
+
+
+def row_scales_from_maxima(amax_parts: torch.Tensor, scale: torch.Tensor) -> None:
+    """Write into ``scale`` (R,) the row scales `quantize_rows` gives those rows.
+
+    ``amax_parts`` (R, P) fp32 holds the largest magnitudes (times the column scales) of P
+    column blocks of each row, as the rows' producer found them.
+    """
+    rows, parts = amax_parts.shape
+    if rows == 0:
+        return
+    block_r = 64 if amax_parts.is_cuda else _INTERPRETER_BLOCKS[0]
+    _quantize_rows_kernel[(_utils.cdiv(rows, block_r),)](
+        amax_parts,  # x, col_scale and q are not read: the maxima are all it needs
+        scale,
+        amax_parts,
+        scale,
+        scale,
+        rows,
+        0,
+        parts,
+        0,
+        0,
+        HAS_COL_SCALE=False,
+        HAS_PARTS=True,
+        HW_CAST=False,
+        ONE_PASS=False,
+        SCALES_ONLY=True,
+        BLOCK_R=block_r,
+        BLOCK_D=16,
+        BLOCK_P=max(1 << (parts - 1).bit_length(), 2),
     )
 
 
@@ -316,15 +358,25 @@ def _root(x: torch.Tensor) -> torch.Tensor:
     return x if x._base is None else x._base
 
 
+class _Handover(NamedTuple):
+    """What a producer left on a tensor's storage owner for the FP8 linear that reads it."""
+
+    q: torch.Tensor | None  # (R, D) e4m3, or None: only the maxima were found
+    scale: torch.Tensor | None  # (R,) fp32 powers of two
+    amax_parts: torch.Tensor | None  # (R, P) fp32 largest |x·col_scale| of column blocks
+    col_scale: torch.Tensor | None  # (D,) fp32 column scales, or None
+    version: int  # the storage owner's version when the producer wrote it
+
+
 def attach_quantized(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, col_scale: torch.Tensor | None = None
 ) -> None:
     """Hand ``quantize_rows(x, col_scale)``, computed by ``x``'s producer, to its FP8 consumer.
 
-    The producer of ``x`` (the SwiGLU kernels: fc2's input, fc1's incoming gradient) quantizes
-    while it writes ``x`` and leaves ``(q, scale)`` on ``x``'s storage owner (``x`` or its
-    base), so that `take_quantized` finds them from any contiguous view of all of ``x``.
-    Nothing is attached to an inference tensor (it keeps no version to check).
+    The producer of ``x`` (the SwiGLU and norm kernels: fc2's input, the residual stream's
+    gradient) quantizes while it writes ``x`` and leaves ``(q, scale)`` on ``x``'s storage
+    owner (``x`` or its base), so that `take_quantized` finds them from any contiguous view of
+    all of ``x``. Nothing is attached to an inference tensor (it keeps no version to check).
 
     Args:
         x: (R, D) the values, as written.
@@ -333,9 +385,27 @@ def attach_quantized(
         col_scale: (D,) fp32 column scales applied before quantizing, or None.
     """
     root = _root(x)
-    if root.is_inference():
-        return
-    setattr(root, _QUANTIZED, (q, scale, col_scale, root._version))
+    if not root.is_inference():
+        setattr(root, _QUANTIZED, _Handover(q, scale, None, col_scale, root._version))
+
+
+def attach_row_maxima(x: torch.Tensor, amax_parts: torch.Tensor, col_scale: torch.Tensor) -> None:
+    """Hand the largest magnitudes of ``x``'s rows, found by its producer, to its FP8 consumer.
+
+    SwiGLU's backward finds, as it writes fc1's incoming gradient, the largest
+    ``|x·col_scale|`` of each of P column blocks of a row, and quantizes nothing: fc1's LoRA
+    backward quantizes in its own pass over ``x`` (`take_row_maxima`,
+    `lora_up_bwd_quantized`); any other consumer gets the quantization from `take_quantized`
+    in one read of ``x``. Nothing is attached to an inference tensor.
+
+    Args:
+        x: (R, D) the values, as written.
+        amax_parts: (R, P) fp32 maxima of ``|x·col_scale|`` over P column blocks of each row.
+        col_scale: (D,) fp32 column scales.
+    """
+    root = _root(x)
+    if not root.is_inference():
+        setattr(root, _QUANTIZED, _Handover(None, None, amax_parts, col_scale, root._version))
 
 
 def _covers_root(x: torch.Tensor, root: torch.Tensor) -> bool:
@@ -348,34 +418,60 @@ def _covers_root(x: torch.Tensor, root: torch.Tensor) -> bool:
     )
 
 
+def _handover(x: torch.Tensor, col_scale: torch.Tensor | None) -> _Handover | None:
+    """The hand-over left on ``x`` for these very values and column scales, else None."""
+    root = _root(x)
+    found = getattr(root, _QUANTIZED, None)
+    if (
+        found is None
+        or found.col_scale is not col_scale
+        or root._version != found.version
+        or not _covers_root(x, root)
+        or x.dim() != 2
+        or (found.q is not None and tuple(x.shape) != tuple(found.q.shape))
+        or (found.amax_parts is not None and x.shape[0] != found.amax_parts.shape[0])
+    ):
+        return None
+    return found
+
+
 def take_quantized(
     x: torch.Tensor, col_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``quantize_rows(x, col_scale)`` as `attach_quantized` left it, once; None when absent.
+    """``quantize_rows(x, col_scale)`` as the producer handed it over, once; None when absent.
 
     Only for the very values and scales: a contiguous (R, D) ``x`` covering all of the
     attached tensor, which was not written since (through torch: a write the version counter
     does not see, e.g. by a kernel through a raw pointer, is not detected; none happens between
-    the producers and the linears), with the same ``col_scale`` tensor. The attachment is
-    dropped (its memory freed) when taken.
+    the producers and the linears), with the same ``col_scale`` tensor. Where the producer
+    left only its rows' maxima (`attach_row_maxima`), the rows are quantized now, in one read.
+    The hand-over is dropped (its memory freed) when taken.
 
     Returns:
         ``(q, scale)``: (R, D) e4m3 and (R,) fp32, or None.
     """
-    root = _root(x)
-    found = getattr(root, _QUANTIZED, None)
+    found = _handover(x, col_scale)
     if found is None:
         return None
-    q, scale, attached_col_scale, version = found
-    if (
-        attached_col_scale is not col_scale
-        or root._version != version
-        or not _covers_root(x, root)
-        or tuple(x.shape) != tuple(q.shape)
-    ):
-        return None
-    delattr(root, _QUANTIZED)
+    delattr(_root(x), _QUANTIZED)
+    if found.q is not None:
+        return found.q, found.scale
+    q, scale = empty_quantized(*x.shape, x.device)
+    quantize_rows_fwd(x, q, scale, col_scale, amax_parts=found.amax_parts)
     return q, scale
+
+
+def take_row_maxima(x: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor | None:
+    """The (R, P) row maxima `attach_row_maxima` left on ``x`` for ``col_scale``, once.
+
+    None where there are none (nothing attached, or a quantization already done), under the
+    same conditions as `take_quantized`.
+    """
+    found = _handover(x, col_scale)
+    if found is None or found.amax_parts is None:
+        return None
+    delattr(_root(x), _QUANTIZED)
+    return found.amax_parts
 
 
 def mark_grad_col_scale(y: torch.Tensor, col_scale: torch.Tensor) -> None:

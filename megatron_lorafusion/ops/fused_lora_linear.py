@@ -25,7 +25,9 @@ the e4m3 operands (dequantized in its epilogue), ``"scaled_mm"`` runs ``torch._s
 the expand adds the LoRA term onto its output; the backward's frozen dX is a scaled GEMM too
 (`fp8_linear.frozen_dgrad`) that the fused expand of `lora_wgrad` adds onto. X's and dY's
 quantization is taken from their producer where it attached one (`fp8_linear.quantized_rows`:
-the SwiGLU kernels of an FP8 base). docs/fp8.md.
+the SwiGLU and norm kernels of an FP8 base); where dY's producer attached only its rows'
+maxima (SwiGLU's backward, for fc1), `lora_up_bwd_quantized` writes dY's quantization in the
+pass over dY that gives dS' and dB. docs/fp8.md.
 """
 
 from __future__ import annotations
@@ -42,12 +44,16 @@ from megatron_lorafusion.ops.fp8_linear import (
     frozen_dgrad,
     quantized_rows,
 )
-from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale
+from megatron_lorafusion.ops.fp8_quant import (
+    attach_quantized,
+    mark_grad_col_scale,
+    take_row_maxima,
+)
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
-from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd, lora_up_bwd_quantized
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 from megatron_lorafusion.ops.saved_input import InputRebuild, save_input, saved_input
 
@@ -219,8 +225,19 @@ class LoRALinearFunction(torch.autograd.Function):
         x = saved_input(ctx, saved[:count])  # (T, H), rebuilt from its sources if they were saved
         layout, seed = ctx.layout, ctx.seed
         dy = dy.contiguous()
-        # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s).
-        ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
+        # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s);
+        # under FP8, given dY's row maxima (SwiGLU's backward, for fc1), also dY in e4m3 for
+        # the frozen dX, which takes it from there (`quantized_rows`).
+        maxima = None
+        if ctx.needs_input_grad[0] and w_scale is not None:
+            maxima = take_row_maxima(dy, w_scale)
+        if maxima is None:
+            ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
+        else:
+            ds, grad_b, dy_q, dy_scale = lora_up_bwd_quantized(
+                dy, s, lora_b, scales, layout, w_scale, maxima, scale_db=False
+            )
+            attach_quantized(dy, dy_q, dy_scale, w_scale)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0] and w_scale is not None:

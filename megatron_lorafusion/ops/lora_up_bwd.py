@@ -6,6 +6,11 @@ columns: it accumulates that tile's ``dB`` partial over the chunk (fp32) and wri
 row block, that tile's fp32 partial of ``dS``; a second launch sums both kinds of partial in a
 fixed order. No atomics, so the result is bitwise repeatable.
 
+Under an FP8 base the same pass can also quantize dY for the frozen dX GEMM
+(`lora_up_bwd_quantized`): given the row maxima dY's producer found (SwiGLU's backward, for
+fc1), each tile of ``dY·diag(s_w)`` is written in e4m3 as it is read, as `quantize_rows` would
+write it, bit for bit, so the quantizer's own read of dY goes.
+
 The ``dS`` partials cost ``2 · (N / BLOCK_N) · BLOCK_R · 4`` bytes per token of extra traffic
 against the ``2·N`` bytes (bf16) of the dY read they save, so the one pass only pays for small
 ranks; above ``_ONE_PASS_MAX_BLOCK_R`` the launcher uses the two-pass path (`lora_shrink` and
@@ -18,12 +23,20 @@ import torch
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import TileConfig, triton
+from megatron_lorafusion.ops.fp8 import FP8_DTYPE
+from megatron_lorafusion.ops.fp8_quant import (
+    empty_quantized,
+    quantize_rows_fwd,
+    row_scales_from_maxima,
+)
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_shrink import lora_shrink_fwd
 from megatron_lorafusion.ops.lora_wgrad import lora_wgrad_fwd
 
 if triton is not None:
     import triton.language as tl
+
+    from megatron_lorafusion.ops.fp8_quant import inverse_pow2, store_quantized_rows
 
     @triton.jit(do_not_specialize=["T"])  # one compiled kernel for every token count
     def _lora_up_bwd_kernel(
@@ -34,6 +47,9 @@ if triton is not None:
         ds_part_ptr,
         db_part_ptr,
         chunks_ptr,
+        col_ptr,
+        row_scale_ptr,
+        q_ptr,
         T,
         N,
         R,
@@ -42,7 +58,10 @@ if triton is not None:
         stride_ba,
         stride_bn,
         stride_br,
+        stride_qt,
         SCALE_DB: tl.constexpr,
+        QUANTIZE: tl.constexpr,
+        HW_CAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -68,6 +87,8 @@ if triton is not None:
         )  # (BLOCK_N, BLOCK_R)
         acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         ds_part = ds_part_ptr + pid_n.to(tl.int64) * T * BLOCK_R  # this tile's (T, BLOCK_R)
+        if QUANTIZE:
+            col_scale = tl.load(col_ptr + cols, mask=col_ok, other=0.0)
         for t0 in range(row_start, row_end, BLOCK_T):
             rows = t0 + tl.arange(0, BLOCK_T)
             row_ok = rows < row_end
@@ -76,6 +97,16 @@ if triton is not None:
                 mask=row_ok[:, None] & col_ok[None, :],
                 other=0.0,
             )  # (BLOCK_T, BLOCK_N)
+            if QUANTIZE:  # this tile of dY·diag(col_scale) in e4m3, as `quantize_rows` writes it
+                inv = inverse_pow2(tl.load(row_scale_ptr + rows, mask=row_ok, other=1.0))
+                store_quantized_rows(
+                    q_ptr + rows.to(tl.int64)[:, None] * stride_qt,
+                    cols,
+                    row_ok[:, None] & col_ok[None, :],
+                    dy.to(tl.float32) * col_scale[None, :],
+                    inv,
+                    HW_CAST,
+                )
             s = tl.load(
                 s_ptr + rows.to(tl.int64)[:, None] * stride_st + ranks[None, :],
                 mask=row_ok[:, None] & rank_ok[None, :],
@@ -206,6 +237,11 @@ def lora_up_bwd(
         ValueError: on shape, dtype or device mismatch (the message names the tensor).
         NotImplementedError: for a rank above 256.
     """
+    _check_inputs(dy, s, lora_b, scales, layout)
+    return _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db)
+
+
+def _check_inputs(dy, s, lora_b, scales, layout) -> None:
     _utils.check_tensor("dy", dy, (layout.num_tokens, None), _utils.KERNEL_DTYPES, dy.device)
     tokens, width = dy.shape
     _utils.check_tensor("s", s, (tokens, None), (dy.dtype,), dy.device)
@@ -219,11 +255,64 @@ def lora_up_bwd(
         raise ValueError(f"lora_b is on {lora_b.device}, expected {dy.device}")
     _utils.check_tensor("scales", scales, (adapters,), (torch.float32,), dy.device)
     _utils.padded_rank(rank)
-    return _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db)
 
 
-def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.Tensor, ...]:
-    """`lora_up_bwd` after its input checks."""
+def lora_up_bwd_quantized(
+    dy: torch.Tensor,
+    s: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    layout: AdapterLayout,
+    col_scale: torch.Tensor,
+    amax_parts: torch.Tensor,
+    *,
+    scale_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`lora_up_bwd`, and ``quantize_rows(dy, col_scale)`` from the same read of dY.
+
+    For an FP8 frozen weight's dX GEMM, whose incoming gradient's producer found its rows'
+    maxima (`fp8_quant.attach_row_maxima`): the row scales come from the maxima, then each
+    tile of ``dY·diag(col_scale)`` is written in e4m3 as it is read. Ranks that take two
+    passes quantize with `quantize_rows_fwd` instead.
+
+    Args:
+        dy: (T, N) contiguous output gradient, as `lora_up_bwd`'s.
+        s: (T, R) as `lora_up_bwd`'s.
+        lora_b: (A, N, R) as `lora_up_bwd`'s.
+        scales: (A,) as `lora_up_bwd`'s.
+        layout: the microbatch's adapter layout.
+        col_scale: (N,) fp32 the frozen weight's channel scales.
+        amax_parts: (T, P) fp32 largest ``|dy·col_scale|`` of P column blocks of each row.
+        scale_db: as `lora_up_bwd`'s.
+
+    Returns:
+        ``(dS, dB, q, scale)``: `lora_up_bwd`'s, then (T, N) e4m3 and (T,) fp32, bit for bit
+        `quantize_rows(dy, col_scale)`'s.
+
+    Raises:
+        ValueError: as `lora_up_bwd`; for a ``col_scale`` or ``amax_parts`` of the wrong
+            shape, dtype or device.
+    """
+    _check_inputs(dy, s, lora_b, scales, layout)
+    tokens, width = dy.shape
+    _utils.check_tensor("col_scale", col_scale, (width,), (torch.float32,), dy.device)
+    _utils.check_tensor("amax_parts", amax_parts, (tokens, None), (torch.float32,), dy.device)
+    q, row_scale = empty_quantized(tokens, width, dy.device)
+    if _utils.padded_rank(s.shape[1]) > _ONE_PASS_MAX_BLOCK_R:
+        quantize_rows_fwd(dy, q, row_scale, col_scale, amax_parts=amax_parts)
+        ds, db = _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db)
+        return ds, db, q, row_scale
+    row_scales_from_maxima(amax_parts, row_scale)
+    ds, db = _lora_up_bwd_launch(
+        dy, s, lora_b, scales, layout, scale_db, quantize=(col_scale, row_scale, q)
+    )
+    return ds, db, q, row_scale
+
+
+def _lora_up_bwd_launch(
+    dy, s, lora_b, scales, layout, scale_db, quantize=None
+) -> tuple[torch.Tensor, ...]:
+    """`lora_up_bwd` after its input checks; ``quantize``: ``(col_scale, row_scale, q)``."""
     tokens, width = dy.shape
     rank = s.shape[1]
     block_r = _utils.padded_rank(rank)
@@ -234,6 +323,7 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
     db = torch.empty_like(lora_b)
     if tokens == 0:
         return ds, db.zero_()
+    col_scale, row_scale, q = quantize if quantize is not None else (scales, scales, ds)
 
     def run(cfg: TileConfig) -> None:
         chunk = _utils.chunk_rows(tokens, width, cfg, dy.device, _PROGRAMS_PER_SM)
@@ -252,6 +342,9 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
             ds_part,
             db_part,
             chunks,
+            col_scale,
+            row_scale,
+            q,
             tokens,
             width,
             rank,
@@ -260,7 +353,10 @@ def _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db) -> tuple[torch.
             lora_b.stride(0),
             lora_b.stride(1),
             lora_b.stride(2),
+            q.stride(0),
             SCALE_DB=scale_db,
+            QUANTIZE=quantize is not None,
+            HW_CAST=dy.is_cuda and q.dtype == FP8_DTYPE,
             DOT_PRECISION="ieee" if dy.dtype == torch.float32 else None,
             BLOCK_T=cfg.block_t,
             BLOCK_N=cfg.block_d,

@@ -6,13 +6,14 @@ Megatron's unfused GLU chunks the fc1 output, runs ``silu`` (saving its input), 
 output is saved, and the backward recomputes ``sigmoid(gate)`` from it and writes both halves
 of ``d[gate | up]`` in one pass (Shazeer, "GLU Variants Improve Transformer", 2020).
 
-Under an FP8 base (`swiglu_fp8`) the kernels also quantize what they write for the FP8 linear
-next to them (`fp8_quant.quantize_rows`, bit for bit): the forward fc2's input, the backward
-fc1's incoming gradient ``d[gate | up]·diag(s_w)``. In the forward a program owns whole rows:
-it writes a row and takes its largest magnitude, then reads the row back (from L2) and writes
-it in e4m3. The backward stays elementwise (whole rows per program measured no faster) and
-stores each tile's largest magnitude, so the quantizer reads ``d[gate | up]`` once instead of
-twice (docs/fp8.md).
+Under an FP8 base (`swiglu_fp8`) the kernels also prepare what they write for the FP8 linear
+next to them (`fp8_quant.quantize_rows`, bit for bit). The forward quantizes fc2's input: a
+program owns whole rows, writes a row and takes its largest magnitude, then reads the row back
+(from L2) and writes it in e4m3. The backward stays elementwise (whole rows per program
+measured no faster) and stores each tile's largest ``|d[gate | up]·diag(s_w)|``, fc1's weight
+scales ``s_w``: with those maxima, fc1's LoRA backward quantizes fc1's incoming gradient in
+the pass over it that it makes anyway (`lora_up_bwd_quantized`), and a plain FP8 linear in one
+read instead of two (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ import torch.nn.functional as F
 
 from megatron_lorafusion.ops import _utils
 from megatron_lorafusion.ops._utils import triton
-from megatron_lorafusion.ops.fp8_quant import attach_quantized, empty_quantized, quantize_rows_fwd
+from megatron_lorafusion.ops.fp8_quant import (
+    attach_quantized,
+    attach_row_maxima,
+    empty_quantized,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -163,18 +168,17 @@ def swiglu_fp8_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def swiglu_fp8_bwd(
     dout: torch.Tensor, x: torch.Tensor, col_scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(T, 2F) ``dx`` as `swiglu_bwd`, and ``quantize_rows(dx, col_scale)``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, 2F) ``dx`` as `swiglu_bwd`, and the largest ``|dx·col_scale|`` of its rows' tiles.
 
-    The backward's tiles also store their largest magnitudes, so the quantizer reads ``dx``
-    once instead of twice.
+    The maxima, (T, P) fp32 for P column tiles of a row, are what `quantize_rows_fwd`'s
+    ``amax_parts`` and `lora_up_bwd_quantized` take.
     """
     tokens, width = dout.shape
     dx = torch.empty_like(x)
-    q, scale = empty_quantized(*x.shape, x.device)
+    grid, block = _grid(tokens, width, x.device)
+    parts = torch.empty(grid, dtype=torch.float32, device=x.device)  # (T, tiles per half)
     if tokens:
-        grid, block = _grid(tokens, width, x.device)
-        parts = torch.empty(grid, dtype=torch.float32, device=x.device)  # (T, tiles per half)
         _swiglu_bwd_kernel[grid](
             dout,
             x,
@@ -187,8 +191,7 @@ def swiglu_fp8_bwd(
             BLOCK_F=block,
             num_warps=_NUM_WARPS,
         )
-        quantize_rows_fwd(dx, q, scale, col_scale, amax_parts=parts)
-    return dx, q, scale
+    return dx, parts
 
 
 def swiglu_bwd(dout: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -221,10 +224,11 @@ class SwiGLUFunction(torch.autograd.Function):
 
 
 class SwiGLUFp8Function(torch.autograd.Function):
-    """`SwiGLUFunction` that also quantizes its output (and its input's gradient).
+    """`SwiGLUFunction` that also quantizes its output and finds its input gradient's maxima.
 
-    Each is attached for the FP8 linear next to it (`fp8_quant.attach_quantized`); the
-    gradient only given fc1's weight scales (``grad_col_scale``).
+    The output's quantization is attached for fc2 (`fp8_quant.attach_quantized`), the
+    gradient's row maxima for fc1 (`fp8_quant.attach_row_maxima`; only given fc1's weight
+    scales, ``grad_col_scale``).
     """
 
     @staticmethod
@@ -238,12 +242,12 @@ class SwiGLUFp8Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        """(T, 2F) gradient of ``[gate | up]``, carrying its quantization when asked."""
+        """(T, 2F) gradient of ``[gate | up]``, carrying its rows' maxima when asked."""
         x, col_scale = ctx.saved_tensors
         if col_scale is None:
             return swiglu_bwd(dout.contiguous(), x), None
-        dx, q, scale = swiglu_fp8_bwd(dout.contiguous(), x, col_scale)
-        attach_quantized(dx, q, scale, col_scale)
+        dx, parts = swiglu_fp8_bwd(dout.contiguous(), x, col_scale)
+        attach_row_maxima(dx, parts, col_scale)
         return dx, None
 
 
@@ -260,13 +264,13 @@ def swiglu_fp8(x: torch.Tensor, grad_col_scale: torch.Tensor | None = None) -> t
 
     The FP8 linear that reads the output (fc2) takes the quantization instead of computing it
     (`fp8_quant.take_quantized`); with ``grad_col_scale`` (fc1's weight scales,
-    `fp8_quant.grad_col_scale` of fc1's output) the gradient of ``x`` carries
-    ``quantize_rows(dx, grad_col_scale)`` for fc1's backward the same way. Values equal
-    `swiglu`'s and `quantize_rows`' bit for bit.
+    `fp8_quant.grad_col_scale` of fc1's output) the gradient of ``x`` carries its rows' largest
+    ``|dx·grad_col_scale|``, so fc1's backward quantizes it in one read
+    (`fp8_quant.attach_row_maxima`). Values equal `swiglu`'s and `quantize_rows`' bit for bit.
 
     Args:
         x: (..., 2F) contiguous fc1 output (fp16, bf16 or fp32) on a GPU (or the interpreter).
-        grad_col_scale: (2F,) fp32, or None: the gradient is not quantized.
+        grad_col_scale: (2F,) fp32, or None: the gradient carries nothing for fc1.
 
     Returns:
         (..., F) tensor of ``x``'s dtype.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_lorafusion.ops import lora_up_bwd, lora_up_bwd_ref
+from megatron_lorafusion.ops.lora_up_bwd import lora_up_bwd_quantized
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
 
@@ -86,3 +87,62 @@ def test_lora_up_bwd_bf16_close_to_fp32(ranks, make_layout, make_lora):
     for name, g, w in zip(["dS", "dB"], got, want, strict=True):
         err = float((g.float() - w).norm() / w.norm())
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("counts", "ranks", "width"),
+    [([21, 0, 70, 3], [3, 8, 5, 1], 72), ([9, 5], [40, 7], 24)],  # one pass; two passes
+    ids=["one-pass", "two-pass"],
+)
+def test_lora_up_bwd_quantized_writes_quantize_rows_of_dy(
+    counts, ranks, width, dtype, device, make_layout, make_lora, assert_quantized
+):
+    """dS and dB bit for bit `lora_up_bwd`'s; the e4m3 rows and scales `quantize_rows(dy,
+    col_scale)`'s, from the row maxima of column blocks that dY's producer found."""
+    layout, dy, s, lora_b, scales = _inputs(
+        counts, ranks, width, dtype, device, make_layout, make_lora
+    )
+    dy[5] = 0.0  # an all-zero row: the floor scale
+    dy[7, 3] = 8e3  # times its column scale 2^-4: above e4m3's 448 before the row's scale
+    gen = torch.Generator().manual_seed(4)
+    col_scale = torch.exp2(torch.randint(-9, -3, (width,), generator=gen).float()).to(device)
+    col_scale[3] = 2.0**-4
+    blocks = torch.nn.functional.pad((dy.float() * col_scale).abs(), (0, -width % 16))
+    parts = blocks.view(dy.shape[0], -1, 16).amax(2)  # (T, P): 16-column blocks
+    ds, db, q, scale = lora_up_bwd_quantized(
+        dy, s, lora_b, scales, layout, col_scale, parts, scale_db=False
+    )
+    want_ds, want_db = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
+    assert torch.equal(ds, want_ds)
+    assert torch.equal(db, want_db)
+    assert_quantized(q, scale, dy, col_scale)
+
+
+def test_lora_up_bwd_quantized_names_bad_maxima(device, make_layout, make_lora):
+    layout, dy, s, lora_b, scales = _inputs(
+        [8, 8], [4, 4], 32, torch.float32, device, make_layout, make_lora
+    )
+    col_scale = torch.ones(32, device=device)
+    with pytest.raises(ValueError, match="amax_parts"):
+        lora_up_bwd_quantized(
+            dy,
+            s,
+            lora_b,
+            scales,
+            layout,
+            col_scale,
+            torch.ones(15, 2, device=device),
+            scale_db=False,
+        )
+    with pytest.raises(ValueError, match="col_scale"):
+        lora_up_bwd_quantized(
+            dy,
+            s,
+            lora_b,
+            scales,
+            layout,
+            col_scale[:8],
+            torch.ones(16, 2, device=device),
+            scale_db=False,
+        )

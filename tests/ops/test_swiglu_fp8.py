@@ -6,6 +6,8 @@ FP8 linears (fc1 → SwiGLU → fc2) must compute exactly what it computes witho
 with two quantizations fewer per microbatch.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -17,7 +19,12 @@ from megatron_lorafusion.ops import (
     swiglu,
     swiglu_fp8,
 )
-from megatron_lorafusion.ops.fp8_quant import attach_quantized, take_quantized
+from megatron_lorafusion.ops.fp8_quant import (
+    attach_quantized,
+    attach_row_maxima,
+    take_quantized,
+    take_row_maxima,
+)
 from megatron_lorafusion.ops.swiglu import swiglu_bwd, swiglu_fp8_bwd, swiglu_fp8_fwd, swiglu_fwd
 
 
@@ -29,15 +36,24 @@ def _inputs(tokens, width, dtype, device, seed=0):
     return x, dout, col_scale
 
 
+def _quantized_from_maxima(dx, parts, col_scale):
+    """The backward's hand-over as fc1's plain FP8 linear takes it (one read of ``dx``)."""
+    attach_row_maxima(dx, parts, col_scale)
+    return take_quantized(dx, col_scale)
+
+
 def _check_kernels(tokens, width, dtype, device, assert_quantized):
-    """Both kernels write `swiglu`'s values and `quantize_rows`' e4m3 rows, bit for bit."""
+    """Both kernels write `swiglu`'s values and, with the backward's row maxima, `quantize_rows`'
+    e4m3 rows, bit for bit."""
     x, dout, col_scale = _inputs(tokens, width, dtype, device)
     out, q, scale = swiglu_fp8_fwd(x)
     assert torch.equal(out, swiglu_fwd(x))
     assert_quantized(q, scale, out)
-    dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
+    dx, parts = swiglu_fp8_bwd(dout, x, col_scale)
     assert torch.equal(dx, swiglu_bwd(dout, x))
-    assert_quantized(q, scale, dx, col_scale)
+    want_amax = (dx.float() * col_scale).abs().amax(1)
+    assert torch.equal(parts.amax(1), want_amax), "the maxima of the rows' tiles"
+    assert_quantized(*_quantized_from_maxima(dx, parts, col_scale), dx, col_scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -56,8 +72,8 @@ def test_swiglu_fp8_quantizes_zero_rows_and_huge_values(device, assert_quantized
     out, q, scale = swiglu_fp8_fwd(x)
     assert_quantized(q, scale, out)
     assert torch.all(q[1].float() == 0)
-    dx, q, scale = swiglu_fp8_bwd(dout, x, col_scale)
-    assert_quantized(q, scale, dx, col_scale)
+    dx, parts = swiglu_fp8_bwd(dout, x, col_scale)
+    assert_quantized(*_quantized_from_maxima(dx, parts, col_scale), dx, col_scale)
 
 
 def test_take_quantized_only_returns_the_very_values_once(device):
@@ -74,6 +90,24 @@ def test_take_quantized_only_returns_the_very_values_once(device):
     attach_quantized(x.view(2, 3, 32), q, scale, col)  # attached to the storage's owner
     x.add_(1.0)
     assert take_quantized(x, col) is None, "written since"
+
+
+def test_row_maxima_are_taken_once_and_quantize_on_demand(device, assert_quantized):
+    x = torch.randn(6, 32, device=device)
+    col = torch.rand(32, device=device) + 0.5
+    parts = (x * col).abs().view(6, 4, 8).amax(2)  # (6, 4): maxima of 8-column blocks
+    attach_row_maxima(x, parts, col)
+    assert take_row_maxima(x, None) is None, "another col_scale"
+    assert take_row_maxima(x[:3], col) is None, "a part of the rows"
+    assert take_row_maxima(x, col) is parts
+    assert take_row_maxima(x, col) is None, "taken once"
+    assert take_quantized(x, col) is None, "taken once"
+    attach_row_maxima(x, parts, col)
+    assert_quantized(*take_quantized(x, col), x, col)  # quantized from the maxima
+    q, scale = torch.zeros(6, 32, device=device), torch.ones(6, device=device)
+    attach_quantized(x, q, scale, col)
+    assert take_row_maxima(x, col) is None, "a quantization already done stays for the linear"
+    assert take_quantized(x, col) == (q, scale)
 
 
 def test_grad_col_scale_only_for_all_of_the_marked_values(device):
@@ -110,7 +144,7 @@ def _mlp_grads(activation, leaves, weights, layout, grad_out, gemm):
 
 @pytest.mark.parametrize("gemm", ["scaled_mm", "triton"])
 def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
-    gemm, device, make_layout, make_lora, quantize_launches, skip_without_cpu_scaled_mm
+    gemm, device, make_layout, make_lora, quantize_launches, skip_without_cpu_scaled_mm, monkeypatch
 ):
     skip_without_cpu_scaled_mm(device)
     hidden, width, dtype = 32, 48, torch.float32
@@ -123,12 +157,19 @@ def test_fp8_mlp_takes_swiglus_quantization_and_keeps_every_bit(
     a2, b2 = make_lora(hidden, width, [4, 8], dtype, device, gen)
     grad_out = torch.randn(layout.num_tokens, hidden, generator=gen).to(device, dtype)
     calls = quantize_launches
+    module = sys.modules["megatron_lorafusion.ops.fused_lora_linear"]
+    fused, fused_calls = module.lora_up_bwd_quantized, []
+    monkeypatch.setattr(
+        module, "lora_up_bwd_quantized", lambda *a, **k: fused_calls.append(1) or fused(*a, **k)
+    )
     args = ((x, a1, b1, a2, b2), (fc1, fc2), layout, grad_out, gemm)
     want = _mlp_grads(swiglu, *args)
     assert len(calls) == 4, "without the hand-over: X and dY of both linears"
+    assert not fused_calls
     calls.clear()
     got = _mlp_grads(lambda h: swiglu_fp8(h, grad_col_scale(h)), *args)
     assert len(calls) == 2, "fc2's X and fc1's dY come from SwiGLU's kernels"
+    assert len(fused_calls) == 1, "fc1's LoRA backward quantized its dY from SwiGLU's maxima"
     for name, g, w in zip(["y", "dx", "dA1", "dB1", "dA2", "dB2"], got, want, strict=True):
         assert torch.equal(g, w), name
 
