@@ -48,6 +48,7 @@ def test_profiles_a_given_job_file_and_traces_every_microbatch(tmp_path, capsys)
     assert len(rows) >= 3, "three steps of one adapter: a microbatch each at least"
     assert all(r["tokens"] > 0 and r["wall_ms"] > 0 for r in rows), rows
     assert result["tokens_per_s"] > 0
-    assert json.loads((tmp_path / "profile" / "run" / "job.json").read_text())["adapters"][0][
-        "name"
-    ] == "solo", "the given job ran, not the generated one"
+    assert (
+        json.loads((tmp_path / "profile" / "run" / "job.json").read_text())["adapters"][0]["name"]
+        == "solo"
+    ), "the given job ran, not the generated one"

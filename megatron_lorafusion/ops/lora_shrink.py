@@ -92,22 +92,16 @@ _TILE_CONFIGS = [
     TileConfig(block_t=32, block_d=128, num_warps=4, num_stages=4),
     TileConfig(block_t=64, block_d=128, num_warps=8, num_stages=3),
     TileConfig(block_t=32, block_d=64, num_warps=8, num_stages=3),
-    TileConfig(block_t=16, block_d=128, num_warps=4, num_stages=4),
 ]
 
 
 def _hopper_config(key: tuple) -> TileConfig:
-    tokens, width, block_r = key  # key = (T, D, BLOCK_R)
-    if block_r > 128:
-        return _TILE_CONFIGS[4]
+    _, _, block_r = key  # key = (T, D, BLOCK_R)
     # 32x128: with dropout 0.065 / 0.208 ms against 0.078 / 0.249 for 32x256 at T = 16384,
-    # H = 4096 / 14336 (H200, docs/kernels.md); without dropout the tiles tie. At T <= 8192 a
-    # grid of 32-row tiles is under two waves on narrow inputs: 16 rows took 39.8 against
-    # 46.6 us at T = 8192, H = 4096, p = 0.1; at H = 14336 32 rows stay the fastest (106.7 us;
-    # docs/fp8.md, twenty-sixth session).
-    if tokens <= 8192 and width < 8192:
-        return _TILE_CONFIGS[5]
-    return _TILE_CONFIGS[2]
+    # H = 4096 / 14336 (H200, docs/kernels.md); without dropout the tiles tie.
+    if block_r <= 128:
+        return _TILE_CONFIGS[2]
+    return _TILE_CONFIGS[4]
 
 
 def lora_shrink(
