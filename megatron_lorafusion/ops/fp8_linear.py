@@ -84,9 +84,17 @@ def quantized_rows(
     return taken if taken is not None else quantize_rows(x, col_scale=col_scale)
 
 
-def frozen_dgrad(dy: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dX = dY·W`` (T, H) through FP8: dY·diag(s_w) quantized per token, times W_q."""
-    dy_q, dy_scale = quantized_rows(dy, weight.scale)  # (T, N), (T,)
+def frozen_dgrad(
+    dy: torch.Tensor,
+    weight: Fp8Weight,
+    out_dtype: torch.dtype,
+    dy_quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``dX = dY·W`` (T, H) through FP8: dY·diag(s_w) quantized per token, times W_q.
+
+    ``dy_quantized``: that quantization, ``(q, scale)``, when the caller already has it.
+    """
+    dy_q, dy_scale = dy_quantized or quantized_rows(dy, weight.scale)  # (T, N), (T,)
     w_t = weight.transposed()  # (H, N): K-major for this GEMM
     return fp8_matmul(dy_q, w_t, dy_scale, unit_scales(w_t.shape[0], str(dy.device)), out_dtype)
 

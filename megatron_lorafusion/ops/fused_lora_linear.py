@@ -44,11 +44,7 @@ from megatron_lorafusion.ops.fp8_linear import (
     frozen_dgrad,
     quantized_rows,
 )
-from megatron_lorafusion.ops.fp8_quant import (
-    attach_quantized,
-    mark_grad_col_scale,
-    take_row_maxima,
-)
+from megatron_lorafusion.ops.fp8_quant import mark_grad_col_scale, take_row_maxima
 from megatron_lorafusion.ops.layout import AdapterLayout
 from megatron_lorafusion.ops.lora_expand import lora_expand_fwd
 from megatron_lorafusion.ops.lora_gemm import lora_gemm, tma_supported
@@ -227,8 +223,8 @@ class LoRALinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s);
         # under FP8, given dY's row maxima (SwiGLU's backward, for fc1), also dY in e4m3 for
-        # the frozen dX, which takes it from there (`quantized_rows`).
-        maxima = None
+        # the frozen dX.
+        maxima = dy_quantized = None
         if ctx.needs_input_grad[0] and w_scale is not None:
             maxima = take_row_maxima(dy, w_scale)
         if maxima is None:
@@ -237,13 +233,13 @@ class LoRALinearFunction(torch.autograd.Function):
             ds, grad_b, dy_q, dy_scale = lora_up_bwd_quantized(
                 dy, s, lora_b, scales, layout, w_scale, maxima, scale_db=False
             )
-            attach_quantized(dy, dy_q, dy_scale, w_scale)
+            dy_quantized = (dy_q, dy_scale)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0] and w_scale is not None:
             # FP8: the frozen dX first (a scaled GEMM has no C), the LoRA part added onto it
             # by the one pass over X that also gives dA.
-            grad_x = frozen_dgrad(dy, Fp8Weight(weight, w_scale, w_t), x.dtype)  # (T, H)
+            grad_x = frozen_dgrad(dy, Fp8Weight(weight, w_scale, w_t), x.dtype, dy_quantized)
             lora_wgrad_fwd(
                 x,
                 ds,
