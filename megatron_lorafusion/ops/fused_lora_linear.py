@@ -224,9 +224,9 @@ class LoRALinearFunction(torch.autograd.Function):
         # One read of dY gives dS' = s·dY·B (T, R) and dB = dYᵀ·S' (S' already carries s);
         # under FP8, given dY's row maxima (SwiGLU's backward, for fc1), also dY in e4m3 for
         # the frozen dX.
-        maxima = dy_quantized = None
-        if ctx.needs_input_grad[0] and w_scale is not None:
-            maxima = take_row_maxima(dy, w_scale)
+        fp8_dgrad = ctx.needs_input_grad[0] and w_scale is not None
+        maxima = take_row_maxima(dy, w_scale) if fp8_dgrad else None
+        dy_quantized = None
         if maxima is None:
             ds, grad_b = lora_up_bwd(dy, s, lora_b, scales, layout, scale_db=False)
         else:
@@ -236,7 +236,7 @@ class LoRALinearFunction(torch.autograd.Function):
             dy_quantized = (dy_q, dy_scale)
         grad_a = torch.empty_like(lora_a)
         grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0] and w_scale is not None:
+        if fp8_dgrad:
             # FP8: the frozen dX first (a scaled GEMM has no C), the LoRA part added onto it
             # by the one pass over X that also gives dA.
             grad_x = frozen_dgrad(dy, Fp8Weight(weight, w_scale, w_t), x.dtype, dy_quantized)

@@ -298,14 +298,13 @@ def lora_up_bwd_quantized(
     _utils.check_tensor("col_scale", col_scale, (width,), (torch.float32,), dy.device)
     _utils.check_tensor("amax_parts", amax_parts, (tokens, None), (torch.float32,), dy.device)
     q, row_scale = empty_quantized(tokens, width, dy.device)
-    if _utils.padded_rank(s.shape[1]) > _ONE_PASS_MAX_BLOCK_R:
+    if _utils.padded_rank(s.shape[1]) > _ONE_PASS_MAX_BLOCK_R:  # two passes: no tile to share
         quantize_rows_fwd(dy, q, row_scale, col_scale, amax_parts=amax_parts)
-        ds, db = _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db)
-        return ds, db, q, row_scale
-    row_scales_from_maxima(amax_parts, row_scale)
-    ds, db = _lora_up_bwd_launch(
-        dy, s, lora_b, scales, layout, scale_db, quantize=(col_scale, row_scale, q)
-    )
+        quantize = None
+    else:
+        row_scales_from_maxima(amax_parts, row_scale)
+        quantize = (col_scale, row_scale, q)
+    ds, db = _lora_up_bwd_launch(dy, s, lora_b, scales, layout, scale_db, quantize)
     return ds, db, q, row_scale
 
 
